@@ -1,0 +1,45 @@
+"""lightning_memplan: per-rank memory estimation and measurement, automatic parallel layout and a
+logits-free LM loss for PyTorch Lightning.
+
+Importing the package registers ``strategy="memplan_auto"`` in Lightning's ``StrategyRegistry``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_memplan._version import __version__
+
+# Public name -> module that defines it. Resolved on first attribute access (PEP 562) so that the pure
+# core (``lightning_memplan.model``) can be imported without pulling in Lightning.
+_EXPORTS: dict[str, str] = {
+    "ModelSpec": "lightning_memplan.model",
+    "TrainSpec": "lightning_memplan.model",
+    "ParallelPlan": "lightning_memplan.model",
+    "MemoryEstimate": "lightning_memplan.model",
+    "estimate_memory": "lightning_memplan.model",
+    "trace_memory": "lightning_memplan.model",
+    "HardwareSpec": "lightning_memplan.hardware",
+    "plan": "lightning_memplan.planning",
+    "PlanDecision": "lightning_memplan.planning",
+    "linear_cross_entropy": "lightning_memplan.loss",
+    "LinearCrossEntropy": "lightning_memplan.loss",
+    "MemoryPlanCallback": "lightning_memplan.callbacks",
+    "MemplanAutoStrategy": "lightning_memplan.strategies",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_memplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

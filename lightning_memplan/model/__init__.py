@@ -1,0 +1,14 @@
+"""The pure memory model: specs in, bytes per component per rank out. No Lightning, no device query."""
+
+from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+
+__all__ = [
+    "COMPONENTS",
+    "PHASES",
+    "Calibration",
+    "MemoryEstimate",
+    "ModelSpec",
+    "ParallelPlan",
+    "TrainSpec",
+]

@@ -1,0 +1,178 @@
+"""Outputs of the memory model: :class:`MemoryEstimate` (bytes per component on one rank) and
+:class:`Calibration` (per-model coefficients fitted from traced steps).
+
+Component names line up with what the trackers measure (house style 5), so an estimate and a
+measurement compare field by field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["COMPONENTS", "DYNAMIC_COMPONENTS", "PHASES", "Calibration", "MemoryEstimate"]
+
+#: Every component, in report order.
+COMPONENTS: tuple[str, ...] = (
+    "params",  # parameter storage held by this rank (its shard under ZeRO-3)
+    "grads",  # gradient storage (.grad, or FSDP's sharded grads)
+    "optimizer",  # optimizer states (Adam's exp_avg / exp_avg_sq, momentum buffers, step counters)
+    "master",  # fp32 master copy of low-precision parameters
+    "activations",  # tensors saved for backward, except attention scores and logits
+    "attention",  # materialised [b, a, s, s] attention scores / probabilities / dropout masks
+    "logits",  # [b, s, V] logits, their fp32 copies, softmax and loss buffers and logits' gradient
+    "comm",  # all-gathered parameter units, reduce-scatter / all-reduce buckets, pipeline p2p buffers
+    "workspace",  # transient op temporaries: optimizer foreach temporaries, matmul outputs in flight
+    "other",  # autocast's low-precision weight copies, buffers, anything not above
+)
+#: Components that scale with the batch shape (fitted by :class:`Calibration`).
+DYNAMIC_COMPONENTS: tuple[str, ...] = ("activations", "attention", "logits", "workspace", "other")
+#: Phases of one training step, in order.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted allocated-tensor bytes on one rank at the peak of a training step.
+
+    The ten component fields are the bytes of each component *live at the peak moment*; they add
+    up to :attr:`total`. Components not live at that moment are 0 there (logits are freed before the
+    optimizer step; the optimizer step's temporaries do not exist in forward). :attr:`by_phase` holds
+    the same breakdown at the peak of each phase, so a measurement per phase compares too.
+
+    Attributes:
+        params ... other: integer bytes per component at the peak (see :data:`COMPONENTS`).
+        peak_phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+        rank: the global rank this estimate is for.
+        stage: its pipeline stage (0 without pipeline parallelism).
+        by_phase: ``{phase: {component: bytes}}`` at each phase's own peak.
+        details: named sub-terms (e.g. ``"autocast_weight_copies"``, ``"inflight_microbatches"``),
+            for reports; informational, not added to the total.
+        source: ``"analytic"`` or ``"calibrated"`` (dynamic terms fitted from a traced step).
+    """
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    activations: int = 0
+    attention: int = 0
+    logits: int = 0
+    comm: int = 0
+    workspace: int = 0
+    other: int = 0
+    peak_phase: str = field(default="forward", kw_only=True)
+    rank: int = field(default=0, kw_only=True)
+    stage: int = field(default=0, kw_only=True)
+    by_phase: Mapping[str, Mapping[str, int]] = field(default_factory=dict, kw_only=True)
+    details: Mapping[str, int] = field(default_factory=dict, kw_only=True)
+    source: str = field(default="analytic", kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in COMPONENTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MemoryEstimate.{name}={value!r} must be an int number of bytes")
+            if value < 0:
+                raise ValueError(f"MemoryEstimate.{name}={value!r} must be >= 0 bytes")
+        if self.peak_phase not in PHASES:
+            raise ValueError(f"peak_phase={self.peak_phase!r} must be one of {PHASES}")
+
+    @property
+    def total(self) -> int:
+        """Predicted peak of allocated tensor bytes on this rank (sum of the components at the peak)."""
+        return sum(getattr(self, name) for name in COMPONENTS)
+
+    @property
+    def model_states(self) -> int:
+        """params + grads + optimizer + master at the peak (the '16N' part)."""
+        return self.params + self.grads + self.optimizer + self.master
+
+    def components(self) -> dict[str, int]:
+        """``{component: bytes}`` at the peak, in report order."""
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+    def phase_total(self, phase: str) -> int:
+        """Peak bytes of one phase (``"forward"``, ``"backward"``, ``"optimizer"``)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r} must be one of {PHASES}")
+        return sum(self.by_phase.get(phase, {}).values())
+
+    def largest_component(self) -> str:
+        """Name of the largest component at the peak."""
+        comps = self.components()
+        return max(comps, key=lambda name: comps[name])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.components(),
+            "total": self.total,
+            "peak_phase": self.peak_phase,
+            "rank": self.rank,
+            "stage": self.stage,
+            "by_phase": {p: dict(c) for p, c in self.by_phase.items()},
+            "details": dict(self.details),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryEstimate:
+        kwargs: dict[str, Any] = {name: int(data.get(name, 0)) for name in COMPONENTS}
+        return cls(
+            **kwargs,
+            peak_phase=data.get("peak_phase", "forward"),
+            rank=int(data.get("rank", 0)),
+            stage=int(data.get("stage", 0)),
+            by_phase={p: {k: int(v) for k, v in c.items()} for p, c in data.get("by_phase", {}).items()},
+            details={k: int(v) for k, v in data.get("details", {}).items()},
+            source=data.get("source", "analytic"),
+        )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-model coefficients of the batch-dependent components, fitted from traced steps.
+
+    For each phase and each dynamic component, ``bytes = c0 + c1 * (b*s) + c2 * (b*s^2)``: c1 is
+    bytes per token (activations, logits), c2 bytes per token x sequence position (materialised
+    attention scores), c0 what does not scale with the batch (autocast weight copies, temporaries).
+    Fitted on one rank with no model parallelism; :func:`estimate_memory` scales it to a plan.
+
+    Attributes:
+        coefficients: ``{phase: {component: (c0, c1, c2)}}``.
+        traced_shapes: the ``(micro_batch, seq_len)`` pairs it was fitted from.
+        precision: the precision string the trace ran under (coefficients depend on it).
+        n_params: parameters of the traced module.
+    """
+
+    coefficients: Mapping[str, Mapping[str, tuple[float, float, float]]]
+    traced_shapes: tuple[tuple[int, int], ...] = ()
+    precision: str = "32-true"
+    n_params: int = 0
+
+    def bytes_for(self, phase: str, component: str, micro_batch: int, seq_len: int) -> int:
+        """Fitted bytes of ``component`` at the peak of ``phase`` for a (b, s) batch (never < 0)."""
+        c0, c1, c2 = self.coefficients.get(phase, {}).get(component, (0.0, 0.0, 0.0))
+        tokens = micro_batch * seq_len
+        return max(0, round(c0 + c1 * tokens + c2 * tokens * seq_len))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "coefficients": {p: {c: list(v) for c, v in comps.items()} for p, comps in self.coefficients.items()},
+            "traced_shapes": [list(s) for s in self.traced_shapes],
+            "precision": self.precision,
+            "n_params": self.n_params,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        return cls(
+            coefficients={
+                p: {c: tuple(float(x) for x in v) for c, v in comps.items()}  # type: ignore[misc]
+                for p, comps in data["coefficients"].items()
+            },
+            traced_shapes=tuple(tuple(int(x) for x in s) for s in data.get("traced_shapes", ())),  # type: ignore[misc]
+            precision=data.get("precision", "32-true"),
+            n_params=int(data.get("n_params", 0)),
+        )

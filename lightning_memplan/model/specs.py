@@ -1,0 +1,393 @@
+"""Inputs of the memory model: what the model is, how it is trained, how it is laid out.
+
+All three are frozen, keyword-only dataclasses validated in ``__post_init__`` (house style 4). Symbols
+follow docs/DESIGN.md: b micro-batch, s sequence length, h hidden, a heads, k kv-heads, L layers,
+V vocab, f ffn hidden, N parameters, t/p/d/c tensor/pipeline/data/context parallel, m microbatches,
+v virtual stages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "FFN_KINDS",
+    "LOSS_MODES",
+    "NORM_KINDS",
+    "OPTIMIZERS",
+    "POSITION_KINDS",
+    "PRECISIONS",
+    "RECOMPUTE_MODES",
+    "SCHEDULES",
+    "ModelSpec",
+    "ParallelPlan",
+    "TrainSpec",
+]
+
+FFN_KINDS = ("gelu", "swiglu", "relu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("learned", "rope", "none")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for_loop")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KINDS = ("sdpa", "eager")
+LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# Lightning accepts a few aliases for the same precision plugin; normalise to the canonical string.
+_PRECISION_ALIASES = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "16-true": "16-true",
+    "bf16-true": "bf16-true",
+}
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int{hint and '; ' + hint}")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}{hint and '; ' + hint}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, choices))}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (or, with ``n_params``, any model) for the memory model.
+
+    Args:
+        n_layers: L, number of transformer blocks.
+        hidden: h, model width.
+        n_heads: a, query heads.
+        vocab_size: V, rows of the embedding / columns of the logits.
+        n_kv_heads: k, key/value heads (GQA/MQA); ``None`` means ``n_heads`` (multi-head attention).
+        head_dim: per-head width; ``None`` means ``hidden // n_heads``.
+        ffn_hidden: f, inner width of the MLP; ``None`` means 4h for gelu/relu and Llama's
+            ``256 * ceil((2/3 * 4h) / 256)`` for swiglu.
+        ffn_kind: ``"gelu"`` (GPT-2: two matrices), ``"relu"`` or ``"swiglu"`` (Llama: three matrices).
+        norm: ``"layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only).
+        bias: whether the linear layers carry biases (GPT-2 yes, Llama no).
+        tied_embeddings: the lm_head shares the embedding matrix (GPT-2, Gemma).
+        position_embedding: ``"learned"`` adds a ``max_positions x h`` table, ``"rope"`` and ``"none"``
+            add no parameters.
+        max_positions: rows of a learned position table (required when it is ``"learned"``).
+        dropout: dropout probability inside blocks; > 0 stores one byte-mask per dropped tensor.
+        n_params: total parameter count override (e.g. for a non-transformer model or a module whose
+            count is known exactly); ``None`` derives N from the shape (:func:`param_count`).
+        name: free-form label shown in reports.
+    """
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    vocab_size: int
+    n_kv_heads: int | None = field(default=None, kw_only=True)
+    head_dim: int | None = field(default=None, kw_only=True)
+    ffn_hidden: int | None = field(default=None, kw_only=True)
+    ffn_kind: str = field(default="gelu", kw_only=True)
+    norm: str = field(default="layernorm", kw_only=True)
+    bias: bool = field(default=False, kw_only=True)
+    tied_embeddings: bool = field(default=False, kw_only=True)
+    position_embedding: str = field(default="rope", kw_only=True)
+    max_positions: int | None = field(default=None, kw_only=True)
+    dropout: float = field(default=0.0, kw_only=True)
+    n_params: int | None = field(default=None, kw_only=True)
+    name: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_int("n_layers", self.n_layers, hint="a transformer has at least one block")
+        _check_int("hidden", self.hidden)
+        _check_int("n_heads", self.n_heads)
+        _check_int("vocab_size", self.vocab_size)
+        _check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("position_embedding", self.position_embedding, POSITION_KINDS)
+        if self.n_kv_heads is not None:
+            _check_int("n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(
+                    f"n_kv_heads={self.n_kv_heads!r} must divide n_heads={self.n_heads!r} (GQA groups "
+                    f"queries evenly); use one of {_divisors(self.n_heads)}"
+                )
+        if self.head_dim is not None:
+            _check_int("head_dim", self.head_dim)
+        elif self.hidden % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads!r} does not divide hidden={self.hidden!r}; pass head_dim= "
+                f"explicitly or use n_heads in {_divisors(self.hidden)[-6:]}"
+            )
+        if self.ffn_hidden is not None:
+            _check_int("ffn_hidden", self.ffn_hidden)
+        if self.position_embedding == "learned":
+            if self.max_positions is None:
+                raise ValueError(
+                    "max_positions=None but position_embedding='learned' needs the table size; pass "
+                    "max_positions= (e.g. 1024 for GPT-2) or position_embedding='rope'"
+                )
+            _check_int("max_positions", self.max_positions)
+        elif self.max_positions is not None:
+            _check_int("max_positions", self.max_positions)
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be a probability in [0, 1)")
+        if self.n_params is not None:
+            _check_int("n_params", self.n_params, hint="the total number of parameters")
+
+    # Derived sizes -----------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """k: key/value heads (``n_heads`` without GQA)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        """Per-head width."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        """f: inner MLP width (see ``ffn_hidden``)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.ffn_kind == "swiglu":
+            # Llama (Touvron et al. 2023, model.py FeedForward): 2/3 * 4h rounded up to a multiple of 256.
+            return 256 * math.ceil(int(2 * 4 * self.hidden / 3) / 256)
+        return 4 * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """N: total parameters (``n_params`` when given, else :func:`param_count`)."""
+        if self.n_params is not None:
+            return self.n_params
+        from lightning_memplan.model.terms import param_count
+
+        return param_count(self)
+
+    # Constructors --------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        """A published architecture by name (``ModelSpec.preset("llama3-8b")``); see ``model.presets``."""
+        from lightning_memplan.model.presets import model_preset
+
+        return model_preset(name)
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        """From a Hugging Face ``PretrainedConfig`` or its ``config.json`` dict (Llama, Mistral, Qwen2,
+        GPT-2, GPT-NeoX, Gemma, Phi, ... field names)."""
+        from lightning_memplan.model.introspect import spec_from_hf_config
+
+        return spec_from_hf_config(config)
+
+    @classmethod
+    def from_module(cls, module: Any) -> ModelSpec:
+        """From a live ``nn.Module`` (a transformer is recognised by its repeated blocks, embedding and
+        output head; anything else gets an exact ``n_params`` and needs :func:`trace_memory`)."""
+        from lightning_memplan.model.introspect import spec_from_module
+
+        return spec_from_module(module)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """How one optimizer step runs: batch shape, precision, optimizer, recompute, attention and loss.
+
+    Args:
+        micro_batch: b, sequences per micro-batch on one data-parallel rank.
+        seq_len: s, tokens per sequence.
+        precision: Lightning's precision string: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"`` (aliases ``"32"``, ``"16"``, ``"bf16"`` accepted).
+        optimizer: ``"adamw"``/``"adam"`` (2 states), ``"adamw8bit"`` (2 one-byte states),
+            ``"sgd"`` (none), ``"sgd_momentum"`` (1 state), ``"adafactor"`` (factored, ~0 per param),
+            ``"lion"`` (1 state).
+        optimizer_impl: ``"foreach"`` (PyTorch's default on CUDA: temporaries the size of the states),
+            ``"fused"`` (no temporaries) or ``"for_loop"`` (one parameter's temporaries at a time; the
+            default for CPU tensors).
+        master_weights: keep an fp32 master copy of low-precision params (Megatron/DeepSpeed style).
+        recompute: activation checkpointing: ``"none"``, ``"selective"`` (attention core recomputed;
+            Korthikanti et al. 2022 section 5) or ``"full"`` (each block's input only).
+        attention: ``"sdpa"`` (fused kernel: no [b, a, s, s] scores stored) or ``"eager"``
+            (softmax scores stored: the 5as/h term).
+        loss: ``"naive"`` (logits in the compute dtype, ``F.cross_entropy`` upcasts internally),
+            ``"fp32_upcast"`` (an explicit ``logits.float()`` copy, as Hugging Face models do),
+            ``"chunked"`` (only ``loss_chunk_size`` tokens of logits at a time) or ``"vocab_parallel"``
+            (each tensor-parallel rank holds V/t columns).
+        loss_chunk_size: tokens per chunk for ``loss="chunked"``; ``None`` means this project's
+            ``chunk_size="auto"`` rule.
+        grad_accumulation: micro-batches accumulated per optimizer step (gradients persist across them).
+        param_bytes, grad_bytes, master_bytes: bytes per element overriding the precision plugin's.
+        optimizer_bytes_per_param: bytes of optimizer state per parameter overriding ``optimizer``.
+        activation_bytes: bytes per activation element overriding the precision's compute dtype.
+        grads_alive_in_forward: whether the previous step's gradients still exist during forward.
+            Lightning's automatic optimisation calls ``zero_grad(set_to_none=True)`` after
+            ``training_step`` and before ``backward``, so they do (``True``); a loop that zeroes grads
+            before the forward should pass ``False``.
+    """
+
+    micro_batch: int
+    seq_len: int
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    master_weights: bool = False
+    recompute: str = "none"
+    attention: str = "sdpa"
+    loss: str = "naive"
+    loss_chunk_size: int | None = None
+    grad_accumulation: int = 1
+    param_bytes: int | None = None
+    grad_bytes: int | None = None
+    master_bytes: int | None = None
+    optimizer_bytes_per_param: float | None = None
+    activation_bytes: int | None = None
+    grads_alive_in_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("micro_batch", self.micro_batch)
+        _check_int("seq_len", self.seq_len)
+        canonical = _PRECISION_ALIASES.get(str(self.precision))
+        if canonical is None:
+            raise ValueError(
+                f"precision={self.precision!r} is not a Lightning precision; use one of "
+                f"{', '.join(map(repr, PRECISIONS))}"
+            )
+        object.__setattr__(self, "precision", canonical)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _check_choice("attention", self.attention, ATTENTION_KINDS)
+        _check_choice("loss", self.loss, LOSS_MODES)
+        if self.loss_chunk_size is not None:
+            _check_int("loss_chunk_size", self.loss_chunk_size, hint="tokens per loss chunk, e.g. 1024")
+        _check_int("grad_accumulation", self.grad_accumulation)
+        for name in ("param_bytes", "grad_bytes", "master_bytes", "activation_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, hint="bytes per element, e.g. 2 for bf16 or 4 for fp32")
+        if self.optimizer_bytes_per_param is not None:
+            v = self.optimizer_bytes_per_param
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(
+                    f"optimizer_bytes_per_param={v!r} must be > 0 (e.g. 8 for Adam's two fp32 states); "
+                    "use optimizer='sgd' for a stateless optimizer"
+                )
+
+    @property
+    def tokens(self) -> int:
+        """b * s: tokens per micro-batch."""
+        return self.micro_batch * self.seq_len
+
+    def replace(self, **changes: Any) -> TrainSpec:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the world is split: ``world = dp * tp * pp * cp``.
+
+    Args:
+        dp: d, data-parallel replicas (each sees its own micro-batches).
+        tp: t, tensor-parallel width (Megatron column/row split of attention heads and the MLP).
+        pp: p, pipeline stages (layers split by depth).
+        cp: c, context-parallel width (the sequence split across ranks, attention exchanged in a ring).
+        sp: sequence parallelism on top of TP (norm/dropout activations split by t; needs tp > 1).
+        zero: 0 none, 1 optimizer states sharded over dp, 2 + gradients (FSDP ``SHARD_GRAD_OP``),
+            3 + parameters (FSDP ``FULL_SHARD``: one unit all-gathered at a time).
+        microbatches: m, micro-batches per optimizer step through the pipeline (>= pp for 1F1B).
+        schedule: ``"gpipe"`` (all m forwards, then all backwards), ``"1f1b"`` or ``"interleaved"``.
+        virtual_stages: v, model chunks per pipeline rank for the interleaved schedule.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = field(default=False, kw_only=True)
+    zero: int = field(default=0, kw_only=True)
+    microbatches: int = field(default=1, kw_only=True)
+    schedule: str = field(default="1f1b", kw_only=True)
+    virtual_stages: int = field(default=1, kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
+            _check_int(name, getattr(self, name))
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero={self.zero!r} must be 0 (none), 1 (optimizer states), 2 (+grads) or 3 (+params)"
+            )
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the TP group); set tp")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages!r} needs schedule='interleaved' (got "
+                f"{self.schedule!r}); set schedule='interleaved' or virtual_stages=1"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def stage_of_rank(self, rank: int) -> int:
+        """Pipeline stage of a global rank, for the mesh order (pp, dp, cp, tp) with tp fastest."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r} must be in [0, {self.world_size}) for this plan")
+        return rank // (self.dp * self.cp * self.tp)
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}"]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}" + ("+sp" if self.sp else ""))
+        if self.pp > 1:
+            sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+            parts.append(f"pp={self.pp} {sched} m={self.microbatches}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
+        return cls(**data)

@@ -1,0 +1,13 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
