@@ -1,5 +1,6 @@
 """The pure memory model: specs in, bytes per component per rank out. No Lightning, no device query."""
 
+from lightning_memplan.model.estimate import check_compatible, estimate_memory
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 
@@ -11,4 +12,6 @@ __all__ = [
     "ModelSpec",
     "ParallelPlan",
     "TrainSpec",
+    "check_compatible",
+    "estimate_memory",
 ]

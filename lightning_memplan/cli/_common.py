@@ -1,0 +1,93 @@
+"""Argument groups shared by the ``estimate`` and ``plan`` subcommands: where the model comes from
+and how it is trained. One place, so both commands accept the same flags with the same meaning."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+from typing import Any
+
+from lightning_memplan.model.specs import (
+    ATTENTION_KINDS,
+    LOSS_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    ModelSpec,
+    TrainSpec,
+)
+
+__all__ = ["add_model_arguments", "add_train_arguments", "model_from_args", "train_from_args"]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        required=True,
+        help="a preset (e.g. llama3-8b, gpt2), a Hugging Face config.json path, or pkg.module:Class "
+        "(an nn.Module constructed with --model-kwargs)",
+    )
+    group.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for pkg.module:Class")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = 1) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch", type=int, default=micro_batch_default, help="b: sequences per micro-batch")
+    group.add_argument("--seq-len", type=int, required=True, help="s: tokens per sequence")
+    group.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS) + ["32", "16", "bf16"])
+    group.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    group.add_argument("--optimizer-impl", default="foreach", choices=["foreach", "fused", "for_loop"])
+    group.add_argument("--master-weights", action="store_true", help="keep fp32 master weights (Megatron style)")
+    group.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES))
+    group.add_argument("--attention", default="sdpa", choices=list(ATTENTION_KINDS))
+    group.add_argument("--loss", default="naive", choices=list(LOSS_MODES))
+    group.add_argument("--loss-chunk-size", type=int, default=None, help="tokens per chunk for --loss chunked")
+    group.add_argument("--grad-accumulation", type=int, default=1)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``."""
+    source: str = args.model
+    if source.endswith(".json") or os.path.isfile(source):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"--model={source!r}: no such config file")
+        with open(source, encoding="utf-8") as fh:
+            return ModelSpec.from_hf_config(json.load(fh))
+    if ":" in source:
+        module_name, _, attr = source.partition(":")
+        try:
+            cls: Any = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"--model={source!r} could not be imported ({exc}); use pkg.module:Class") from exc
+        try:
+            kwargs = json.loads(args.model_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--model-kwargs={args.model_kwargs!r} is not valid JSON: {exc}") from exc
+        import torch
+
+        with torch.device("meta"):  # shapes only: no real allocation for a large model
+            module = cls(**kwargs)
+        return ModelSpec.from_module(module)
+    return ModelSpec.preset(source)
+
+
+def train_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSpec:
+    """Build the :class:`TrainSpec` from the training flags."""
+    fields: dict[str, Any] = dict(
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        optimizer_impl=args.optimizer_impl,
+        master_weights=args.master_weights,
+        recompute=args.recompute,
+        attention=args.attention,
+        loss=args.loss,
+        loss_chunk_size=args.loss_chunk_size,
+        grad_accumulation=args.grad_accumulation,
+    )
+    fields.update(overrides)
+    return TrainSpec(**fields)

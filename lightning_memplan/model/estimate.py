@@ -1,0 +1,356 @@
+"""``estimate_memory``: predicted peak tensor bytes per rank, per component, per phase.
+
+The step is modelled as the timeline a Lightning training step really follows (steady state, i.e.
+from the second optimizer step on, when optimizer states exist):
+
+1. forward: model states + the previous step's gradients (Lightning zeroes them only after
+   ``training_step`` [PL]) + saved activations of every in-flight micro-batch + the loss's transient
+   logits + autocast's weight copies + communication buffers. Peak at the loss.
+2. backward: starts with all activations and the loss's backward buffers (gradients exist only when
+   accumulating); ends with every gradient allocated and the activations freed. A linear sweep over
+   layers peaks at one of the two ends, so both are evaluated.
+3. optimizer step: model states + the optimizer's temporaries; activations and logits are gone.
+
+The peak is the largest phase; the components reported are those live at that moment, so they add up
+to :attr:`MemoryEstimate.total`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_memplan.model import terms
+from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+
+__all__ = ["StageLayout", "check_compatible", "estimate_memory", "stage_layout"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> None:
+    """Raise ``ValueError`` when the plan cannot split this model/batch (names the rule and the fix)."""
+    if model.n_heads % plan.tp:
+        ok = [t for t in _divisors(model.n_heads) if model.kv_heads % t == 0]
+        raise ValueError(
+            f"tp={plan.tp} does not divide n_heads={model.n_heads}; tensor parallelism splits whole "
+            f"heads, use tp in {ok}"
+        )
+    if model.kv_heads % plan.tp:
+        ok = [t for t in _divisors(model.kv_heads)]
+        raise ValueError(
+            f"tp={plan.tp} does not divide n_kv_heads={model.kv_heads}; each rank needs whole key/value "
+            f"heads, use tp in {ok}"
+        )
+    if plan.pp > model.n_layers:
+        raise ValueError(
+            f"pp={plan.pp} exceeds n_layers={model.n_layers}; every pipeline stage needs at least one "
+            f"block, use pp <= {model.n_layers}"
+        )
+    if plan.schedule == "interleaved" and plan.pp > 1:
+        chunks = plan.pp * plan.virtual_stages
+        if model.n_layers % chunks:
+            per_stage = model.n_layers / plan.pp
+            ok = [v for v in range(1, model.n_layers // plan.pp + 1) if model.n_layers % (plan.pp * v) == 0]
+            raise ValueError(
+                f"virtual_stages={plan.virtual_stages} does not divide the {per_stage:g} layers per stage "
+                f"(n_layers={model.n_layers}, pp={plan.pp}); the interleaved schedule needs n_layers "
+                f"divisible by pp * virtual_stages, use virtual_stages in {ok}"
+            )
+    if train.seq_len % plan.cp:
+        raise ValueError(
+            f"cp={plan.cp} does not divide seq_len={train.seq_len}; context parallelism splits the "
+            f"sequence evenly, use a seq_len that is a multiple of {plan.cp}"
+        )
+    if plan.sp and (train.seq_len // plan.cp) % plan.tp:
+        raise ValueError(
+            f"sp=True splits the sequence over tp={plan.tp}, but seq_len={train.seq_len} (per cp rank "
+            f"{train.seq_len // plan.cp}) is not divisible by it; pad seq_len or set sp=False"
+        )
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What one pipeline rank holds: ``n_layers`` blocks, and whether it has the embedding/head."""
+
+    stage: int
+    n_layers: int
+    has_embedding: bool
+    has_head: bool
+
+
+def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int) -> StageLayout:
+    """Split L blocks over p stages (v chunks each when interleaved); the first ``L mod p`` stages
+    take one extra block (torch.distributed.pipelining's default split). Stage 0 holds the embedding,
+    stage p-1 the final norm and lm_head (and, with tied embeddings and p > 1, its own copy of V*h)."""
+    p = plan.pp
+    base, extra = divmod(model.n_layers, p)
+    layers = base + (1 if stage < extra else 0)
+    return StageLayout(stage=stage, n_layers=layers, has_embedding=stage == 0, has_head=stage == p - 1)
+
+
+def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> tuple[int, int, int]:
+    """(parameters held by a rank before ZeRO sharding, its matmul weights, its largest tensor).
+
+    TP splits matmul weights, biases, the vocab-parallel embedding and the lm_head by t; norms are
+    replicated. With an explicit ``n_params`` the shape-derived count is rescaled to it.
+    """
+    t = plan.tp
+    h, v = model.hidden, model.vocab_size
+    norm = 2 * h if model.norm == "layernorm" else h
+    layer_matmul = terms.layer_matmul_param_count(model)
+    layer_other = terms.layer_param_count(model) - layer_matmul
+    norms = 2 * norm
+    per_layer = math.ceil(layer_matmul / t) + math.ceil((layer_other - norms) / t) + norms
+    params = layout.n_layers * per_layer
+    matmul = layout.n_layers * math.ceil(layer_matmul / t)
+    largest = max(h * model.ffn, h * model.n_heads * model.dim_head) // t
+    if layout.has_embedding:
+        params += math.ceil(terms.embedding_param_count(model) / t)
+        largest = max(largest, math.ceil(v * h / t))
+    if layout.has_head:
+        head_matrix = math.ceil(v * h / t)
+        needs_own_head = not model.tied_embeddings or (plan.pp > 1 and not layout.has_embedding)
+        params += norm + (head_matrix if needs_own_head else 0)
+        matmul += head_matrix
+        largest = max(largest, head_matrix)
+    if model.n_params is not None:
+        scale = model.n_params / terms.param_count(model)
+        params, matmul, largest = round(params * scale), round(matmul * scale), round(largest * scale)
+    return params, matmul, largest
+
+
+def _dynamic(
+    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, layout: StageLayout
+) -> dict[str, dict[str, int]]:
+    """Per-phase bytes of the batch-dependent components on one rank (analytic)."""
+    b, s = train.micro_batch, train.seq_len // plan.cp
+    t, sp = plan.tp, plan.sp
+    pb = terms.precision_bytes(train)
+    tokens = b * s
+    m = plan.microbatches
+    inflight = terms.pipeline_inflight_microbatches(layout.stage, plan.pp, m, plan.schedule, plan.virtual_stages)
+
+    full_layer = terms.layer_activation_bytes(model, train, b, s, t=t, sp=sp)
+    attn_layer = terms.eager_attention_bytes(model, train, b, s, t=t)
+    if train.recompute == "full":
+        saved_layer = terms.full_recompute_layer_bytes(model, train, b, s, t=t, sp=sp)
+        rebuild = full_layer + terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
+    else:
+        saved_layer, rebuild = full_layer, 0
+    head_acts = 0
+    if layout.has_head:
+        stats = 2 if model.norm == "layernorm" else 1
+        head_acts = tokens * model.hidden * (pb.residual + pb.compute) + tokens * stats * terms.FP32_BYTES
+    per_mb_acts = layout.n_layers * saved_layer + head_acts
+    per_mb_attn = layout.n_layers * attn_layer
+
+    if layout.has_head:
+        shard = t if train.loss == "vocab_parallel" else 1
+        lg = terms.logits_bytes(model, train, tokens, vocab_shard=shard)
+    else:
+        lg = {"forward": 0, "held": 0, "backward": 0}
+    # Only the last stage computes the loss, once per micro-batch; in-flight ones keep their "held" part.
+    inflight_head = inflight if layout.has_head else 0
+    _, matmul, _ = _local_params(model, plan, layout)
+    copies = terms.autocast_copy_bytes(matmul, train)
+    copies_inflight = round(copies * max(1.0, inflight)) if plan.pp > 1 else copies
+
+    acts_fwd = round(inflight * per_mb_acts)
+    attn_fwd = round(inflight * per_mb_attn)
+    eager_bwd_ws = 0
+    if train.attention == "eager" and train.recompute == "none":
+        # grad of the probabilities and of the scores, fp32, for one layer [PT softmax_backward].
+        eager_bwd_ws = 2 * b * (model.n_heads // t) * s * s * terms.FP32_BYTES
+    linear_bwd_ws = tokens * max(model.hidden, model.ffn // t) * pb.compute
+    return {
+        "forward": {
+            "activations": acts_fwd,
+            "attention": attn_fwd,
+            "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["forward"],
+            "workspace": 0,
+            "other": copies_inflight,
+        },
+        "backward_start": {
+            "activations": acts_fwd,
+            "attention": attn_fwd,
+            "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["backward"],
+            "workspace": rebuild + eager_bwd_ws,
+            "other": copies_inflight,
+        },
+        "backward_end": {
+            "activations": round(max(0.0, inflight - 1) * per_mb_acts) + min(saved_layer, per_mb_acts),
+            "attention": round(max(0.0, inflight - 1) * per_mb_attn),
+            "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
+            "workspace": linear_bwd_ws,
+            "other": round(copies * max(0.0, inflight - 1)) if plan.pp > 1 else 0,
+        },
+        "optimizer": {c: 0 for c in DYNAMIC_COMPONENTS},
+    }
+
+
+def _calibrated_dynamic(
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan,
+    layout: StageLayout,
+    calibration: Calibration,
+    analytic: dict[str, dict[str, int]],
+) -> dict[str, dict[str, int]]:
+    """Replace analytic dynamic terms by the traced coefficients. The calibration was fitted on one
+    rank without model parallelism; for another plan each component is scaled by the analytic ratio
+    plan / single-rank, so the exactness at the traced shapes carries over to the per-layer split."""
+    b, s = train.micro_batch, train.seq_len
+    single = _dynamic(model, train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
+    trivial = plan.tp == plan.pp == plan.cp == 1
+    out: dict[str, dict[str, int]] = {}
+    phase_map = {"forward": "forward", "backward_start": "backward", "backward_end": "backward", "optimizer": "optimizer"}
+    for key, comps in analytic.items():
+        phase = phase_map[key]
+        out[key] = {}
+        for comp in DYNAMIC_COMPONENTS:
+            fitted = calibration.bytes_for(phase, comp, b, s)
+            if key == "backward_end":
+                # The trace reports one backward peak; keep the analytic end-of-backward point.
+                out[key][comp] = comps[comp]
+            elif trivial:
+                out[key][comp] = fitted
+            else:
+                base = single[key][comp]
+                out[key][comp] = round(fitted * comps[comp] / base) if base else comps[comp]
+    return out
+
+
+def _estimate_stage(
+    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage: int, rank: int, calibration: Calibration | None
+) -> MemoryEstimate:
+    layout = stage_layout(model, plan, stage)
+    pb = terms.precision_bytes(train)
+    local, matmul, largest = _local_params(model, plan, layout)
+    shard = plan.dp * plan.cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
+    states = terms.model_state_bytes(local, train)
+    params = math.ceil(states["params"] / shard) if plan.zero >= 3 else states["params"]
+    grads = math.ceil(states["grads"] / shard) if plan.zero >= 2 else states["grads"]
+    optimizer = math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"]
+    master = math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"]
+    opt_local = math.ceil(local / shard) if plan.zero >= 1 else local
+    opt_ws = terms.optimizer_workspace_bytes(train, opt_local, largest)
+
+    # Communication buffers.
+    b, s = train.micro_batch, train.seq_len // plan.cp
+    comm_static = 0
+    comm_fwd = comm_bwd = 0
+    if shard > 1 and plan.zero <= 1:
+        comm_static = terms.ddp_bucket_bytes(states["grads"])
+    elif shard > 1 and plan.zero == 2:
+        # SHARD_GRAD_OP keeps every unit unsharded from its forward until its backward.
+        comm_fwd = comm_bwd = local * pb.param
+    elif shard > 1 and plan.zero == 3:
+        unit = math.ceil(terms.layer_param_count(model) / plan.tp) * pb.param
+        root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * pb.param
+        # forward: the root unit (embedding/head) and one block; backward: current + prefetched block
+        # and the unsharded gradient of one block waiting for reduce-scatter.
+        comm_fwd = root + unit
+        comm_bwd = root + 2 * unit + unit // pb.param * pb.grad
+    if plan.tp > 1:
+        comm_fwd += b * s * model.hidden * pb.compute
+        comm_bwd += b * s * model.hidden * pb.compute
+    if plan.pp > 1:
+        p2p = 2 * b * s * model.hidden * pb.residual
+        comm_fwd += p2p
+        comm_bwd += p2p
+    if plan.cp > 1:
+        kv = 2 * 2 * b * s * model.kv_heads // plan.tp * model.dim_head * pb.compute
+        comm_fwd += kv
+        comm_bwd += kv
+
+    dynamic = _dynamic(model, train, plan, layout)
+    source = "analytic"
+    if calibration is not None:
+        dynamic = _calibrated_dynamic(model, train, plan, layout, calibration, dynamic)
+        source = "calibrated"
+
+    accumulating = train.grad_accumulation > 1 or plan.microbatches > 1
+    grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
+    grads_bwd_start = grads if accumulating else 0
+    static = {"params": params, "optimizer": optimizer, "master": master}
+    points = {
+        "forward": {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]},
+        "backward_start": {**static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd, **dynamic["backward_start"]},
+        "backward_end": {**static, "grads": grads, "comm": comm_static + comm_bwd, **dynamic["backward_end"]},
+        "optimizer": {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]},
+    }
+    points["optimizer"]["workspace"] += opt_ws
+    by_phase = {
+        "forward": points["forward"],
+        "backward": max(points["backward_start"], points["backward_end"], key=lambda c: sum(c.values())),
+        "optimizer": points["optimizer"],
+    }
+    by_phase = {p: {c: int(by_phase[p].get(c, 0)) for c in COMPONENTS} for p in PHASES}
+    peak_phase = max(PHASES, key=lambda p: sum(by_phase[p].values()))
+    details = {
+        "local_params": local,
+        "autocast_weight_copies": terms.autocast_copy_bytes(matmul, train),
+        "optimizer_workspace": opt_ws,
+        "layers_on_stage": layout.n_layers,
+        "inflight_microbatches_x1000": round(
+            1000 * terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
+        ),
+    }
+    return MemoryEstimate(
+        **by_phase[peak_phase],
+        peak_phase=peak_phase,
+        rank=rank,
+        stage=stage,
+        by_phase=by_phase,
+        details=details,
+        source=source,
+    )
+
+
+def estimate_memory(
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan | None = None,
+    *,
+    rank: int | None = None,
+    calibration: Calibration | None = None,
+) -> MemoryEstimate:
+    """Predicted peak allocated-tensor bytes of one rank, per component.
+
+    Args:
+        model: the architecture (:class:`ModelSpec`).
+        train: batch shape, precision, optimizer, recompute, attention and loss (:class:`TrainSpec`).
+        plan: the parallel layout (:class:`ParallelPlan`); ``None`` means one device.
+        rank: a global rank (mesh order pp, dp, cp, tp with tp fastest); ``None`` returns the worst
+            rank. Ranks differ only by pipeline stage.
+        calibration: coefficients fitted by :func:`lightning_memplan.model.trace.calibrate` for this
+            model; replaces the analytic activation/attention/logits/workspace/other terms.
+
+    Returns:
+        :class:`MemoryEstimate` in integer bytes; steady state (optimizer states exist, the previous
+        step's gradients are alive during the forward as in Lightning's loop).
+
+    Raises:
+        ValueError: the plan cannot split this model or batch (see :func:`check_compatible`).
+        TypeError: an argument is not the expected spec type.
+    """
+    for name, value, cls in (("model", model, ModelSpec), ("train", train, TrainSpec)):
+        if not isinstance(value, cls):
+            raise TypeError(f"{name}={value!r} must be a {cls.__name__}")
+    plan = plan if plan is not None else ParallelPlan()
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration={calibration!r} must be a Calibration from trace.calibrate()")
+    check_compatible(model, train, plan)
+    if rank is not None:
+        return _estimate_stage(model, train, plan, plan.stage_of_rank(rank), rank, calibration)
+    ranks_per_stage = plan.dp * plan.cp * plan.tp
+    estimates = [
+        _estimate_stage(model, train, plan, stage, stage * ranks_per_stage, calibration) for stage in range(plan.pp)
+    ]
+    return max(estimates, key=lambda e: e.total)

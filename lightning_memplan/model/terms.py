@@ -1,0 +1,410 @@
+"""Every term of the memory model as its own function (house style 6).
+
+Each docstring states the formula in the fixed symbols of docs/DESIGN.md, its assumptions and its
+source. All results are integer bytes (or element counts where the name says so).
+
+Sources cited below:
+  [K22]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+         arXiv 2205.05198 (Table 2: activation bytes per layer; section 4.2.3: pipeline in-flight).
+  [N21]  Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+         Megatron-LM", arXiv 2104.04473 (section 2.2: 1F1B and interleaved schedules).
+  [R20]  Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+         Models", arXiv 1910.02054 (section 3: model states 2N + 2N + 12N).
+  [S004] ../shared/seeds/004_98543d7f24e12d1f.txt section 9.1.2: the 16N rule, 10N with 8-bit Adam.
+  [S000] ../shared/seeds/000_ae44ffcbb4645c0b.txt: the [b, s, V] logits and their fp32 copies.
+  [PT]   PyTorch 2.13 sources: what autograd saves for backward (aten/src/ATen/native, derivatives.yaml),
+         torch/optim/adam.py (``_multi_tensor_adam``), torch/amp/autocast_mode.py (the weight-cast cache).
+  [PL]   Lightning 2.6 ``loops/optimization/automatic.py``: ``zero_grad`` runs after ``training_step``
+         and before ``backward``, so the previous step's gradients are alive during the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_memplan.model.specs import ModelSpec, TrainSpec
+
+__all__ = [
+    "ADAM_STATE_COUNT",
+    "BF16_BYTES",
+    "FP32_BYTES",
+    "INT8_BYTES",
+    "MASK_BYTES",
+    "PrecisionBytes",
+    "autocast_copy_bytes",
+    "ddp_bucket_bytes",
+    "embedding_param_count",
+    "eager_attention_bytes",
+    "full_recompute_layer_bytes",
+    "head_param_count",
+    "korthikanti_layer_activation_bytes",
+    "layer_activation_bytes",
+    "layer_matmul_param_count",
+    "layer_param_count",
+    "logits_bytes",
+    "model_state_bytes",
+    "optimizer_state_bytes_per_param",
+    "optimizer_workspace_bytes",
+    "param_count",
+    "pipeline_inflight_microbatches",
+    "precision_bytes",
+]
+
+FP32_BYTES = 4
+BF16_BYTES = 2
+INT8_BYTES = 1
+#: PyTorch's dropout mask is a bool tensor: one byte per element [PT].
+MASK_BYTES = 1
+#: Adam/AdamW keep two states per parameter, exp_avg (m) and exp_avg_sq (v) [R20].
+ADAM_STATE_COUNT = 2
+#: LayerNorm saves mean and rstd (fp32) per token; RMSNorm saves rstd only [PT].
+LAYERNORM_STAT_COUNT = 2
+RMSNORM_STAT_COUNT = 1
+#: The flash/efficient SDPA kernels save one fp32 log-sum-exp per (token, head) [PT].
+SDPA_LSE_BYTES = FP32_BYTES
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts
+# ---------------------------------------------------------------------------------------------
+
+
+def _norm_params(model: ModelSpec) -> int:
+    return 2 * model.hidden if model.norm == "layernorm" else model.hidden
+
+
+def layer_matmul_param_count(model: ModelSpec) -> int:
+    """Weights of the linear layers of one block (what autocast copies and TP splits).
+
+    Attention: q ``h*a*d_h``, k and v ``h*k*d_h`` each, output ``a*d_h*h``.
+    MLP: ``2*h*f`` for gelu/relu (up, down), ``3*h*f`` for swiglu (gate, up, down).
+    """
+    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
+    attn = h * a * dh + 2 * h * k * dh + a * dh * h
+    mlp = (3 if model.ffn_kind == "swiglu" else 2) * h * f
+    return attn + mlp
+
+
+def _layer_bias_count(model: ModelSpec) -> int:
+    if not model.bias:
+        return 0
+    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
+    mlp_bias = (2 * f if model.ffn_kind == "swiglu" else f) + h
+    return a * dh + 2 * k * dh + h + mlp_bias
+
+
+def layer_param_count(model: ModelSpec) -> int:
+    """Parameters of one transformer block: matmul weights + biases + two norms."""
+    return layer_matmul_param_count(model) + _layer_bias_count(model) + 2 * _norm_params(model)
+
+
+def embedding_param_count(model: ModelSpec) -> int:
+    """Token embedding ``V*h`` plus a learned position table ``P*h`` (stage 0 holds them)."""
+    pos = model.max_positions * model.hidden if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden + (pos or 0)
+
+
+def head_param_count(model: ModelSpec) -> int:
+    """Final norm plus an untied lm_head ``V*h`` (tied: the head reuses the embedding)."""
+    head = 0 if model.tied_embeddings else model.vocab_size * model.hidden
+    return _norm_params(model) + head
+
+
+def param_count(model: ModelSpec) -> int:
+    """N = embeddings + L * block + final norm + untied head."""
+    return embedding_param_count(model) + model.n_layers * layer_param_count(model) + head_param_count(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per element under each precision plugin
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of each tensor family for one precision setting.
+
+    Attributes:
+        param: parameter storage. grad: gradient storage. master: fp32 master copy (0 when none).
+        state: one optimizer state element. compute: matmul outputs (activations).
+        residual: the residual stream and norm inputs (fp32 under autocast: embeddings and
+            residual adds stay in the parameter dtype). autocast_copy: the low-precision weight copy
+            autocast caches for each matmul weight (0 when autocast is off).
+        logits: dtype the lm_head produces.
+    """
+
+    param: int
+    grad: int
+    master: int
+    state: int
+    compute: int
+    residual: int
+    autocast_copy: int
+    logits: int
+
+
+def precision_bytes(train: TrainSpec) -> PrecisionBytes:
+    """Element sizes for Lightning's precision plugins [PL], then the explicit overrides.
+
+    - ``"32-true"``: everything fp32.
+    - ``"16-mixed"``/``"bf16-mixed"``: fp32 params, grads and optimizer states; autocast runs the
+      matmuls in 16 bit and caches a 16-bit copy of each weight from its first use in forward until
+      backward frees it [PT]; norms, softmax and the loss run in fp32.
+    - ``"16-true"``/``"bf16-true"``: params, grads, optimizer states (``zeros_like(param)``) and
+      activations all in 16 bit.
+    - ``master_weights=True``: an fp32 master copy of 16-bit params with fp32 optimizer states, the
+      Megatron/DeepSpeed layout behind the textbook 16N = 2 + 2 + 4 + 8 [S004].
+    """
+    mixed = train.precision in ("16-mixed", "bf16-mixed")
+    true16 = train.precision in ("16-true", "bf16-true")
+    param = BF16_BYTES if true16 else FP32_BYTES
+    master = FP32_BYTES if (train.master_weights and param < FP32_BYTES) else 0
+    state = FP32_BYTES if master else param
+    compute = BF16_BYTES if (mixed or true16) else FP32_BYTES
+    residual = BF16_BYTES if true16 else FP32_BYTES
+    return PrecisionBytes(
+        param=train.param_bytes or param,
+        grad=train.grad_bytes or (train.param_bytes or param),
+        master=train.master_bytes or master,
+        state=state,
+        compute=train.activation_bytes or compute,
+        residual=train.activation_bytes or residual,
+        autocast_copy=BF16_BYTES if mixed else 0,
+        logits=train.activation_bytes or compute,
+    )
+
+
+def optimizer_state_bytes_per_param(train: TrainSpec) -> float:
+    """Optimizer state bytes per parameter.
+
+    Adam/AdamW: 2 states x state bytes (8 with fp32 states) [R20]; 8-bit Adam: 2 x 1 byte [S004];
+    SGD with momentum and Lion: 1 state; SGD: 0; Adafactor: factored second moments, O(rows + cols)
+    per matrix, counted as 0 per parameter. ``optimizer_bytes_per_param`` overrides.
+    """
+    if train.optimizer_bytes_per_param is not None:
+        return float(train.optimizer_bytes_per_param)
+    state = precision_bytes(train).state
+    return {
+        "adamw": ADAM_STATE_COUNT * state,
+        "adam": ADAM_STATE_COUNT * state,
+        "adamw8bit": ADAM_STATE_COUNT * INT8_BYTES,
+        "sgd": 0,
+        "sgd_momentum": state,
+        "lion": state,
+        "adafactor": 0,
+    }[train.optimizer]
+
+
+def model_state_bytes(n_params: int, train: TrainSpec) -> dict[str, int]:
+    """Unsharded model states ``{params, grads, optimizer, master}`` for N parameters.
+
+    The textbook case (``bf16-true`` + ``master_weights=True`` + Adam) gives 2N + 2N + 8N + 4N = 16N
+    [S004 9.1.2]; Lightning's ``bf16-mixed`` gives 4N + 4N + 8N (fp32 params and grads, no separate
+    master), plus the autocast copies counted by :func:`autocast_copy_bytes`.
+    """
+    pb = precision_bytes(train)
+    return {
+        "params": n_params * pb.param,
+        "grads": n_params * pb.grad,
+        "optimizer": round(n_params * optimizer_state_bytes_per_param(train)),
+        "master": n_params * pb.master,
+    }
+
+
+def autocast_copy_bytes(matmul_params: int, train: TrainSpec) -> int:
+    """16-bit weight copies cached by autocast: ``2 * N_matmul`` under mixed precision, else 0.
+
+    Autocast casts each matmul weight once per forward and the matmul saves the copy for backward,
+    so all of them are alive at the end of the forward [PT torch/amp/autocast_mode.py]. Embedding
+    lookups and norms are not autocast to 16 bit, so only linear weights count.
+    """
+    return matmul_params * precision_bytes(train).autocast_copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+
+
+def korthikanti_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Activation bytes of one transformer layer as tabulated by [K22 Table 2] (16-bit activations,
+    1-byte dropout masks, GELU MLP with f = 4h, eager attention):
+
+    - no parallelism:                  ``s*b*h*(34 + 5*a*s/h)``
+    - tensor parallel:                 ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``
+    - tensor + sequence parallel:      ``s*b*h/t*(34 + 5*a*s/h)``
+    - selective recompute (TP):        ``s*b*h*(10 + 24/t)``; with SP ``s*b*h*34/t``
+    - full recompute:                  ``2*s*b*h`` (the layer input only); with SP ``2*s*b*h/t``
+
+    This is the textbook reference the tests check; :func:`layer_activation_bytes` is the
+    framework-level accounting the estimate uses.
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    if recompute == "selective":
+        return sbh * 34 / t if sp else sbh * (10 + 24 / t)
+    if sp:
+        return sbh / t * (34 + 5 * a * s / h)
+    if t > 1:
+        return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    return sbh * (34 + 5 * a * s / h)
+
+
+def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+    """Materialised attention probabilities of one layer, ``b*(a/t)*s^2`` elements each:
+
+    - the softmax output, kept for softmax's backward: fp32 under autocast (softmax is on autocast's
+      fp32 list), else the compute dtype;
+    - under autocast, the 16-bit copy of it that the P@V matmul saves;
+    - with dropout: the 1-byte mask and the dropped probabilities (saved by P@V instead).
+
+    Zero for ``attention="sdpa"`` and for ``recompute`` other than ``"none"`` (selective recompute
+    recomputes exactly this part [K22 section 5]). Corresponds to the ``5*a*s/h`` term of [K22].
+    """
+    if train.attention != "eager" or train.recompute != "none":
+        return 0
+    pb = precision_bytes(train)
+    elems = b * (model.n_heads // t) * s * s
+    softmax_bytes = FP32_BYTES if pb.autocast_copy else pb.compute
+    total = elems * softmax_bytes
+    if model.dropout > 0:
+        total += elems * (MASK_BYTES + pb.compute)
+    elif pb.autocast_copy:
+        total += elems * pb.compute
+    return total
+
+
+def layer_activation_bytes(
+    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+) -> int:
+    """Bytes one block saves for backward (attention probabilities excluded), no recompute.
+
+    What PyTorch autograd saves per block [PT], in elements (``x`` = residual dtype, ``c`` = compute):
+
+    - norm1 and norm2 inputs: ``2*s*b*h`` (x), plus their per-token statistics (fp32);
+    - attention input (norm output, cast to c): ``s*b*h``;
+    - q, k, v as the attention kernel receives them: ``s*b*a*d_h`` each (GQA keys/values are
+      expanded to a heads before the kernel, as Hugging Face's ``repeat_kv`` does; without rotary
+      embeddings q/k/v are views of the projections);
+    - sdpa: its output ``s*b*a*d_h`` and a fp32 log-sum-exp per (token, head);
+      eager: nothing extra here (probabilities in :func:`eager_attention_bytes`);
+    - the output projection's input ``s*b*a*d_h``;
+    - MLP input ``s*b*h``; gelu/relu: ``2*s*b*f`` (activation input, second matmul input);
+      swiglu: ``4*s*b*f`` (gate out, silu out, up out, product);
+    - dropout > 0: two 1-byte residual masks ``2*s*b*h``.
+
+    Tensor parallelism divides the head and ffn dimensions by t; without sequence parallelism the
+    norm inputs and the matmul inputs stay whole on every rank [K22 section 4.2.2]. With PyTorch's
+    DTensor sequence parallelism the norm inputs are split by t but the all-gathered matmul inputs are
+    saved whole (the ``ColwiseParallel`` input redistribution keeps the gathered tensor).
+    """
+    pb = precision_bytes(train)
+    h, dh, a, f = model.hidden, model.dim_head, model.n_heads // t, model.ffn // t
+    tokens = b * s
+    stats = LAYERNORM_STAT_COUNT if model.norm == "layernorm" else RMSNORM_STAT_COUNT
+    norm_split = t if sp else 1
+    norms = 2 * (tokens * h * pb.residual // norm_split + tokens * stats * FP32_BYTES // norm_split)
+    matmul_inputs = 2 * tokens * h * pb.compute  # attention input and MLP input (whole, see above)
+    qkv = 3 * tokens * a * dh * pb.compute
+    attn_out = tokens * a * dh * pb.compute  # output projection input
+    if train.attention == "sdpa":
+        attn_out += tokens * a * dh * pb.compute + tokens * a * SDPA_LSE_BYTES
+    mlp = (4 if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
+    masks = 2 * tokens * h * MASK_BYTES // norm_split if model.dropout > 0 else 0
+    return norms + matmul_inputs + qkv + attn_out + mlp + masks
+
+
+def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
+    """Full recompute keeps only each block's input, ``s*b*h`` in the residual dtype (/t with SP)
+    [K22 Table 2 "full"]; one block's activations are rebuilt transiently during its backward."""
+    return b * s * model.hidden * precision_bytes(train).residual // (t if sp else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits and the loss
+# ---------------------------------------------------------------------------------------------
+
+
+def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard: int = 1) -> dict[str, int]:
+    """The logits family around the loss for ``tokens`` = b*s tokens of one micro-batch [S000].
+
+    Returns ``{"forward": ..., "held": ..., "backward": ...}``: the transient peak while the loss is
+    computed, what stays alive from the end of the loss until its backward, and the peak of the
+    loss's backward. ``E = tokens * V / vocab_shard`` elements; ``e`` the logits dtype bytes.
+
+    - ``naive`` (``F.cross_entropy(logits)``): forward ``e*E`` logits + (under autocast or 32-bit:
+      the fp32 input of log_softmax ``4E`` when it is a copy) + the fp32/e log-probabilities; held: the
+      log-probabilities; backward: log-probabilities + their gradient + the logits' gradient.
+    - ``fp32_upcast`` (``logits.float()`` before the loss, as Hugging Face models do): the fp32 copy
+      is a user-held tensor, so it stays alive until backward.
+    - ``chunked``: the same three tensors for ``loss_chunk_size`` tokens at a time, in fp32.
+    - ``vocab_parallel``: naive with V/t columns per rank (``vocab_shard`` = t).
+    """
+    pb = precision_bytes(train)
+    vocab = math.ceil(model.vocab_size / vocab_shard)
+    e = pb.logits
+    if train.loss == "chunked":
+        chunk = min(tokens, train.loss_chunk_size or tokens)
+        c = chunk * vocab
+        return {"forward": 3 * c * FP32_BYTES, "held": 0, "backward": 3 * c * FP32_BYTES}
+    elems = tokens * vocab
+    # An fp32 copy feeds log_softmax when autocast upcasts cross_entropy's input or the user calls .float().
+    upcast_copy = FP32_BYTES if (e != FP32_BYTES and (pb.autocast_copy or train.loss == "fp32_upcast")) else 0
+    lp = FP32_BYTES if (upcast_copy or e == FP32_BYTES) else e  # log-probabilities dtype
+    forward = elems * (e + upcast_copy + lp)
+    held = elems * (lp + (FP32_BYTES if train.loss == "fp32_upcast" and e != FP32_BYTES else 0))
+    backward = held + 2 * elems * lp
+    return {"forward": forward, "held": held, "backward": backward}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines, communication, optimizer temporaries
+# ---------------------------------------------------------------------------------------------
+
+
+def pipeline_inflight_microbatches(stage: int, p: int, m: int, schedule: str, v: int = 1) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak [N21 section 2.2, K22 4.2.3].
+
+    - GPipe: all m forwards run before any backward: ``m``.
+    - 1F1B: stage i runs ``p - i`` warm-up forwards: ``min(p - i, m)``.
+    - interleaved (v chunks per rank): the first stage holds ``p * (1 + (p-1)/(p*v))`` micro-batches'
+      worth of its layers; stage i scales that by ``(p - i)/p``; capped at m.
+    """
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    inflight = float(min(p - stage, m))
+    if schedule == "interleaved":
+        inflight = min(float(m), inflight * (1 + (p - 1) / (p * v)))
+    return inflight
+
+
+def ddp_bucket_bytes(grad_bytes: int) -> int:
+    """DDP's gradient buckets: a second, flat copy of all gradients allocated at wrap time
+    (``gradient_as_bucket_view=False``, the default in PyTorch and in Lightning's DDPStrategy) [PT
+    torch/nn/parallel/distributed.py, Reducer]. Equals the gradient bytes."""
+    return grad_bytes
+
+
+def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param: int) -> int:
+    """Temporaries of ``optimizer.step()`` [PT torch/optim/adam.py]:
+
+    - ``foreach`` Adam/AdamW: ``torch._foreach_sqrt(exp_avg_sqs)`` makes one state-sized temporary
+      for every local parameter: ``N_local * state_bytes``;
+    - ``for_loop``: ``exp_avg_sq.sqrt()`` then ``/ bias_correction2_sqrt`` for one parameter at a
+      time: ``2 * largest_param * state_bytes``;
+    - ``fused`` and stateless SGD: 0. Momentum SGD and Lion update in place: 0 (foreach Lion: one
+      state-sized temporary for the sign update).
+    """
+    state = precision_bytes(train).state
+    if train.optimizer_impl == "fused" or train.optimizer in ("sgd", "sgd_momentum", "adafactor"):
+        return 0
+    if train.optimizer == "lion":
+        return local_params * state if train.optimizer_impl == "foreach" else largest_param * state
+    if train.optimizer_impl == "foreach":
+        return local_params * state
+    return 2 * largest_param * state

@@ -1,0 +1,298 @@
+"""estimate_memory: phases, ranks, plans, validation and monotonicity."""
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_memplan.model import ModelSpec, ParallelPlan, TrainSpec, estimate_memory
+from lightning_memplan.model import terms
+from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+
+GB = 10**9
+
+
+def small_llama(**kw):
+    base = dict(n_kv_heads=2, ffn_hidden=128, ffn_kind="swiglu", norm="rmsnorm")
+    base.update(kw)
+    return ModelSpec(8, 64, 8, 1000, **base)
+
+
+def test_eight_way_zero3_is_14_gb_per_gpu_seed_004():
+    # Seed 004: 16N / 8 = 14 GB per GPU for a 7B model with mixed-precision Adam + fp32 master.
+    model = ModelSpec.preset("llama-7b")
+    model = ModelSpec(**{**model.to_dict(), "n_params": 7 * 10**9})
+    train = TrainSpec(micro_batch=1, seq_len=1024, precision="bf16-true", master_weights=True)
+    est = estimate_memory(model, train, ParallelPlan(dp=8, zero=3))
+    states = est.by_phase["optimizer"]
+    got = states["params"] + states["grads"] + states["optimizer"] + states["master"]
+    assert abs(got - 14 * GB) <= 16  # ceil() of four sharded terms
+    # Without sharding the same states are 112 GB.
+    est1 = estimate_memory(model, train)
+    s1 = est1.by_phase["optimizer"]
+    assert abs(s1["params"] + s1["grads"] + s1["optimizer"] + s1["master"] - 112 * GB) <= 4
+
+
+def test_components_sum_to_total_and_phases_consistent():
+    est = estimate_memory(small_llama(), TrainSpec(micro_batch=2, seq_len=32))
+    assert est.total == sum(est.components().values())
+    assert est.total == max(est.phase_total(p) for p in PHASES)
+    assert est.components() == dict(est.by_phase[est.peak_phase])
+
+
+def test_logits_and_activations_freed_before_optimizer_step():
+    est = estimate_memory(small_llama(), TrainSpec(micro_batch=2, seq_len=32))
+    opt = est.by_phase["optimizer"]
+    assert opt["logits"] == 0 and opt["activations"] == 0 and opt["attention"] == 0
+    assert opt["workspace"] > 0  # foreach Adam's sqrt temporaries
+    fwd = est.by_phase["forward"]
+    assert fwd["logits"] > 0 and fwd["activations"] > 0
+
+
+def test_grads_in_forward_follow_lightnings_zero_grad_order():
+    model, train = small_llama(), TrainSpec(micro_batch=2, seq_len=32, precision="32-true")
+    n = model.num_params
+    lightning = estimate_memory(model, train)
+    assert lightning.by_phase["forward"]["grads"] == 4 * n  # previous step's grads alive until backward
+    assert lightning.by_phase["optimizer"]["grads"] == 4 * n
+    plain = estimate_memory(model, train.replace(grads_alive_in_forward=False))
+    assert plain.by_phase["forward"]["grads"] == 0
+    # With accumulation the grads exist from the second micro-batch on, whatever the loop does.
+    acc = estimate_memory(model, train.replace(grads_alive_in_forward=False, grad_accumulation=4))
+    assert acc.by_phase["forward"]["grads"] == 4 * n
+
+
+def test_static_states_exact_for_32_true_adam():
+    model = small_llama()
+    n = model.num_params
+    est = estimate_memory(model, TrainSpec(micro_batch=1, seq_len=8, precision="32-true"))
+    opt = est.by_phase["optimizer"]
+    assert (opt["params"], opt["grads"], opt["optimizer"], opt["master"]) == (4 * n, 4 * n, 8 * n, 0)
+
+
+def test_zero_stages_shard_what_they_promise():
+    model, train = small_llama(), TrainSpec(micro_batch=1, seq_len=16, precision="32-true")
+    n, d = model.num_params, 4
+    ddp = estimate_memory(model, train, ParallelPlan(dp=d)).by_phase["optimizer"]
+    assert ddp["comm"] == 4 * n  # DDP's gradient buckets are a second copy of the grads
+    z1 = estimate_memory(model, train, ParallelPlan(dp=d, zero=1)).by_phase["optimizer"]
+    assert (z1["params"], z1["grads"], z1["optimizer"]) == (4 * n, 4 * n, -(-8 * n // d))
+    z2 = estimate_memory(model, train, ParallelPlan(dp=d, zero=2)).by_phase["optimizer"]
+    assert (z2["params"], z2["grads"]) == (4 * n, -(-4 * n // d))
+    z3 = estimate_memory(model, train, ParallelPlan(dp=d, zero=3)).by_phase["optimizer"]
+    assert z3["params"] == -(-4 * n // d)
+    fwd3 = estimate_memory(model, train, ParallelPlan(dp=d, zero=3)).by_phase["forward"]
+    assert fwd3["comm"] > 0  # the all-gathered unit
+
+
+def test_more_dp_at_fixed_micro_batch_relieves_no_activation_memory():
+    model, train = small_llama(), TrainSpec(micro_batch=2, seq_len=64)
+    a1 = estimate_memory(model, train, ParallelPlan(dp=1)).by_phase["forward"]["activations"]
+    a8 = estimate_memory(model, train, ParallelPlan(dp=8, zero=3)).by_phase["forward"]["activations"]
+    assert a1 == a8
+
+
+def test_pipeline_stages_differ():
+    model = small_llama()
+    train = TrainSpec(micro_batch=1, seq_len=32)
+    plan = ParallelPlan(pp=4, microbatches=8)
+    first = estimate_memory(model, train, plan, rank=0)
+    last = estimate_memory(model, train, plan, rank=3)
+    assert first.stage == 0 and last.stage == 3
+    assert first.by_phase["forward"]["logits"] == 0 and last.by_phase["forward"]["logits"] > 0
+    # 1F1B: stage 0 holds p = 4 micro-batches of its 2 layers, the last stage 1 (plus the head's inputs).
+    layer = terms.layer_activation_bytes(model, train, 1, 32)
+    assert first.by_phase["forward"]["activations"] == 4 * 2 * layer
+    worst = estimate_memory(model, train, plan)
+    assert worst.total == max(estimate_memory(model, train, plan, rank=r).total for r in range(4))
+
+
+def test_interleaved_pays_the_extra_factor():
+    model = small_llama()
+    train = TrainSpec(micro_batch=1, seq_len=32)
+    onef = estimate_memory(model, train, ParallelPlan(pp=4, microbatches=16), rank=0)
+    inter = estimate_memory(model, train, ParallelPlan(pp=4, microbatches=16, schedule="interleaved", virtual_stages=2), rank=0)
+    ratio = inter.by_phase["forward"]["activations"] / onef.by_phase["forward"]["activations"]
+    assert ratio == pytest.approx(1 + 3 / 8, rel=1e-6)
+
+
+def test_gpipe_holds_all_microbatches():
+    model, train = small_llama(), TrainSpec(micro_batch=1, seq_len=32)
+    g = estimate_memory(model, train, ParallelPlan(pp=2, microbatches=6, schedule="gpipe"), rank=0)
+    o = estimate_memory(model, train, ParallelPlan(pp=2, microbatches=6), rank=0)
+    assert g.by_phase["forward"]["activations"] == 3 * o.by_phase["forward"]["activations"]
+
+
+def test_tied_embeddings_cost_a_head_copy_only_with_pipeline():
+    tied = ModelSpec(4, 64, 4, 5000, tied_embeddings=True, position_embedding="learned", max_positions=64, bias=True)
+    train = TrainSpec(micro_batch=1, seq_len=16, precision="32-true")
+    single = estimate_memory(tied, train)
+    assert single.by_phase["optimizer"]["params"] == 4 * tied.num_params
+    last = estimate_memory(tied, train, ParallelPlan(pp=2, microbatches=2), rank=1)
+    first = estimate_memory(tied, train, ParallelPlan(pp=2, microbatches=2), rank=0)
+    total_pp = last.by_phase["optimizer"]["params"] + first.by_phase["optimizer"]["params"]
+    assert total_pp == 4 * (tied.num_params + 5000 * 64)  # the last stage's own V*h head
+
+
+def test_tensor_parallel_and_vocab_parallel_loss():
+    model, train = small_llama(), TrainSpec(micro_batch=2, seq_len=32)
+    t1 = estimate_memory(model, train)
+    t2 = estimate_memory(model, train, ParallelPlan(tp=2))
+    assert t2.by_phase["optimizer"]["params"] < 0.6 * t1.by_phase["optimizer"]["params"]
+    naive = estimate_memory(model, train, ParallelPlan(tp=2)).by_phase["forward"]["logits"]
+    vp = estimate_memory(model, train.replace(loss="vocab_parallel"), ParallelPlan(tp=2)).by_phase["forward"]["logits"]
+    assert vp * 2 == naive
+
+
+def test_chunked_loss_removes_the_logits_peak():
+    model = ModelSpec(2, 64, 4, 50000)
+    train = TrainSpec(micro_batch=4, seq_len=512)
+    naive = estimate_memory(model, train)
+    chunked = estimate_memory(model, train.replace(loss="chunked", loss_chunk_size=256))
+    assert naive.largest_component() == "logits"
+    assert chunked.by_phase["forward"]["logits"] == 3 * 256 * 50000 * 4
+    assert chunked.total < naive.total
+
+
+def test_recompute_modes_order():
+    model = small_llama()
+    train = TrainSpec(micro_batch=2, seq_len=64, attention="eager")
+    none = estimate_memory(model, train).by_phase["forward"]
+    sel = estimate_memory(model, train.replace(recompute="selective")).by_phase["forward"]
+    full = estimate_memory(model, train.replace(recompute="full")).by_phase["forward"]
+    assert none["attention"] > 0 and sel["attention"] == 0 == full["attention"]
+    assert full["activations"] < sel["activations"] == none["activations"]
+
+
+def test_context_parallel_splits_sequence():
+    model, train = small_llama(), TrainSpec(micro_batch=1, seq_len=64)
+    c1 = estimate_memory(model, train).by_phase["forward"]["activations"]
+    c2 = estimate_memory(model, train, ParallelPlan(cp=2)).by_phase["forward"]["activations"]
+    assert c2 * 2 == pytest.approx(c1, rel=1e-9)
+
+
+def test_calibration_replaces_dynamic_terms():
+    model, train = small_llama(), TrainSpec(micro_batch=2, seq_len=32)
+    coeffs = {p: {c: (0.0, 0.0, 0.0) for c in ("activations", "attention", "logits", "workspace", "other")} for p in PHASES}
+    coeffs["forward"]["activations"] = (1000.0, 10.0, 0.5)
+    cal = Calibration(coefficients=coeffs)
+    est = estimate_memory(model, train, calibration=cal)
+    assert est.source == "calibrated"
+    assert est.by_phase["forward"]["activations"] == 1000 + 10 * 64 + 0.5 * 64 * 32
+
+
+def test_estimate_round_trips_through_json():
+    est = estimate_memory(small_llama(), TrainSpec(micro_batch=1, seq_len=16), ParallelPlan(pp=2, microbatches=2))
+    again = MemoryEstimate.from_dict(json.loads(json.dumps(est.to_dict())))
+    assert again == est
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: ModelSpec(0, 64, 4, 100), r"n_layers=0 must be >= 1"),
+        (lambda: ModelSpec(2, -64, 4, 100), r"hidden=-64"),
+        (lambda: ModelSpec(2, 64, 4, 100, n_kv_heads=3), r"n_kv_heads=3 must divide n_heads=4"),
+        (lambda: TrainSpec(micro_batch=0, seq_len=8), r"micro_batch=0"),
+        (lambda: TrainSpec(micro_batch=1, seq_len=8, precision="fp8"), r"precision='fp8'.*'bf16-mixed'"),
+        (lambda: TrainSpec(micro_batch=1, seq_len=8, optimizer="adamax"), r"optimizer='adamax'.*'adamw'"),
+        (lambda: TrainSpec(micro_batch=1, seq_len=8, param_bytes=0), r"param_bytes=0"),
+        (lambda: TrainSpec(micro_batch=1, seq_len=8, optimizer_bytes_per_param=-1), r"optimizer_bytes_per_param=-1"),
+        (lambda: ParallelPlan(tp=0), r"tp=0"),
+        (lambda: ParallelPlan(zero=4), r"zero=4"),
+        (lambda: ParallelPlan(sp=True), r"sp=True needs tp > 1"),
+    ],
+)
+def test_bad_specs_raise_naming_the_argument(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()
+
+
+def test_bad_plans_for_the_model():
+    model, train = small_llama(), TrainSpec(micro_batch=1, seq_len=32)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=8.*use tp in \[1, 2\]"):
+        estimate_memory(model, train, ParallelPlan(tp=3))
+    with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_heads=2"):
+        estimate_memory(model, train, ParallelPlan(tp=4))
+    with pytest.raises(ValueError, match=r"pp=9 exceeds n_layers=8"):
+        estimate_memory(model, train, ParallelPlan(pp=9))
+    with pytest.raises(ValueError, match=r"virtual_stages=3 does not divide the 4 layers per stage.*\[1, 2, 4\]"):
+        estimate_memory(model, train, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=3))
+    with pytest.raises(ValueError, match=r"cp=3 does not divide seq_len=32"):
+        estimate_memory(model, train, ParallelPlan(cp=3))
+    with pytest.raises(TypeError, match=r"plan=.*ParallelPlan"):
+        estimate_memory(model, train, {"dp": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"n_layers=2.0 must be an int"):
+        ModelSpec(2.0, 64, 4, 100)  # type: ignore[arg-type]
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ValueError, match=r"did you mean 'llama3-8b'.*known presets: gpt2"):
+        ModelSpec.preset("llama3-8")
+
+
+# -- property test -----------------------------------------------------------------------------
+
+_models = st.builds(
+    lambda layers, heads_pow, kv_div, head_dim, vocab, ffn_kind, norm, tied: ModelSpec(
+        layers, (2**heads_pow) * head_dim, 2**heads_pow, vocab,
+        n_kv_heads=max(1, 2**heads_pow // kv_div), ffn_kind=ffn_kind, norm=norm, tied_embeddings=tied,
+    ),
+    st.integers(1, 12), st.integers(0, 4), st.sampled_from([1, 2, 4]), st.sampled_from([8, 16, 64]),
+    st.integers(2, 70000), st.sampled_from(["gelu", "swiglu", "relu"]), st.sampled_from(["layernorm", "rmsnorm"]),
+    st.booleans(),
+)
+_trains = st.builds(
+    lambda b, s, prec, rec, attn, loss, acc: TrainSpec(
+        micro_batch=b, seq_len=s, precision=prec, recompute=rec, attention=attn, loss=loss, grad_accumulation=acc
+    ),
+    st.integers(1, 8), st.integers(1, 4096), st.sampled_from(["32-true", "bf16-mixed", "16-mixed", "bf16-true"]),
+    st.sampled_from(["none", "selective", "full"]), st.sampled_from(["sdpa", "eager"]),
+    st.sampled_from(["naive", "fp32_upcast", "chunked"]), st.integers(1, 4),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_models, _trains, st.sampled_from([0, 1, 2, 3]), st.sampled_from([1, 2, 4]))
+def test_random_valid_specs_never_raise_and_grow_monotonically(model, train, zero, dp):
+    plan = ParallelPlan(dp=dp, zero=zero)
+    est = estimate_memory(model, train, plan)
+    assert all(v >= 0 for v in est.components().values())
+    assert all(v >= 0 for phase in est.by_phase.values() for v in phase.values())
+    bigger_b = estimate_memory(model, train.replace(micro_batch=train.micro_batch + 1), plan)
+    longer_s = estimate_memory(model, train.replace(seq_len=train.seq_len + 7), plan)
+    assert bigger_b.total >= est.total
+    assert longer_s.total >= est.total
+
+
+def test_estimate_cli_prints_breakdown_fast(capsys):
+    from lightning_memplan.cli import main
+
+    start = time.perf_counter()
+    code = main("estimate --model llama-7b --micro-batch 1 --seq-len 4096 --precision bf16-mixed --dp 8 --zero 3".split())
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "activations" in out and "peak" in out and "llama-7b" in out
+    assert elapsed < 2.0
+    code = main("estimate --model llama3-8b --seq-len 2048 --pp 2 --tp 2 --microbatches 4 --json".split())
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["estimates"]) == 2
+    assert data["estimates"][1]["logits"] > 0 == data["estimates"][0]["by_phase"]["forward"]["logits"]
+
+
+def test_estimate_cli_reports_bad_input(capsys):
+    from lightning_memplan.cli import main
+
+    assert main("estimate --model llama-7b --seq-len 4096 --tp 3".split()) == 2
+    assert "tp=3 does not divide n_heads=32" in capsys.readouterr().err
+    assert main("estimate --model nope --seq-len 4".split()) == 2
+
+
+def test_components_constant_is_the_estimate_field_order():
+    assert tuple(MemoryEstimate().components()) == COMPONENTS
