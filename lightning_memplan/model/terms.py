@@ -286,9 +286,10 @@ def layer_activation_bytes(
 
     - norm1 and norm2 inputs: ``2*s*b*h`` (x), plus their per-token statistics (fp32);
     - attention input (norm output, cast to c): ``s*b*h``;
-    - q, k, v as the attention kernel receives them: ``s*b*a*d_h`` each (GQA keys/values are
-      expanded to a heads before the kernel, as Hugging Face's ``repeat_kv`` does; without rotary
-      embeddings q/k/v are views of the projections);
+    - q, k, v as the attention kernel receives them: q ``s*b*a*d_h``; k and v ``s*b*k*d_h`` for
+      sdpa (``enable_gqa=True`` keeps the k key/value heads) but ``s*b*a*d_h`` for eager attention,
+      which expands them to a heads before the matmuls (``repeat_interleave``, as Hugging Face's
+      ``repeat_kv`` does); without rotary embeddings q/k/v are views of the projections;
     - sdpa: its output ``s*b*a*d_h`` and a fp32 log-sum-exp per (token, head);
       eager: nothing extra here (probabilities in :func:`eager_attention_bytes`);
     - the output projection's input ``s*b*a*d_h``;
@@ -308,7 +309,8 @@ def layer_activation_bytes(
     norm_split = t if sp else 1
     norms = 2 * (tokens * h * pb.residual // norm_split + tokens * stats * FP32_BYTES // norm_split)
     matmul_inputs = 2 * tokens * h * pb.compute  # attention input and MLP input (whole, see above)
-    qkv = 3 * tokens * a * dh * pb.compute
+    kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
+    qkv = (a + 2 * kv_heads) * tokens * dh * pb.compute
     attn_out = tokens * a * dh * pb.compute  # output projection input
     if train.attention == "sdpa":
         attn_out += tokens * a * dh * pb.compute + tokens * a * SDPA_LSE_BYTES

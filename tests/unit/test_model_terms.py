@@ -139,7 +139,7 @@ def test_swiglu_and_gqa_activation_terms():
     expected = (
         2 * (tok * h * 4 + tok * 1 * 4)  # two RMSNorm inputs + rstd
         + 2 * tok * h * 4  # attention input, MLP input
-        + 3 * tok * h * 4  # q, k, v as the kernel sees them (k, v expanded to a heads)
+        + tok * h * 4 + 2 * tok * k * (h // a) * 4  # q; k, v at k heads (sdpa enable_gqa)
         + tok * h * 4 + tok * h * 4 + tok * a * 4  # o_proj input, sdpa output, sdpa log-sum-exp
         + 4 * tok * f * 4  # gate out, silu out, up out, product
     )
