@@ -142,9 +142,8 @@ def _dynamic(
     else:
         saved_layer, rebuild = full_layer, 0
     head_acts = 0
-    if layout.has_head:
-        stats = 2 if model.norm == "layernorm" else 1
-        head_acts = tokens * model.hidden * (pb.residual + pb.compute) + tokens * stats * terms.FP32_BYTES
+    if layout.has_head:  # the final norm and the lm_head's input
+        head_acts = terms.norm_saved_bytes(model, train, tokens) + tokens * model.hidden * pb.compute
     per_mb_acts = layout.n_layers * saved_layer + head_acts
     per_mb_attn = layout.n_layers * attn_layer
 
@@ -156,8 +155,11 @@ def _dynamic(
     # Only the last stage computes the loss, once per micro-batch; in-flight ones keep their "held" part.
     inflight_head = inflight if layout.has_head else 0
     _, matmul, _ = _local_params(model, plan, layout)
-    copies = terms.autocast_copy_bytes(matmul, train)
-    copies_inflight = round(copies * max(1.0, inflight)) if plan.pp > 1 else copies
+    # Autocast's weight cache lives for one autocast region; the pipeline schedule runs every
+    # micro-batch inside the step's region, so the copies exist once. FSDP (zero >= 2 with d > 1)
+    # all-gathers 16-bit parameters itself (MixedPrecisionPolicy), so autocast has nothing to cast.
+    fsdp_mixed = plan.zero >= 2 and plan.dp * plan.cp > 1
+    copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(matmul, train)
 
     acts_fwd = round(inflight * per_mb_acts)
     attn_fwd = round(inflight * per_mb_attn)
@@ -172,21 +174,30 @@ def _dynamic(
             "attention": attn_fwd,
             "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["forward"],
             "workspace": 0,
-            "other": copies_inflight,
+            "other": copies,
         },
         "backward_start": {
             "activations": acts_fwd,
             "attention": attn_fwd,
             "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["backward"],
+            "workspace": 0,
+            "other": copies,
+        },
+        # the last block's backward: the loss buffers are gone, the block is rebuilt (full recompute)
+        # and eager attention's softmax backward makes its [b, a, s, s] temporaries.
+        "backward_layer": {
+            "activations": acts_fwd,
+            "attention": attn_fwd,
+            "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
             "workspace": rebuild + eager_bwd_ws,
-            "other": copies_inflight,
+            "other": copies,
         },
         "backward_end": {
             "activations": round(max(0.0, inflight - 1) * per_mb_acts) + min(saved_layer, per_mb_acts),
             "attention": round(max(0.0, inflight - 1) * per_mb_attn),
             "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
             "workspace": linear_bwd_ws,
-            "other": round(copies * max(0.0, inflight - 1)) if plan.pp > 1 else 0,
+            "other": 0,
         },
         "optimizer": {c: 0 for c in DYNAMIC_COMPONENTS},
     }
@@ -207,14 +218,20 @@ def _calibrated_dynamic(
     single = _dynamic(model, train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
     trivial = plan.tp == plan.pp == plan.cp == 1
     out: dict[str, dict[str, int]] = {}
-    phase_map = {"forward": "forward", "backward_start": "backward", "backward_end": "backward", "optimizer": "optimizer"}
+    phase_map = {
+        "forward": "forward",
+        "backward_start": "backward",
+        "backward_layer": "backward",
+        "backward_end": "backward",
+        "optimizer": "optimizer",
+    }
     for key, comps in analytic.items():
         phase = phase_map[key]
         out[key] = {}
         for comp in DYNAMIC_COMPONENTS:
             fitted = calibration.bytes_for(phase, comp, b, s)
-            if key == "backward_end":
-                # The trace reports one backward peak; keep the analytic end-of-backward point.
+            if key in ("backward_layer", "backward_end"):
+                # The trace reports one backward peak; keep the analytic points inside the backward.
                 out[key][comp] = comps[comp]
             elif trivial:
                 out[key][comp] = fitted
@@ -243,18 +260,20 @@ def _estimate_stage(
     b, s = train.micro_batch, train.seq_len // plan.cp
     comm_static = 0
     comm_fwd = comm_bwd = 0
+    gathered = pb.compute if pb.autocast_copy else pb.param  # all-gather dtype of FSDP units
     if shard > 1 and plan.zero <= 1:
         comm_static = terms.ddp_bucket_bytes(states["grads"])
     elif shard > 1 and plan.zero == 2:
-        # SHARD_GRAD_OP keeps every unit unsharded from its forward until its backward.
-        comm_fwd = comm_bwd = local * pb.param
+        # SHARD_GRAD_OP keeps every unit unsharded (in the 16-bit compute dtype under mixed
+        # precision: FSDP's MixedPrecisionPolicy) from its forward until its backward.
+        comm_fwd = comm_bwd = local * gathered
     elif shard > 1 and plan.zero == 3:
-        unit = math.ceil(terms.layer_param_count(model) / plan.tp) * pb.param
-        root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * pb.param
+        unit = math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
+        root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * gathered
         # forward: the root unit (embedding/head) and one block; backward: current + prefetched block
         # and the unsharded gradient of one block waiting for reduce-scatter.
         comm_fwd = root + unit
-        comm_bwd = root + 2 * unit + unit // pb.param * pb.grad
+        comm_bwd = root + 2 * unit + unit // gathered * pb.grad
     if plan.tp > 1:
         comm_fwd += b * s * model.hidden * pb.compute
         comm_bwd += b * s * model.hidden * pb.compute
@@ -273,6 +292,15 @@ def _estimate_stage(
         dynamic = _calibrated_dynamic(model, train, plan, layout, calibration, dynamic)
         source = "calibrated"
 
+    # Gradients of the final norm and lm_head exist once the loss's backward is done.
+    # (with tied embeddings the shared matrix's gradient is allocated here too).
+    head_grads = 0
+    if layout.has_head:
+        norm = 2 * model.hidden if model.norm == "layernorm" else model.hidden
+        head_params = norm + math.ceil(model.vocab_size * model.hidden / plan.tp)
+        head_grads = head_params * pb.grad
+        if plan.zero >= 2:
+            head_grads = math.ceil(head_grads / shard)
     accumulating = train.grad_accumulation > 1 or plan.microbatches > 1
     grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
     grads_bwd_start = grads if accumulating else 0
@@ -280,13 +308,21 @@ def _estimate_stage(
     points = {
         "forward": {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]},
         "backward_start": {**static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd, **dynamic["backward_start"]},
+        "backward_layer": {
+            **static,
+            "grads": max(grads_bwd_start, head_grads),
+            "comm": comm_static + comm_bwd,
+            **dynamic["backward_layer"],
+        },
         "backward_end": {**static, "grads": grads, "comm": comm_static + comm_bwd, **dynamic["backward_end"]},
         "optimizer": {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]},
     }
     points["optimizer"]["workspace"] += opt_ws
     by_phase = {
         "forward": points["forward"],
-        "backward": max(points["backward_start"], points["backward_end"], key=lambda c: sum(c.values())),
+        "backward": max(
+            (points[k] for k in ("backward_start", "backward_layer", "backward_end")), key=lambda c: sum(c.values())
+        ),
         "optimizer": points["optimizer"],
     }
     by_phase = {p: {c: int(by_phase[p].get(c, 0)) for c in COMPONENTS} for p in PHASES}

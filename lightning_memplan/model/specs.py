@@ -22,6 +22,7 @@ __all__ = [
     "PRECISIONS",
     "RECOMPUTE_MODES",
     "SCHEDULES",
+    "DEVICES",
     "ModelSpec",
     "ParallelPlan",
     "TrainSpec",
@@ -37,6 +38,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
 LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEVICES = ("cuda", "cpu")
 
 # Lightning accepts a few aliases for the same precision plugin; normalise to the canonical string.
 _PRECISION_ALIASES = {
@@ -88,6 +90,9 @@ class ModelSpec:
             add no parameters.
         max_positions: rows of a learned position table (required when it is ``"learned"``).
         dropout: dropout probability inside blocks; > 0 stores one byte-mask per dropped tensor.
+        qkv_fused: q, k and v come from one fused projection (GPT-2's ``c_attn``) instead of three
+            linears (Llama's ``q_proj``/``k_proj``/``v_proj``). Under autocast each linear saves its
+            own 16-bit copy of its input, so three projections save the attention input three times.
         n_params: total parameter count override (e.g. for a non-transformer model or a module whose
             count is known exactly); ``None`` derives N from the shape (:func:`param_count`).
         name: free-form label shown in reports.
@@ -107,6 +112,7 @@ class ModelSpec:
     position_embedding: str = field(default="rope", kw_only=True)
     max_positions: int | None = field(default=None, kw_only=True)
     dropout: float = field(default=0.0, kw_only=True)
+    qkv_fused: bool = field(default=False, kw_only=True)
     n_params: int | None = field(default=None, kw_only=True)
     name: str | None = field(default=None, kw_only=True)
 
@@ -246,6 +252,10 @@ class TrainSpec:
             Lightning's automatic optimisation calls ``zero_grad(set_to_none=True)`` after
             ``training_step`` and before ``backward``, so they do (``True``); a loop that zeroes grads
             before the forward should pass ``False``.
+        device: the device type the step runs on (a description, not a query). Kernels differ:
+            ``"cuda"`` has a fused RMSNorm (saves its input and rstd) and autocast runs softmax in
+            fp32; on ``"cpu"`` RMSNorm is composite (saves an fp32 copy of its input and the fp32
+            normalised tensor) and autocast leaves softmax in bf16.
     """
 
     micro_batch: int
@@ -265,8 +275,10 @@ class TrainSpec:
     optimizer_bytes_per_param: float | None = None
     activation_bytes: int | None = None
     grads_alive_in_forward: bool = True
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
+        _check_choice("device", self.device, DEVICES)
         _check_int("micro_batch", self.micro_batch)
         _check_int("seq_len", self.seq_len)
         canonical = _PRECISION_ALIASES.get(str(self.precision))

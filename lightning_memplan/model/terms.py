@@ -42,6 +42,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_matmul_param_count",
     "layer_param_count",
+    "norm_saved_bytes",
     "logits_bytes",
     "model_state_bytes",
     "optimizer_state_bytes_per_param",
@@ -256,9 +257,9 @@ def korthikanti_layer_activation_bytes(
 def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
     """Materialised attention probabilities of one layer, ``b*(a/t)*s^2`` elements each:
 
-    - the softmax output, kept for softmax's backward: fp32 under autocast (softmax is on autocast's
-      fp32 list), else the compute dtype;
-    - under autocast, the 16-bit copy of it that the P@V matmul saves;
+    - the softmax output, kept for softmax's backward: fp32 under CUDA autocast (softmax is on its
+      fp32 list), else the compute dtype (CPU autocast leaves softmax in bf16);
+    - under CUDA autocast, the 16-bit copy of it that the P@V matmul saves;
     - with dropout: the 1-byte mask and the dropped probabilities (saved by P@V instead).
 
     Zero for ``attention="sdpa"`` and for ``recompute`` other than ``"none"`` (selective recompute
@@ -268,13 +269,34 @@ def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t:
         return 0
     pb = precision_bytes(train)
     elems = b * (model.n_heads // t) * s * s
-    softmax_bytes = FP32_BYTES if pb.autocast_copy else pb.compute
-    total = elems * softmax_bytes
+    fp32_softmax = bool(pb.autocast_copy) and train.device == "cuda"
+    total = elems * (FP32_BYTES if fp32_softmax else pb.compute)
     if model.dropout > 0:
         total += elems * (MASK_BYTES + pb.compute)
-    elif pb.autocast_copy:
+    elif fp32_softmax:
         total += elems * pb.compute
     return total
+
+
+def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: int = 1) -> int:
+    """Bytes one norm layer saves for ``tokens`` tokens [PT]:
+
+    - LayerNorm (``native_layer_norm``): its input (residual dtype) and fp32 mean and rstd per token;
+    - RMSNorm on CUDA (``_fused_rms_norm``): its input and an fp32 rstd per token;
+    - RMSNorm on CPU (composite ``F.rms_norm``): an fp32 copy of its input (the input itself when it
+      is fp32), the fp32 normalised tensor (for the weight's gradient) and an fp32 rstd.
+
+    ``split`` divides by the sequence-parallel width.
+    """
+    h = model.hidden
+    pb = precision_bytes(train)
+    if model.norm == "layernorm":
+        per_token = h * pb.residual + LAYERNORM_STAT_COUNT * FP32_BYTES
+    elif train.device == "cuda":
+        per_token = h * pb.residual + RMSNORM_STAT_COUNT * FP32_BYTES
+    else:
+        per_token = 2 * h * FP32_BYTES + RMSNORM_STAT_COUNT * FP32_BYTES
+    return tokens * per_token // split
 
 
 def layer_activation_bytes(
@@ -284,17 +306,22 @@ def layer_activation_bytes(
 
     What PyTorch autograd saves per block [PT], in elements (``x`` = residual dtype, ``c`` = compute):
 
-    - norm1 and norm2 inputs: ``2*s*b*h`` (x), plus their per-token statistics (fp32);
-    - attention input (norm output, cast to c): ``s*b*h``;
+    - two norms: :func:`norm_saved_bytes` each;
+    - the attention input (norm output) as the projections receive it: ``s*b*h`` in c, once when
+      nothing is cast (or q/k/v are one fused projection), but three times under autocast with
+      separate q/k/v projections (autocast caches casts of weights, not of activations, so each linear
+      saves its own 16-bit copy of the input);
     - q, k, v as the attention kernel receives them: q ``s*b*a*d_h``; k and v ``s*b*k*d_h`` for
       sdpa (``enable_gqa=True`` keeps the k key/value heads) but ``s*b*a*d_h`` for eager attention,
       which expands them to a heads before the matmuls (``repeat_interleave``, as Hugging Face's
       ``repeat_kv`` does); without rotary embeddings q/k/v are views of the projections;
-    - sdpa: its output ``s*b*a*d_h`` and a fp32 log-sum-exp per (token, head);
-      eager: nothing extra here (probabilities in :func:`eager_attention_bytes`);
-    - the output projection's input ``s*b*a*d_h``;
-    - MLP input ``s*b*h``; gelu/relu: ``2*s*b*f`` (activation input, second matmul input);
-      swiglu: ``4*s*b*f`` (gate out, silu out, up out, product);
+    - the attention output ``s*b*a*d_h``, saved by the output projection (and by sdpa, which
+      allocates it as [b, s, a, d_h] so the reshape before the projection is a view: one storage),
+      plus sdpa's fp32 log-sum-exp per (token, head); eager probabilities are counted by
+      :func:`eager_attention_bytes`;
+    - the MLP input ``s*b*h`` (twice under autocast for swiglu's separate gate and up projections);
+      gelu/relu: ``2*s*b*f`` (activation input, second matmul input); swiglu: ``4*s*b*f`` (gate out,
+      silu out, up out, product);
     - dropout > 0: two 1-byte residual masks ``2*s*b*h``.
 
     Tensor parallelism divides the head and ffn dimensions by t; without sequence parallelism the
@@ -305,15 +332,19 @@ def layer_activation_bytes(
     pb = precision_bytes(train)
     h, dh, a, f = model.hidden, model.dim_head, model.n_heads // t, model.ffn // t
     tokens = b * s
-    stats = LAYERNORM_STAT_COUNT if model.norm == "layernorm" else RMSNORM_STAT_COUNT
     norm_split = t if sp else 1
-    norms = 2 * (tokens * h * pb.residual // norm_split + tokens * stats * FP32_BYTES // norm_split)
-    matmul_inputs = 2 * tokens * h * pb.compute  # attention input and MLP input (whole, see above)
+    norms = 2 * norm_saved_bytes(model, train, tokens, split=norm_split)
+    cast = bool(pb.autocast_copy)
+    attn_in_copies = 3 if (cast and not model.qkv_fused) else 1
+    mlp_in_copies = 2 if (cast and model.ffn_kind == "swiglu") else 1
+    matmul_inputs = (attn_in_copies + mlp_in_copies) * tokens * h * pb.compute
     kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
     qkv = (a + 2 * kv_heads) * tokens * dh * pb.compute
-    attn_out = tokens * a * dh * pb.compute  # output projection input
+    # The output projection's input. The fused kernels allocate their output as [b, s, a, d_h], so
+    # the usual ``transpose(1, 2).reshape(b, s, h)`` is a view of the output sdpa saves: one storage.
+    attn_out = tokens * a * dh * pb.compute
     if train.attention == "sdpa":
-        attn_out += tokens * a * dh * pb.compute + tokens * a * SDPA_LSE_BYTES
+        attn_out += tokens * a * SDPA_LSE_BYTES
     mlp = (4 if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
     masks = 2 * tokens * h * MASK_BYTES // norm_split if model.dropout > 0 else 0
     return norms + matmul_inputs + qkv + attn_out + mlp + masks
@@ -340,8 +371,8 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     - ``naive`` (``F.cross_entropy(logits)``): forward ``e*E`` logits + (under autocast or 32-bit:
       the fp32 input of log_softmax ``4E`` when it is a copy) + the fp32/e log-probabilities; held: the
       log-probabilities; backward: log-probabilities + their gradient + the logits' gradient.
-    - ``fp32_upcast`` (``logits.float()`` before the loss, as Hugging Face models do): the fp32 copy
-      is a user-held tensor, so it stays alive until backward.
+    - ``fp32_upcast`` (``logits = logits.float()`` before the loss, as Hugging Face models do):
+      forward ``4E + max(e, 4)E`` (the rebinding frees the e-byte logits), backward ``12E``.
     - ``chunked``: the same three tensors for ``loss_chunk_size`` tokens at a time, in fp32.
     - ``vocab_parallel``: naive with V/t columns per rank (``vocab_shard`` = t).
     """
@@ -353,13 +384,19 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
         c = chunk * vocab
         return {"forward": 3 * c * FP32_BYTES, "held": 0, "backward": 3 * c * FP32_BYTES}
     elems = tokens * vocab
-    # An fp32 copy feeds log_softmax when autocast upcasts cross_entropy's input or the user calls .float().
-    upcast_copy = FP32_BYTES if (e != FP32_BYTES and (pb.autocast_copy or train.loss == "fp32_upcast")) else 0
+    if train.loss == "fp32_upcast":
+        # ``logits = logits.float()`` rebinds the name: the e-byte logits die once the copy exists,
+        # so the peak is max(logits + copy, copy + log-probs); nothing of the copy outlives the loss.
+        forward = elems * (FP32_BYTES + max(e, FP32_BYTES)) if e != FP32_BYTES else 2 * elems * FP32_BYTES
+        held = elems * FP32_BYTES
+        return {"forward": forward, "held": held, "backward": 3 * elems * FP32_BYTES}
+    # Autocast upcasts cross_entropy's input to fp32 (a copy alive during log_softmax); the caller's
+    # e-byte logits stay referenced while the loss runs.
+    upcast_copy = FP32_BYTES if (e != FP32_BYTES and pb.autocast_copy) else 0
     lp = FP32_BYTES if (upcast_copy or e == FP32_BYTES) else e  # log-probabilities dtype
     forward = elems * (e + upcast_copy + lp)
-    held = elems * (lp + (FP32_BYTES if train.loss == "fp32_upcast" and e != FP32_BYTES else 0))
-    backward = held + 2 * elems * lp
-    return {"forward": forward, "held": held, "backward": backward}
+    held = elems * lp
+    return {"forward": forward, "held": held, "backward": 3 * elems * lp}
 
 
 # ---------------------------------------------------------------------------------------------

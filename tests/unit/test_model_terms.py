@@ -58,11 +58,17 @@ def test_logits_128k_by_128k_seed_000():
     train = TrainSpec(micro_batch=1, seq_len=128 * 1024, precision="bf16-true", loss="fp32_upcast")
     elems = 128 * 1024 * 128 * 1024
     assert elems * 2 == 32 * GiB
+    assert elems * 4 == 64 * GiB  # the .float() copy
     out = terms.logits_bytes(model, train, 128 * 1024)
-    # forward: bf16 logits 32 GiB + fp32 copy 64 GiB + fp32 log-probs 64 GiB.
-    assert out["forward"] == 32 * GiB + 64 * GiB + 64 * GiB
-    # held until backward: the user's fp32 copy + the log-probs.
-    assert out["held"] == 128 * GiB
+    # forward: bf16 logits (32) + the copy (64) while .float() runs; then the rebinding frees the bf16
+    # logits and log_softmax adds fp32 log-probabilities (64): peak max(32 + 64, 64 + 64) = 128 GiB.
+    assert out["forward"] == max(32 + 64, 64 + 64) * GiB
+    # held until backward: the log-probabilities; backward: log-probs + their grad + the logits' grad.
+    assert out["held"] == 64 * GiB
+    assert out["backward"] == 3 * 64 * GiB
+    # Under autocast the naive loss keeps the caller's bf16 logits while cross_entropy upcasts a copy.
+    mixed = terms.logits_bytes(model, train.replace(precision="bf16-mixed", loss="naive"), 128 * 1024)
+    assert mixed["forward"] == (32 + 64 + 64) * GiB
     # vocab-parallel over t=8 (local logits, no .float() copy): bf16 logits + bf16 log-probs, / 8.
     vp = terms.logits_bytes(model, train.replace(loss="vocab_parallel"), 128 * 1024, vocab_shard=8)
     assert vp["forward"] == (32 + 32) * GiB // 8
@@ -140,7 +146,7 @@ def test_swiglu_and_gqa_activation_terms():
         2 * (tok * h * 4 + tok * 1 * 4)  # two RMSNorm inputs + rstd
         + 2 * tok * h * 4  # attention input, MLP input
         + tok * h * 4 + 2 * tok * k * (h // a) * 4  # q; k, v at k heads (sdpa enable_gqa)
-        + tok * h * 4 + tok * h * 4 + tok * a * 4  # o_proj input, sdpa output, sdpa log-sum-exp
+        + tok * h * 4 + tok * a * 4  # attention output (o_proj input = sdpa output), log-sum-exp
         + 4 * tok * f * 4  # gate out, silu out, up out, product
     )
     assert terms.layer_activation_bytes(m, train, b, s) == expected

@@ -1,0 +1,159 @@
+"""``lightning-memplan plan``: choose a parallel layout for a model on a cluster, and say why.
+
+Example::
+
+    lightning-memplan plan --model llama3-70b --hardware h100-80gb --gpus-per-node 8 --nodes 32 \\
+        --seq-len 8192 --global-batch 1024
+
+Prints the decision (plan, training changes, per-rank peak against the budget, predicted step time,
+tokens/s and MFU), the top alternatives and the rejected layouts with their reasons. ``--json`` prints
+``PlanDecision.to_dict()``. When nothing fits, prints the closest plan and the cheapest changes that
+would make it fit, and exits with status 1.
+
+``--allow`` restricts the search: a comma list of parallelisms (``--allow dp,fsdp,tp,pp``; names:
+dp, ddp, zero1, zero2, zero3, zero, fsdp, tp, sp, pp, cp) and/or ``KEY=V1,V2`` entries, repeatable
+(``--allow tp=1,2,4,8 --allow recompute=none,full``; keys: dp, tp, pp, cp, zero, sp, schedule,
+virtual_stages, recompute, loss, micro_batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from lightning_memplan.cli._common import (
+    add_model_arguments,
+    add_train_arguments,
+    model_from_args,
+    train_from_args,
+)
+
+__all__ = ["add_parser", "parse_allow", "parse_bytes", "run"]
+
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"70GiB"``, ``"75 GB"``, ``"7.5e10"`` (bytes) or a bare number below 4096 read as GiB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"--memory-budget={text!r} is not a size; use e.g. 70GiB, 75GB or a byte count")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit:
+        if unit not in _UNITS:
+            raise ValueError(f"--memory-budget={text!r}: unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, GB")
+        return int(value * _UNITS[unit])
+    return int(value * 2**30) if value < 4096 else int(value)
+
+
+def _typed(key: str, raw: str) -> Any:
+    raw = raw.strip()
+    if key in ("dp", "tp", "pp", "cp", "zero", "virtual_stages", "micro_batch"):
+        try:
+            return int(raw)
+        except ValueError as exc:
+            raise ValueError(f"--allow {key}={raw!r}: values of {key} must be integers") from exc
+    if key == "sp":
+        if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"--allow sp={raw!r}: use true/false")
+        return raw.lower() in ("true", "1", "yes")
+    return raw
+
+
+def parse_allow(entries: list[str] | None) -> Any:
+    """``--allow`` values -> the ``allow=`` argument of :func:`lightning_memplan.planning.plan`.
+
+    Only names: a list (``("dp", "fsdp", "tp")``); any ``KEY=V,...``: a dict, where a names entry
+    becomes the axis restriction it stands for (merged with the explicit keys, which win)."""
+    if not entries:
+        return None
+    names: list[str] = []
+    mapping: dict[str, list[Any]] = {}
+    for entry in entries:
+        if "=" in entry:
+            key, _, values = entry.partition("=")
+            key = key.strip().replace("-", "_")
+            mapping[key] = [_typed(key, v) for v in values.split(",") if v.strip()]
+        else:
+            names += [n.strip() for n in entry.split(",") if n.strip()]
+    if not mapping:
+        return tuple(names)
+    if names:
+        from lightning_memplan.planning.space import Allow
+
+        base = Allow.parse(tuple(names)).to_dict()
+        base.update(mapping)
+        return {k: v for k, v in base.items() if v is not None}
+    return mapping
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="choose dp/fsdp/tp/pp/cp, recompute and loss mode for a model on a cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser)
+    add_train_arguments(parser)
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--hardware", default=None,
+                       help="a preset such as h100-80gb, a100-80gb, h200, l4 (default: detect the local device)")
+    group.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default 8 for a preset)")
+    group.add_argument("--nodes", type=int, default=1, help="number of nodes")
+    group.add_argument("--inter-node-bw", type=float, default=None, help="per-GPU network bytes/s (overrides the preset)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per optimizer step (default: micro-batch x grad-accumulation per replica)")
+    search.add_argument("--memory-budget", type=parse_bytes, default=None,
+                        help="per-device budget for tensors (e.g. 70GiB); replaces the derived budget")
+    search.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    search.add_argument("--allow", action="append", default=None, metavar="NAMES|KEY=V,...",
+                        help="restrict the search (repeatable; see the description)")
+    search.add_argument("--top", type=int, default=5, help="alternatives to show")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print PlanDecision.to_dict() as JSON")
+    out.add_argument("--markdown", action="store_true", help="print the explanation as Markdown")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    from lightning_memplan.hardware import HardwareSpec
+
+    if args.hardware is None:
+        hw = HardwareSpec.detect(num_nodes=args.nodes)
+        if args.gpus_per_node is not None:
+            hw = hw.replace(gpus_per_node=args.gpus_per_node)
+    else:
+        hw = HardwareSpec.preset(args.hardware, gpus_per_node=args.gpus_per_node or 8, num_nodes=args.nodes)
+    if args.inter_node_bw is not None:
+        hw = hw.replace(inter_node_bw=args.inter_node_bw)
+    return hw
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memplan.planning import plan
+
+    model = model_from_args(args)
+    train = train_from_args(args)
+    hardware = _hardware(args)
+    decision = plan(
+        model, train, hardware,
+        global_batch=args.global_batch, memory_budget=args.memory_budget, headroom=args.headroom,
+        allow=parse_allow(args.allow),
+    )
+    if args.json:
+        print(json.dumps(decision.to_dict(), indent=1))
+    elif args.markdown:
+        print(decision.explain("markdown", top=args.top), end="")
+    else:
+        from rich.console import Console
+
+        from lightning_memplan.planning.explain import rich_renderable
+
+        Console(file=sys.stdout, width=170).print(rich_renderable(decision, top=args.top))
+    return 0 if decision.fits else 1

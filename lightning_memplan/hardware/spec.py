@@ -1,0 +1,202 @@
+"""``HardwareSpec``: the devices a plan runs on (one chip type), how many, and how they are connected."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memplan.hardware.presets import CHIP_ALIASES, CHIP_TABLE, FALLBACK_CHIP, ChipEntry, lookup_chip
+
+__all__ = ["HardwareSpec", "known_presets"]
+
+
+def known_presets() -> list[str]:
+    """Canonical preset names, in table order."""
+    return list(CHIP_TABLE)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} must be >= 1")
+
+
+def _check_positive_number(name: str, value: Any, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a number of {unit}")
+    if not value > 0:
+        raise ValueError(f"{name}={value!r} must be > 0 {unit}; leave it None when unknown")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One cluster of identical accelerators: per-device memory and speed, and its topology.
+
+    Bandwidths are per GPU and per direction (what one GPU can push while all others do the same);
+    FLOP/s are dense (no sparsity). ``None`` means unknown: the planner then uses the clearly marked
+    values of :data:`~lightning_memplan.hardware.presets.FALLBACK_CHIP` and says so in its explanation.
+
+    Args:
+        name: label (a preset key such as ``"h100-sxm"``, or the detected device name).
+        memory_bytes: device memory per GPU in bytes (what tensors, the CUDA context and NCCL share).
+        gpus_per_node: GPUs per node (the NVLink/PCIe domain).
+        num_nodes: nodes; ``world_size = gpus_per_node * num_nodes``.
+        peak_flops: dense bf16 (fp16 where bf16 is absent) tensor FLOP/s per GPU.
+        peak_flops_fp32: dense fp32 FLOP/s per GPU (used for ``precision="32-true"``).
+        intra_node_bw: bytes/s per GPU per direction to GPUs of the same node.
+        inter_node_bw: bytes/s per GPU per direction to other nodes.
+        memory_bw: device-memory bandwidth, bytes/s.
+        supports_bf16: whether bf16 runs on the tensor cores.
+        source: where the numbers come from (datasheet title/URL, or ``"torch.cuda"``/``"nvml"``).
+        fallback: True when any figure is an assumption for an unknown chip (shown in reports).
+    """
+
+    name: str
+    memory_bytes: int
+    gpus_per_node: int = field(default=1, kw_only=True)
+    num_nodes: int = field(default=1, kw_only=True)
+    peak_flops: float | None = field(default=None, kw_only=True)
+    peak_flops_fp32: float | None = field(default=None, kw_only=True)
+    intra_node_bw: float | None = field(default=None, kw_only=True)
+    inter_node_bw: float | None = field(default=None, kw_only=True)
+    memory_bw: float | None = field(default=None, kw_only=True)
+    supports_bf16: bool = field(default=True, kw_only=True)
+    source: str = field(default="", kw_only=True)
+    fallback: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name={self.name!r} must be a non-empty string such as 'h100-sxm'")
+        _check_positive_int("memory_bytes", self.memory_bytes)
+        _check_positive_int("gpus_per_node", self.gpus_per_node)
+        _check_positive_int("num_nodes", self.num_nodes)
+        for attr, unit in (
+            ("peak_flops", "FLOP/s"),
+            ("peak_flops_fp32", "FLOP/s"),
+            ("intra_node_bw", "bytes/s"),
+            ("inter_node_bw", "bytes/s"),
+            ("memory_bw", "bytes/s"),
+        ):
+            value = getattr(self, attr)
+            if value is not None:
+                _check_positive_number(attr, value, unit)
+
+    # Derived ------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """gpus_per_node * num_nodes."""
+        return self.gpus_per_node * self.num_nodes
+
+    def resolved(self, attr: str) -> float:
+        """The value of a speed field, or the fallback's when it is ``None`` (see :meth:`assumed`)."""
+        if attr not in ("peak_flops", "peak_flops_fp32", "intra_node_bw", "inter_node_bw", "memory_bw"):
+            raise ValueError(f"attr={attr!r} is not a speed field of HardwareSpec")
+        value = getattr(self, attr)
+        return float(value) if value is not None else float(getattr(FALLBACK_CHIP, attr))
+
+    def assumed(self) -> list[str]:
+        """Names of the speed fields that are unknown and replaced by fallback values."""
+        fields = ("peak_flops", "peak_flops_fp32", "intra_node_bw", "inter_node_bw", "memory_bw")
+        missing = [f for f in fields if getattr(self, f) is None]
+        if self.num_nodes == 1 and "inter_node_bw" in missing:
+            missing.remove("inter_node_bw")  # never used on one node
+        return missing
+
+    def flops_for(self, precision: str) -> float:
+        """Dense peak FLOP/s for a Lightning precision string (fp32 for ``"32-true"``)."""
+        if precision in ("32-true", "32"):
+            if self.peak_flops_fp32 is not None:
+                return float(self.peak_flops_fp32)
+            return self.resolved("peak_flops") / 16  # fp32 is ~1/16 of 16-bit tensor rate on NVIDIA
+        return self.resolved("peak_flops")
+
+    # Constructors -------------------------------------------------------------------------------
+    @classmethod
+    def from_chip(cls, chip: ChipEntry, *, gpus_per_node: int = 1, num_nodes: int = 1, name: str | None = None) -> HardwareSpec:
+        """A spec from a table entry (see :mod:`lightning_memplan.hardware.presets`)."""
+        return cls(
+            name or chip.key,
+            chip.memory_bytes,
+            gpus_per_node=gpus_per_node,
+            num_nodes=num_nodes,
+            peak_flops=chip.peak_flops,
+            peak_flops_fp32=chip.peak_flops_fp32,
+            intra_node_bw=chip.intra_node_bw,
+            inter_node_bw=chip.inter_node_bw,
+            memory_bw=chip.memory_bw,
+            supports_bf16=chip.supports_bf16,
+            source=chip.source,
+            fallback=chip.fallback,
+        )
+
+    @classmethod
+    def preset(cls, name: str, *, gpus_per_node: int = 1, num_nodes: int = 1) -> HardwareSpec:
+        """A datasheet preset: ``HardwareSpec.preset("h100-80gb", gpus_per_node=8, num_nodes=4)``.
+
+        Names are case-insensitive; aliases such as ``"h100"``, ``"h100-80gb"``, ``"a100"``,
+        ``"a100-80gb"``, ``"4090"`` are accepted (see :data:`~lightning_memplan.hardware.presets.CHIP_ALIASES`).
+
+        Raises:
+            ValueError: unknown name (the message lists the known presets).
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name={name!r} must be a preset name string such as 'h100-sxm'")
+        chip = lookup_chip(name)
+        if chip is None:
+            import difflib
+
+            names = list(CHIP_TABLE) + list(CHIP_ALIASES)
+            close = difflib.get_close_matches(name.strip().lower(), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"hardware preset {name!r} is unknown{hint}; known presets: {', '.join(CHIP_TABLE)} "
+                f"(aliases: {', '.join(CHIP_ALIASES)}); or build HardwareSpec(name, memory_bytes, ...) "
+                "with your own figures"
+            )
+        return cls.from_chip(chip, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+
+    @classmethod
+    def detect(cls, *, num_nodes: int = 1, device: int | None = None) -> HardwareSpec:
+        """Describe the local machine (see :func:`lightning_memplan.hardware.detect.detect_hardware`)."""
+        from lightning_memplan.hardware.detect import detect_hardware
+
+        return detect_hardware(num_nodes=num_nodes, device=device)
+
+    @classmethod
+    def fallback_for(cls, device_name: str, memory_bytes: int, *, gpus_per_node: int = 1, num_nodes: int = 1) -> HardwareSpec:
+        """A spec for a chip not in the table: real memory, fallback speeds, and a warning."""
+        warnings.warn(
+            f"device {device_name!r} is not in lightning_memplan's hardware table; using fallback speeds "
+            f"({FALLBACK_CHIP.peak_flops / 1e12:.0f} TFLOP/s, {FALLBACK_CHIP.intra_node_bw / 1e9:.0f} GB/s "
+            "intra-node). Plans stay memory-correct but their time ranking is approximate; pass "
+            "HardwareSpec(..., peak_flops=..., intra_node_bw=..., inter_node_bw=...) for your chip",
+            UserWarning,
+            stacklevel=3,
+        )
+        spec = cls.from_chip(FALLBACK_CHIP, gpus_per_node=gpus_per_node, num_nodes=num_nodes, name=f"{device_name} (fallback)")
+        return dataclasses.replace(spec, memory_bytes=memory_bytes)
+
+    def replace(self, **changes: Any) -> HardwareSpec:
+        """A copy with some fields changed (e.g. ``num_nodes=4`` or a measured ``inter_node_bw``)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line: ``h100-sxm x 8/node x 32 nodes, 80.0 GiB, 990 TFLOP/s``."""
+        flops = f"{self.peak_flops / 1e12:.0f} TFLOP/s" if self.peak_flops else "TFLOP/s unknown"
+        mark = " [fallback values]" if self.fallback else ""
+        return (
+            f"{self.name} x {self.gpus_per_node}/node x {self.num_nodes} node{'s' if self.num_nodes > 1 else ''}, "
+            f"{self.memory_bytes / 2**30:.1f} GiB, {flops}{mark}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareSpec:
+        data = dict(data)
+        name, memory = data.pop("name"), data.pop("memory_bytes")
+        return cls(name, int(memory), **data)

@@ -1,0 +1,292 @@
+"""Build a :class:`~lightning_memplan.model.specs.ModelSpec` from a live module or a Hugging Face config.
+
+No ``transformers`` import: a Hugging Face config is read by its field names (a ``PretrainedConfig``
+through ``to_dict()``, or the ``config.json`` dict), and module trees are recognised by attribute names
+and weight shapes:
+
+- this project's zoo ``GPT`` (``tok_emb``, ``blocks[i].attn.q_proj`` ...),
+- Llama / Mistral / Qwen2 / Gemma trees (``embed_tokens``, ``layers[i].self_attn.q_proj``,
+  ``mlp.gate_proj``), GPT-2 (``wte``, ``wpe``, ``h[i].attn.c_attn`` Conv1D), GPT-NeoX
+  (``embed_in``, ``layers[i].attention.query_key_value``).
+
+A module that carries a Hugging Face ``config`` attribute is read from that config (with the exact
+parameter count of the module). Anything else gets a :class:`ModelSpec` with the exact ``n_params`` and
+a best-effort shape whose guesses are listed in its ``name``; use :func:`~lightning_memplan.model.trace.trace_memory`
+for the activation side of such models.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_memplan.model.specs import ModelSpec
+
+__all__ = ["spec_from_hf_config", "spec_from_module"]
+
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_FFN = ("intermediate_size", "n_inner", "ffn_dim")
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
+# Families whose MLP has three matrices (gate, up, down): SwiGLU (Llama, Mistral, Qwen2) and
+# GeGLU (Gemma) have the same shapes and memory, so both map to ffn_kind="swiglu".
+_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2")
+_LAYERNORM = ("gpt2", "gpt_neox", "gptj", "opt", "phi", "bloom", "falcon", "gpt_bigcode", "starcoder2")
+_LEARNED_POS = ("gpt2", "opt", "gpt_bigcode")
+_TIED_BY_DEFAULT = ("gpt2", "gemma", "gemma2", "gemma3_text", "opt", "gpt_bigcode", "bloom")
+
+
+def _first(cfg: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return None
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if callable(getattr(config, "to_dict", None)):
+        return dict(config.to_dict())
+    if hasattr(config, "__dict__"):
+        return {k: v for k, v in vars(config).items() if not k.startswith("_")}
+    raise TypeError(
+        f"config={config!r} must be a Hugging Face PretrainedConfig, a config.json dict or an object with "
+        "attributes such as num_hidden_layers, hidden_size, num_attention_heads, vocab_size"
+    )
+
+
+def spec_from_hf_config(config: Any) -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face config (Llama, Mistral, Qwen2, Gemma, GPT-2, GPT-NeoX, ...).
+
+    Field names read: layers ``num_hidden_layers``/``n_layer``; width ``hidden_size``/``n_embd``; heads
+    ``num_attention_heads``/``n_head``; ``vocab_size``; kv-heads ``num_key_value_heads`` (absent: MHA);
+    ``head_dim``; ffn ``intermediate_size``/``n_inner`` (absent: 4h); positions
+    ``max_position_embeddings``/``n_positions``; ``tie_word_embeddings``; ``model_type`` decides gated
+    MLP (Llama-like) vs GELU, RMSNorm vs LayerNorm, RoPE vs learned positions.
+
+    Raises:
+        TypeError: ``config`` is not a mapping or config object.
+        ValueError: a required field is missing, naming the field names looked for.
+    """
+    cfg = _as_dict(config)
+    if isinstance(cfg.get("text_config"), Mapping) and _first(cfg, _LAYERS) is None:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
+    values = {key: _first(cfg, names) for key, names in required.items()}
+    missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
+    if missing:
+        raise ValueError(
+            f"config is missing {'; '.join(missing)}; got keys {sorted(cfg)[:20]}; pass a decoder config "
+            "such as Llama's config.json or build ModelSpec(n_layers, hidden, n_heads, vocab_size) directly"
+        )
+    model_type = str(cfg.get("model_type") or "").lower()
+    gated = model_type in _GATED or (
+        model_type not in _LAYERNORM and str(cfg.get("hidden_act", "")).lower() in ("silu", "swiglu")
+    )
+    rms = model_type in _GATED or ("rms_norm_eps" in cfg and model_type not in _LAYERNORM)
+    learned = model_type in _LEARNED_POS
+    kv = _first(cfg, _KV_HEADS)
+    if kv is None and cfg.get("multi_query"):
+        kv = 1
+    tied = cfg.get("tie_word_embeddings")
+    if tied is None:
+        tied = model_type in _TIED_BY_DEFAULT
+    positions = _first(cfg, _POSITIONS)
+    dropout = max(
+        float(cfg.get(name) or 0.0)
+        for name in ("attention_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout")
+    )
+    bias = model_type in ("gpt2", "gpt_neox", "opt", "bloom", "gpt_bigcode") or bool(
+        cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias")
+    )
+    return ModelSpec(
+        int(values["n_layers"]),
+        int(values["hidden"]),
+        int(values["n_heads"]),
+        int(values["vocab_size"]),
+        n_kv_heads=int(kv) if kv is not None else None,
+        head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
+        ffn_hidden=int(_first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * int(values["hidden"]),
+        ffn_kind="swiglu" if gated else "gelu",
+        norm="rmsnorm" if rms else "layernorm",
+        bias=bias,
+        tied_embeddings=bool(tied),
+        position_embedding="learned" if learned else "rope",
+        max_positions=int(positions) if positions else None,
+        dropout=min(dropout, 0.99),
+        name=model_type or cfg.get("_name_or_path") or None,
+    )
+
+
+# ---------------------------------------------------------------------------------------- modules
+def _count_params(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _out_features(layer: Any) -> int | None:
+    import torch.nn as nn
+
+    if isinstance(layer, nn.Linear):
+        return layer.out_features
+    weight = getattr(layer, "weight", None)
+    if type(layer).__name__ == "Conv1D" and weight is not None:  # HF GPT-2 Conv1D: weight [in, out]
+        return int(weight.shape[1])
+    return None
+
+
+def _find(module: Any, names: tuple[str, ...]) -> Any:
+    for name, sub in module.named_modules():
+        if name.rsplit(".", 1)[-1] in names:
+            return sub
+    return None
+
+
+def _attr(obj: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    cfg = getattr(obj, "config", None)
+    if cfg is not None and not callable(cfg):
+        return _attr(cfg, names) if cfg is not obj else None
+    return None
+
+
+def _blocks(module: Any) -> Any:
+    import torch.nn as nn
+
+    best = None
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) and len({type(m) for m in sub}) == 1:
+            if any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in sub[0].modules()):
+                if best is None or len(sub) > len(best):
+                    best = sub
+    return best
+
+
+def _hf_config(module: Any) -> Any:
+    for sub in module.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and (callable(getattr(cfg, "to_dict", None)) or isinstance(cfg, Mapping)):
+            d = _as_dict(cfg)
+            if _first(d, _LAYERS) is not None and _first(d, _HEADS) is not None:
+                return cfg
+    return None
+
+
+def _transformer_spec(module: Any) -> ModelSpec | None:
+    import torch.nn as nn
+
+    embeddings = sorted((m for m in module.modules() if isinstance(m, nn.Embedding)), key=lambda m: -m.num_embeddings)
+    blocks = _blocks(module)
+    if not embeddings or blocks is None:
+        return None
+    tok = embeddings[0]
+    vocab, hidden = tok.num_embeddings, tok.embedding_dim
+    block = blocks[0]
+    q, k = _find(block, ("q_proj", "query", "wq")), _find(block, ("k_proj", "key", "wk"))
+    fused = _find(block, ("qkv_proj", "query_key_value", "c_attn", "qkv", "Wqkv"))
+    attn = _find(block, ("attn", "self_attn", "attention", "self_attention"))
+    if (q is None or k is None) and fused is None:
+        return None
+    n_heads = _attr(attn, ("n_heads", "num_heads", "num_attention_heads", "n_head")) if attn is not None else None
+    head_dim = _attr(attn, ("head_dim", "head_size")) if attn is not None else None
+    q_out = _out_features(q) if q is not None else None
+    k_out = _out_features(k) if k is not None else None
+    if q_out is None and fused is not None:
+        q_out = hidden  # fused MHA projection: out = 3h
+    if q_out is None:
+        return None
+    guesses: list[str] = []
+    if head_dim is None:
+        if n_heads:
+            head_dim = q_out // n_heads
+        else:
+            head_dim = 64 if q_out % 64 == 0 else q_out
+            guesses.append(f"head_dim={head_dim}")
+    n_heads = n_heads or max(1, q_out // head_dim)
+    kv = (k_out // head_dim) if k_out else None
+    gate, up = _find(block, ("gate_proj", "w1", "gate")), _find(block, ("up_proj", "w3", "fc_in", "c_fc", "fc1",
+                                                                        "dense_h_to_4h"))
+    ffn = _out_features(up) if up is not None else None
+    norms = [type(m).__name__ for m in block.modules() if "norm" in type(m).__name__.lower()]
+    rms = any("rms" in n.lower() for n in norms)
+    head = _find(module, ("lm_head", "embed_out", "output", "head"))
+    tied = head is not None and getattr(head, "weight", None) is tok.weight
+    pos = next((e for e in embeddings[1:] if e.embedding_dim == hidden and e.num_embeddings != vocab), None)
+    rope = any(("rotary" in n.lower() or "rope" in n.lower()) for n, _ in module.named_modules()) or any(
+        ("rope" in n.lower() or "rotary" in n.lower() or "inv_freq" in n) for n, _ in module.named_buffers()
+    )
+    linear_bias = (q if q is not None else fused).bias is not None
+    dropout = max((m.p for m in module.modules() if isinstance(m, nn.Dropout)), default=0.0)
+    if not rms and not norms:
+        guesses.append("norm=layernorm")
+    return ModelSpec(
+        len(blocks),
+        hidden,
+        n_heads,
+        vocab,
+        n_kv_heads=kv if kv and kv != n_heads else None,
+        head_dim=head_dim if head_dim * n_heads != hidden else None,
+        ffn_hidden=ffn,
+        ffn_kind="swiglu" if gate is not None else "gelu",
+        norm="rmsnorm" if rms else "layernorm",
+        bias=linear_bias,
+        tied_embeddings=tied,
+        position_embedding="learned" if pos is not None else ("rope" if rope else "none"),
+        max_positions=pos.num_embeddings if pos is not None else None,
+        dropout=float(dropout),
+        n_params=_count_params(module),
+        name=type(module).__name__ + (f" (guessed {', '.join(guesses)})" if guesses else ""),
+    )
+
+
+def _generic_spec(module: Any) -> ModelSpec:
+    import torch.nn as nn
+
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    widths = Counter(m.in_features for m in linears)
+    hidden = widths.most_common(1)[0][0] if widths else 1
+    blocks = _blocks(module)
+    vocab = max((e.num_embeddings for e in embeddings), default=linears[-1].out_features if linears else 1)
+    n_params = _count_params(module)
+    return ModelSpec(
+        len(blocks) if blocks is not None else 1,
+        hidden,
+        1,
+        vocab,
+        n_params=max(n_params, 1),
+        position_embedding="none",
+        name=f"{type(module).__name__} (not a transformer: exact n_params={n_params}; guessed "
+        f"n_layers, hidden={hidden} (most common Linear width), n_heads=1, vocab_size={vocab}; "
+        "use trace_memory for its activations)",
+    )
+
+
+def spec_from_module(module: Any) -> ModelSpec:
+    """A :class:`ModelSpec` for a live ``nn.Module`` (a LightningModule's submodules are searched too).
+
+    Order: a Hugging Face ``config`` attribute (read by :func:`spec_from_hf_config`, ``n_params`` exact);
+    a recognised transformer tree (embedding, repeated blocks with q/k/v projections, MLP, norms, head);
+    otherwise a best-effort spec with the exact parameter count (its ``name`` lists what was guessed).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    import torch.nn as nn
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__!r} must be a torch.nn.Module (or a LightningModule)")
+    n_params = _count_params(module)
+    cfg = _hf_config(module)
+    if cfg is not None:
+        from dataclasses import replace
+
+        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1))
+    spec = _transformer_spec(module)
+    return spec if spec is not None else _generic_spec(module)

@@ -1,0 +1,500 @@
+"""Traced estimate: run one real training step of the user's module under fake tensors and measure it.
+
+:func:`trace_memory` copies the module into a ``FakeTensorMode`` (``FakeCopyMode``: no real allocation;
+shapes, dtypes and the autograd graph are real), runs forward + loss, ``zero_grad``, backward and the
+optimizer step exactly as Lightning orders them (:func:`~lightning_memplan.tracking.step.run_training_step`)
+with the precision plugin emulated, and measures live storages per component with
+:class:`~lightning_memplan.tracking.tracker.TensorTracker`. Two steps by default, so the optimizer states
+exist and the previous gradients are alive in the measured step's forward (the steady state).
+
+:func:`calibrate` traces a few batch shapes and fits, per phase and per batch-dependent component,
+``bytes = c0 + c1 * (b*s) + c2 * (b*s^2)`` (a :class:`~lightning_memplan.model.result.Calibration`).
+
+Importing this module imports no Lightning; a LightningModule is recognised by its ``training_step``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
+from lightning_memplan.tracking.report import TrackerReport
+from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
+from lightning_memplan.tracking.tracker import TensorTracker
+
+__all__ = ["TraceResult", "calibrate", "default_loss", "make_optimizer", "trace_memory"]
+
+_OPTIMIZER_IMPLS = (None, "foreach", "for_loop", "fused")
+_OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "sgd_momentum")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceResult:
+    """Measured bytes of one traced training step.
+
+    Attributes:
+        estimate: the measurement as a :class:`MemoryEstimate` (``source="traced"``): components at the
+            overall peak, ``peak_phase`` and ``by_phase``.
+        report: the tracker's full :class:`TrackerReport` (also the live bytes after the step).
+        micro_batch: b of the traced batch (its first dimension).
+        seq_len: s of the traced batch (``None`` when the input has no sequence dimension).
+        precision: the Lightning precision string emulated.
+        mode: ``"fake"`` (fake tensors, nothing allocated) or ``"real"`` (a real CPU step).
+        fallback_reason: why a fake trace fell back to a real step (``None`` when it did not).
+        n_params: parameters of the module (a shared parameter counted once).
+        steps: training steps run (the last one is measured).
+    """
+
+    estimate: MemoryEstimate
+    report: TrackerReport
+    micro_batch: int
+    seq_len: int | None
+    precision: str
+    mode: str
+    fallback_reason: str | None = None
+    n_params: int = 0
+    steps: int = 2
+
+    @property
+    def total(self) -> int:
+        """Peak live tensor bytes of the measured step."""
+        return self.estimate.total
+
+    @property
+    def peak_phase(self) -> str:
+        return self.estimate.peak_phase
+
+    @property
+    def by_phase(self) -> Mapping[str, Mapping[str, int]]:
+        return self.estimate.by_phase
+
+    def components(self) -> dict[str, int]:
+        """``{component: bytes}`` at the peak."""
+        return self.estimate.components()
+
+    def phase_total(self, phase: str) -> int:
+        return self.estimate.phase_total(phase)
+
+
+def make_optimizer(
+    optimizer: str | Callable[[Any], torch.optim.Optimizer],
+    params: Any,
+    *,
+    optimizer_impl: str | None = None,
+) -> torch.optim.Optimizer:
+    """An optimizer from a TrainSpec-style name (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``)
+    or a factory ``params -> Optimizer``; ``optimizer_impl`` ``"foreach"``/``"for_loop"``/``"fused"``
+    selects the kernel (``None``: PyTorch's default for the device: for-loop on CPU, foreach on CUDA)."""
+    if optimizer_impl not in _OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
+    if callable(optimizer):
+        return optimizer(params)
+    impl: dict[str, Any] = {}
+    if optimizer_impl == "foreach":
+        impl = {"foreach": True}
+    elif optimizer_impl == "for_loop":
+        impl = {"foreach": False}
+    elif optimizer_impl == "fused":
+        impl = {"fused": True}
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, **impl)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-3, **impl)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, **impl)
+    if optimizer == "sgd_momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **impl)
+    raise ValueError(
+        f"optimizer={optimizer!r} is not traceable by name; use 'adamw', 'adam', 'sgd', 'sgd_momentum' or pass "
+        "a factory such as `lambda params: bitsandbytes.optim.AdamW8bit(params)`"
+    )
+
+
+def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss :func:`trace_memory` uses when none is given.
+
+    - a LightningModule (has ``training_step`` and ``configure_optimizers``): ``training_step(batch, 0)``;
+    - ``(x, y)``: ``module(x)`` (through ``module.logits`` when it has one, like the zoo's GPT; a Hugging
+      Face output's ``.loss`` or ``.logits``), then ``F.cross_entropy`` for integer ``y``, else MSE;
+    - an integer ``x`` alone (token ids): cross-entropy of the output against ``x`` (a next-token loss
+      with the same memory); any other ``x``: the mean of the output.
+    """
+    if hasattr(module, "training_step") and hasattr(module, "configure_optimizers"):
+        return getattr(module, "training_step")(batch, 0)  # noqa: B009 - nn.Module attributes type as Tensor
+    x, y = (batch[0], batch[1]) if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
+    out = module(**x) if isinstance(x, Mapping) else module(x)
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, Mapping) and out.get("loss") is not None:
+        return out["loss"]
+    if getattr(out, "logits", None) is not None and isinstance(out.logits, torch.Tensor):
+        out = out.logits
+    elif callable(getattr(module, "logits", None)):
+        out = getattr(module, "logits")(out)  # noqa: B009
+    if y is None and isinstance(x, torch.Tensor) and not x.is_floating_point() and out.shape[:-1] == x.shape:
+        y = x
+    if y is not None and not y.is_floating_point():
+        return F.cross_entropy(out.flatten(0, -2), y.flatten())
+    if y is not None:
+        return F.mse_loss(out, y)
+    return out.mean()
+
+
+def _vocab_of(module: nn.Module) -> int | None:
+    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
+def _token_batch(module: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
+    vocab = _vocab_of(module)
+    if vocab is None:
+        raise ValueError(
+            f"batch_shape=({micro_batch}, {seq_len}) builds token ids, but {type(module).__name__} has no "
+            "nn.Embedding to take the vocabulary from; pass example_input= or input_fn=(b, s) -> batch"
+        )
+    return torch.randint(0, vocab, (micro_batch, seq_len))
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def _copy_module(module: nn.Module) -> nn.Module:
+    # Never deep-copy what a LightningModule merely points at (its Trainer / Fabric).
+    memo: dict[int, Any] = {}
+    for attr in ("_trainer", "_fabric", "_fabric_optimizers"):
+        value = module.__dict__.get(attr)
+        if value is not None:
+            memo[id(value)] = None
+    return copy.deepcopy(module, memo)
+
+
+def _move(module: nn.Module, device: torch.device) -> nn.Module:
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.device == device for t in tensors):
+        return module
+    try:
+        return module.to(device)
+    except RuntimeError:
+        # Fake parameters carry weak references (the fake-tensor memo), so ``Module._apply`` cannot swap
+        # them in place; re-create them on the device instead (tied parameters stay tied).
+        moved: dict[int, nn.Parameter] = {}
+        for mod in module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    if id(p) not in moved:
+                        moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                    mod._parameters[name] = moved[id(p)]
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    mod._buffers[name] = buf.to(device)
+        return module
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def _run(
+    module: nn.Module,
+    make_batch: Callable[[], Any],
+    *,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    optimizer: Any,
+    optimizer_impl: str | None,
+    precision: PrecisionEmulation,
+    steps: int,
+    seq_len: int | None,
+    vocab_size: int | None,
+    fake: bool,
+    pin: Mapping[str, str] | None,
+    device: torch.device,
+) -> TrackerReport:
+    # ``module`` is already the caller's private copy (fake or real)
+    model = precision.convert_module(_move(module, device))
+    model.train()
+    opt = make_optimizer(optimizer, model.parameters(), optimizer_impl=optimizer_impl)
+    batch = precision.convert_input(_map_tensors(make_batch(), lambda t: t.to(device)))
+    scaler = precision.make_scaler(fake=fake)
+    tracker = TensorTracker(model, opt, seq_len=seq_len, vocab_size=vocab_size, device=device, pin=pin)
+    with tracker:
+        tracker.track(batch, "other")
+        for _ in range(steps):
+            tracker.reset_peaks()
+            run_training_step(
+                model, batch, loss_fn, opt, precision=precision, scaler=scaler, on_phase=tracker.set_phase
+            )
+    return tracker.report()
+
+
+def trace_memory(
+    module: nn.Module,
+    example_input: Any = None,
+    *,
+    batch_shape: tuple[int, int] | None = None,
+    input_fn: Callable[[int, int], Any] | None = None,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    optimizer: str | Callable[[Any], torch.optim.Optimizer] = "adamw",
+    optimizer_impl: str | None = None,
+    precision: str = "32-true",
+    steps: int = 2,
+    fake: bool = True,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    pin_moments: Mapping[str, str] | None = None,
+    device: str | torch.device = "cpu",
+) -> TraceResult:
+    """Measure one training step of ``module`` per memory component, under fake tensors by default.
+
+    Args:
+        module: any ``nn.Module`` (a LightningModule runs its ``training_step``); it is copied, never
+            modified or stepped.
+        example_input: a batch (tensor, tuple, list or dict of tensors) as the loss function takes it.
+        batch_shape: ``(b, s)`` instead of ``example_input``: random token ids ``[b, s]`` from the
+            module's largest ``nn.Embedding`` (or ``input_fn(b, s)`` when given). Made directly as fake
+            tensors, so a batch that would not fit anywhere can be traced.
+        input_fn: ``(b, s) -> batch`` used with ``batch_shape``.
+        loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
+            :func:`default_loss`.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``.
+        optimizer_impl: ``None`` (PyTorch's default for the device), ``"foreach"``, ``"for_loop"``, ``"fused"``.
+        precision: Lightning precision string, emulated as Lightning's precision plugins do
+            (:class:`~lightning_memplan.tracking.step.PrecisionEmulation`).
+        steps: training steps to run; the last is measured (2: optimizer states exist, steady state).
+        fake: trace under ``FakeTensorMode`` (no allocation); if the fake run fails (an operator
+            without a fake kernel, a data-dependent shape), a real CPU step runs instead and
+            :attr:`TraceResult.fallback_reason` says why. ``False`` always runs a real CPU step.
+        seq_len, vocab_size: hints for the ``attention`` / ``logits`` classification (default: from
+            ``batch_shape`` / a 2-d integer input, and the largest ``nn.Embedding``).
+        pin_moments: ``{phase: "<operator>#<k>"}``: also report the components at that moment of each
+            phase (``result.report.pinned``); :func:`calibrate` uses it to compare shapes at one moment.
+        device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` on a machine with
+            CUDA: then autocast's CUDA op lists, the CUDA attention kernels and the foreach optimizer
+            are traced, still without allocating). A real fallback step always runs on the CPU.
+
+    Raises:
+        ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
+            ``steps``; an unknown precision or optimizer.
+    """
+    if (example_input is None) == (batch_shape is None):
+        raise ValueError(
+            "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
+            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r}"
+        )
+    _check_positive("steps", steps)
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA build with a visible GPU to trace its kernels; use device='cpu'")
+    emulation = PrecisionEmulation(precision=precision, device_type=device.type)
+    if isinstance(optimizer, str) and optimizer not in _OPTIMIZER_NAMES:
+        make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
+    if optimizer_impl not in _OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
+    if batch_shape is not None and input_fn is None and _vocab_of(module) is None:
+        _token_batch(module, *batch_shape)  # raises: nothing to draw token ids from
+    loss_fn = loss_fn or default_loss
+    if batch_shape is not None:
+        if len(batch_shape) != 2:
+            raise ValueError(f"batch_shape={batch_shape!r} must be (micro_batch, seq_len)")
+        b, s = batch_shape
+        _check_positive("batch_shape[0] (micro_batch)", b)
+        _check_positive("batch_shape[1] (seq_len)", s)
+        micro_batch: int = b
+        seq: int | None = s
+
+        def make_batch() -> Any:
+            return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
+    else:
+        first = _first_tensor(example_input)
+        if first is None:
+            raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
+        micro_batch = int(first.shape[0]) if first.dim() else 1
+        seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
+
+        def make_batch() -> Any:
+            return _map_tensors(example_input, lambda t: t.detach().clone())
+    seq_len = seq_len if seq_len is not None else seq
+    vocab_size = vocab_size if vocab_size is not None else _vocab_of(module)
+    n_params = sum(p.numel() for p in module.parameters())
+    run_kwargs = dict(
+        loss_fn=loss_fn, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation, steps=steps,
+        seq_len=seq_len, vocab_size=vocab_size, pin=pin_moments,
+    )
+    mode, reason = "real", None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        try:
+            with FakeCopyMode(fake_mode), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+                fake_module = _copy_module(module)
+            if batch_shape is None:
+                fake_batch = _map_tensors(example_input, fake_mode.from_tensor)
+                make_fake: Callable[[], Any] = lambda: fake_batch  # noqa: E731
+            else:
+                make_fake = make_batch
+            with fake_mode:
+                report = _run(fake_module, make_fake, fake=True, device=device, **run_kwargs)  # type: ignore[arg-type]
+            mode = "fake"
+        except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step
+            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            warnings.warn(
+                f"trace_memory: the fake-tensor step failed ({reason}); measuring a real CPU step instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if mode == "real":
+        if any(p.is_meta for p in module.parameters()):
+            raise ValueError(
+                "module has parameters on the meta device, so a real step cannot run"
+                + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
+            )
+        if device.type != "cpu":
+            run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
+        cpu_module = _copy_module(module).to("cpu")  # a private copy: the user's module is never stepped
+        report = _run(cpu_module, make_batch, fake=False, device=torch.device("cpu"), **run_kwargs)  # type: ignore[arg-type]
+    return TraceResult(
+        estimate=report.to_estimate(source="traced"),
+        report=report,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        precision=emulation.precision,
+        mode=mode,
+        fallback_reason=reason,
+        n_params=n_params,
+        steps=steps,
+    )
+
+
+def _third_shape(shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    (b1, s1), (b2, s2) = shapes[0], shapes[1]
+    for b, s in ((2 * b1, s1), (2 * b2, s2), (b1, max(1, s1 // 2)), (b2, max(1, s2 // 2))):
+        if (b, s) not in shapes and _rank(list(shapes) + [(b, s)], 3) == 3:
+            return b, s
+    return None
+
+
+def _design(shapes: Sequence[tuple[int, int]], terms: int) -> torch.Tensor:
+    rows = [[1.0, float(b * s), float(b * s * s)][:terms] for b, s in shapes]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def _rank(shapes: Sequence[tuple[int, int]], terms: int) -> int:
+    x = _design(shapes, terms)
+    return int(torch.linalg.matrix_rank(x / x.abs().amax(dim=0).clamp_min(1.0)))
+
+
+def calibrate(
+    module: nn.Module,
+    shapes: Sequence[tuple[int, int]] = ((1, 64), (2, 128)),
+    *,
+    input_fn: Callable[[int, int], Any] | None = None,
+    **trace_kwargs: Any,
+) -> Calibration:
+    """Fit ``bytes = c0 + c1*(b*s) + c2*(b*s^2)`` per phase and component from traced steps.
+
+    Each ``(b, s)`` in ``shapes`` is traced with :func:`trace_memory` (``batch_shape=(b, s)``; pass
+    ``input_fn`` for inputs other than token ids; other keywords go to :func:`trace_memory`).
+
+    A phase's peak may fall at different moments for different shapes (for a tiny batch the end of
+    backward, when all gradients exist; for a large one its start, when all activations do), and a
+    fit across different moments is meaningless. So the largest shape is traced first, and every
+    other shape is measured at the *same* moment as the largest one's phase peaks (the k-th call of
+    the same operator in the phase; ``pin_moments``), which is the moment that decides memory at scale. Every component
+    is fitted (params, grads, optimizer come out constant and say what is live at that moment).
+
+    The b*s^2 term is fitted only when attention is materialised (eager attention): then, with two
+    shapes, a third is traced (b doubled or s halved) to separate the three terms. The fit is exact at
+    the traced shapes (as many shapes as terms).
+
+    Raises:
+        ValueError: fewer than 2 shapes, a non-positive size, or shapes that cannot separate the terms
+            (e.g. the same b*s twice).
+    """
+    shapes = [tuple(s) for s in shapes]  # type: ignore[misc]
+    if len(shapes) < 2:
+        raise ValueError(f"shapes={shapes!r} needs at least two (micro_batch, seq_len) pairs, e.g. ((1, 64), (2, 128))")
+    for b, s in shapes:
+        _check_positive("micro_batch in shapes", b)
+        _check_positive("seq_len in shapes", s)
+    if len(set(shapes)) != len(shapes):
+        raise ValueError(f"shapes={shapes!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
+    reference = max(shapes, key=lambda bs: (bs[0] * bs[1] * bs[1], bs[0] * bs[1]))
+    ref = trace_memory(module, batch_shape=reference, input_fn=input_fn, **trace_kwargs)
+    pin = dict(ref.report.peak_ops)
+
+    def at_moment(shape: tuple[int, int]) -> Mapping[str, Mapping[str, int]]:
+        if shape == reference:
+            return ref.by_phase
+        pinned = trace_memory(module, batch_shape=shape, input_fn=input_fn, pin_moments=pin, **trace_kwargs).report.pinned
+        missing = [p for p in pin if p not in pinned]
+        if missing:
+            raise ValueError(
+                f"the step for shape {shape} never reaches the moment(s) {[pin[p] for p in missing]} where "
+                f"{reference} peaks in phase(s) {missing}: its op sequence depends on the batch shape, so shapes "
+                "cannot be compared at one moment; calibrate with shapes closer to each other"
+            )
+        return pinned
+
+    measured = [at_moment(shape) for shape in shapes]
+    quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
+    terms = 3 if quadratic else 2
+    if quadratic and _rank(shapes, 3) < 3:
+        third = _third_shape(shapes)
+        if third is None:
+            raise ValueError(f"shapes={shapes!r} cannot separate the b*s and b*s^2 terms; add a third (b, s)")
+        shapes.append(third)
+        measured.append(at_moment(third))
+    if _rank(shapes, terms) < terms:
+        raise ValueError(
+            f"shapes={shapes!r} do not separate the fitted terms (need different b*s"
+            + (" and b*s^2" if terms == 3 else "") + "); use shapes such as ((1, 64), (2, 128))"
+        )
+    x = _design(shapes, terms)
+    scale = x.abs().amax(dim=0).clamp_min(1.0)  # columns span 1 .. b*s^2: scale before solving
+    coefficients: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for phase in pin:
+        coefficients[phase] = {}
+        for component in COMPONENTS:
+            y = torch.tensor([[float(m[phase].get(component, 0))] for m in measured], dtype=torch.float64)
+            if len(shapes) == terms:
+                sol = (torch.linalg.solve(x / scale, y).flatten() / scale).tolist()
+            else:
+                sol = (torch.linalg.lstsq(x / scale, y, driver="gelsd").solution.flatten() / scale).tolist()
+            c = (sol + [0.0, 0.0, 0.0])[:3]
+            coefficients[phase][component] = (float(c[0]), float(c[1]), float(c[2]))
+    return Calibration(
+        coefficients=coefficients,
+        traced_shapes=tuple(shapes),  # type: ignore[arg-type]
+        precision=ref.precision,
+        n_params=ref.n_params,
+    )

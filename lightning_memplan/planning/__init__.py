@@ -1,0 +1,53 @@
+"""The planner: choose dp / ZeRO / tp / pp / cp, recompute, loss mode and micro-batch from the memory
+model and the hardware, explain every choice and every rejection. Pure: no Lightning, no device query."""
+
+from lightning_memplan.planning.budget import (
+    ALLOCATOR_FRAGMENTATION_FRACTION,
+    CUDA_CONTEXT_BYTES,
+    NCCL_BYTES_PER_GROUP,
+    Budget,
+    memory_budget,
+)
+from lightning_memplan.planning.decision import (
+    Candidate,
+    PlanDecision,
+    PlanDoesNotFitError,
+    Rejection,
+    Suggestion,
+)
+from lightning_memplan.planning.planner import CHANGE_COST, CHANGE_PENALTY, plan
+from lightning_memplan.planning.space import ALLOW_NAMES, Allow
+from lightning_memplan.planning.timing import (
+    ACHIEVABLE_FLOPS_FRACTION,
+    Layout,
+    StepTime,
+    StepTimeModel,
+    bubble_fraction,
+    bubble_overhead,
+    predict_step_time,
+)
+
+__all__ = [
+    "ACHIEVABLE_FLOPS_FRACTION",
+    "ALLOCATOR_FRAGMENTATION_FRACTION",
+    "ALLOW_NAMES",
+    "Allow",
+    "Budget",
+    "CHANGE_COST",
+    "CHANGE_PENALTY",
+    "CUDA_CONTEXT_BYTES",
+    "Candidate",
+    "Layout",
+    "NCCL_BYTES_PER_GROUP",
+    "PlanDecision",
+    "PlanDoesNotFitError",
+    "Rejection",
+    "StepTime",
+    "StepTimeModel",
+    "Suggestion",
+    "bubble_fraction",
+    "bubble_overhead",
+    "memory_budget",
+    "plan",
+    "predict_step_time",
+]

@@ -1,0 +1,293 @@
+"""What the planner returns: :class:`PlanDecision` with its ranked :class:`Candidate` s, every
+:class:`Rejection` with its reason, and, when nothing fits, :class:`Suggestion` s. JSON round-trip via
+``to_dict``/``from_dict``; rendering in :mod:`lightning_memplan.planning.explain`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.result import MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.planning.budget import Budget
+from lightning_memplan.planning.timing import StepTime
+
+__all__ = ["Candidate", "PlanDecision", "PlanDoesNotFitError", "Rejection", "Suggestion", "train_changes"]
+
+GiB = 2**30
+
+
+class PlanDoesNotFitError(ValueError):
+    """Raised by :meth:`PlanDecision.require_fit` when no plan fits; carries the decision."""
+
+    def __init__(self, message: str, decision: PlanDecision) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+def train_changes(base: TrainSpec, chosen: TrainSpec) -> list[str]:
+    """What the planner changed in the user's TrainSpec, as ``field: old -> new`` strings."""
+    out = []
+    for name in ("micro_batch", "grad_accumulation", "recompute", "loss", "loss_chunk_size"):
+        old, new = getattr(base, name), getattr(chosen, name)
+        if old != new:
+            out.append(f"{name}: {old!r} -> {new!r}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A plan that fits (or, for the closest plan when nothing fits, the one that misses least).
+
+    Attributes:
+        plan: the layout. train: the TrainSpec it runs with (micro-batch, accumulation, recompute and
+        loss as chosen). estimate: the worst rank's :class:`MemoryEstimate`. budget: the budget
+        derivation for this plan. step: the predicted :class:`StepTime`. change_cost: how far it is
+        from plain data parallelism with the user's settings (see ``planning.planner.CHANGE_COST``).
+        score: ``step.total_s * (1 + CHANGE_PENALTY * change_cost)``, the ranking key. notes: remarks
+        such as "tp=16 crosses nodes".
+    """
+
+    plan: ParallelPlan
+    train: TrainSpec
+    estimate: MemoryEstimate
+    budget: Budget
+    step: StepTime
+    change_cost: float = 0.0
+    score: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak tensor bytes of the worst rank."""
+        return self.estimate.total
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total <= self.budget.budget
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step.total_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.step.tokens_per_s
+
+    @property
+    def mfu(self) -> float:
+        return self.step.mfu
+
+    def describe(self) -> str:
+        """``dp=8 zero=3 tp=2 | b=2 x4, recompute=selective, loss=chunked``."""
+        t = self.train
+        extra = [f"b={t.micro_batch} x{self.plan.microbatches if self.plan.pp > 1 else t.grad_accumulation}"]
+        if t.recompute != "none":
+            extra.append(f"recompute={t.recompute}")
+        extra.append(f"loss={t.loss}")
+        return f"{self.plan.describe()} | {', '.join(extra)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "train": self.train.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "budget": self.budget.to_dict(),
+            "step": self.step.to_dict(),
+            "change_cost": self.change_cost,
+            "score": self.score,
+            "notes": list(self.notes),
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Candidate:
+        return cls(
+            plan=ParallelPlan.from_dict(data["plan"]),
+            train=TrainSpec.from_dict(data["train"]),
+            estimate=MemoryEstimate.from_dict(data["estimate"]),
+            budget=Budget(**data["budget"]),
+            step=StepTime.from_dict(data["step"]),
+            change_cost=float(data.get("change_cost", 0.0)),
+            score=float(data.get("score", 0.0)),
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    """A layout or candidate the planner ruled out, and why, in words.
+
+    Attributes:
+        layout: what was rejected (``"dp=4 tp=16 pp=1 cp=1"`` or a candidate description).
+        kind: ``"divisibility"`` (shape rule), ``"batch"`` (global batch), ``"allow"``, ``"memory"``
+            (predicted peak over the budget) or ``"slower"`` (not memory-checked: its best possible
+            step time ranks below the kept candidates).
+        reason: e.g. ``"stage 0 needs 93.1 GiB > 71.2 GiB budget"``, ``"n_heads=40 not divisible by tp=16"``.
+        peak_bytes, budget_bytes: for memory rejections.
+    """
+
+    layout: str
+    kind: str
+    reason: str
+    peak_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "kind": self.kind, "reason": self.reason,
+                "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Rejection:
+        return cls(**{k: data.get(k) for k in ("layout", "kind", "reason", "peak_bytes", "budget_bytes")})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suggestion:
+    """A change that would make the closest plan fit (or shrink its shortfall), cheapest first.
+
+    Attributes:
+        change: the change in words (``"loss='chunked'"``, ``"2x the GPUs (64)"``, ``"seq_len <= 16384"``).
+        kind: ``"train"``, ``"sequence"``, ``"hardware"`` or ``"cluster"``.
+        fits: whether the planner predicts it fits. peak_bytes, budget_bytes: the prediction.
+        detail: the numbers in words.
+    """
+
+    change: str
+    kind: str
+    fits: bool
+    detail: str = ""
+    peak_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Suggestion:
+        return cls(**{k: data.get(k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanDecision:
+    """The planner's answer.
+
+    Attributes:
+        plan: the chosen :class:`ParallelPlan` (the closest one when ``fits`` is False).
+        train: the :class:`TrainSpec` actually chosen (micro-batch, grad accumulation, recompute, loss).
+        estimate: the worst rank's :class:`MemoryEstimate` for (plan, train).
+        step: the predicted :class:`StepTime`.
+        candidates: ranked fitting candidates, best first (``candidates[0]`` is the choice when it fits).
+        rejected: every rejected layout/candidate with its reason.
+        fits: whether the chosen plan is predicted to fit its budget.
+        budget: the chosen plan's budget derivation.
+        shortfall_bytes: predicted peak minus budget when it does not fit, else 0.
+        suggestions: when nothing fits, the cheapest changes that would make it fit.
+        model, base_train, hardware: the inputs. global_batch: sequences per optimizer step (``None``:
+        per-replica batch fixed to ``micro_batch * grad_accumulation``). headroom: as given.
+        stats: search statistics (layouts, memory evaluations, seconds).
+        notes: assumptions (fallback hardware values, ...).
+    """
+
+    plan: ParallelPlan
+    train: TrainSpec
+    estimate: MemoryEstimate
+    step: StepTime
+    candidates: tuple[Candidate, ...]
+    rejected: tuple[Rejection, ...]
+    fits: bool
+    budget: Budget
+    shortfall_bytes: int
+    suggestions: tuple[Suggestion, ...]
+    model: ModelSpec
+    base_train: TrainSpec
+    hardware: HardwareSpec
+    global_batch: int | None = None
+    headroom: float = 0.1
+    stats: Mapping[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def chosen(self) -> Candidate:
+        """The chosen candidate (plan, train, estimate, step together)."""
+        return Candidate(plan=self.plan, train=self.train, estimate=self.estimate, budget=self.budget, step=self.step)
+
+    def train_changes(self) -> list[str]:
+        """What the planner changed in the user's TrainSpec (``"recompute: 'none' -> 'full'"``)."""
+        return train_changes(self.base_train, self.train)
+
+    def require_fit(self) -> PlanDecision:
+        """Return ``self`` when the plan fits, else raise :class:`PlanDoesNotFitError` (a
+        ``ValueError``) naming the shortfall and the cheapest changes that would fit."""
+        if self.fits:
+            return self
+        hints = "; ".join(s.change for s in self.suggestions if s.fits)[:600] or "no single change found; see decision.explain()"
+        raise PlanDoesNotFitError(
+            f"no parallel plan fits {self.model.name or 'the model'} on {self.hardware.world_size} x "
+            f"{self.hardware.name}: the closest, {self.plan.describe()}, needs "
+            f"{self.estimate.total / GiB:.1f} GiB > {self.budget.budget / GiB:.1f} GiB budget (short by "
+            f"{self.shortfall_bytes / GiB:.1f} GiB); changes that fit: {hints}",
+            self,
+        )
+
+    def explain(self, format: str = "text", *, top: int = 5, max_rejected: int = 12) -> str:
+        """Render the decision: ``"text"``, ``"markdown"`` or ``"rich"`` (a rich table rendered to text).
+
+        Args:
+            top: alternatives listed. max_rejected: rejection reasons listed per kind.
+        """
+        from lightning_memplan.planning.explain import render
+
+        return render(self, format=format, top=top, max_rejected=max_rejected)
+
+    def __rich__(self) -> Any:
+        from lightning_memplan.planning.explain import rich_renderable
+
+        return rich_renderable(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_dict(),
+            "train": self.train.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "step": self.step.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "rejected": [r.to_dict() for r in self.rejected],
+            "fits": self.fits,
+            "budget": self.budget.to_dict(),
+            "shortfall_bytes": self.shortfall_bytes,
+            "suggestions": [s.to_dict() for s in self.suggestions],
+            "model": self.model.to_dict(),
+            "base_train": self.base_train.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "global_batch": self.global_batch,
+            "headroom": self.headroom,
+            "stats": dict(self.stats),
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanDecision:
+        return cls(
+            plan=ParallelPlan.from_dict(data["plan"]),
+            train=TrainSpec.from_dict(data["train"]),
+            estimate=MemoryEstimate.from_dict(data["estimate"]),
+            step=StepTime.from_dict(data["step"]),
+            candidates=tuple(Candidate.from_dict(c) for c in data.get("candidates", ())),
+            rejected=tuple(Rejection.from_dict(r) for r in data.get("rejected", ())),
+            fits=bool(data["fits"]),
+            budget=Budget(**data["budget"]),
+            shortfall_bytes=int(data.get("shortfall_bytes", 0)),
+            suggestions=tuple(Suggestion.from_dict(s) for s in data.get("suggestions", ())),
+            model=ModelSpec.from_dict(data["model"]),
+            base_train=TrainSpec.from_dict(data["base_train"]),
+            hardware=HardwareSpec.from_dict(data["hardware"]),
+            global_batch=data.get("global_batch"),
+            headroom=float(data.get("headroom", 0.1)),
+            stats=dict(data.get("stats", {})),
+            notes=tuple(data.get("notes", ())),
+        )

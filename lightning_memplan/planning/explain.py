@@ -1,0 +1,186 @@
+"""Rendering a :class:`~lightning_memplan.planning.decision.PlanDecision` as text, markdown or rich."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from typing import Any
+
+from lightning_memplan.model.result import COMPONENTS
+
+__all__ = ["FORMATS", "render", "rich_renderable"]
+
+FORMATS = ("text", "markdown", "rich")
+GiB = 2**30
+
+
+def _gib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / GiB:.1f}"
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1e-3 else f"{x * 1e3:.3g} ms"
+
+
+def _header(d: Any) -> list[str]:
+    hw = d.hardware
+    gb = d.global_batch if d.global_batch is not None else f"per replica {d.base_train.micro_batch * d.base_train.grad_accumulation}"
+    status = "FITS" if d.fits else f"DOES NOT FIT (short by {_gib(d.shortfall_bytes)} GiB)"
+    lines = [
+        f"model {d.model.name or 'custom'} (N={d.model.num_params / 1e9:.3g}B, L={d.model.n_layers}, h={d.model.hidden}), "
+        f"seq_len={d.base_train.seq_len}, global batch {gb}, precision {d.base_train.precision}, optimizer {d.base_train.optimizer}",
+        f"hardware {hw.describe()}; world size {hw.world_size}",
+        f"chosen: {d.plan.describe()}  [{status}]",
+        f"budget per device: {d.budget.describe()}",
+        f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}): {_gib(d.estimate.total)} GiB",
+    ]
+    changes = d.train_changes()
+    lines.append("training changes: " + (", ".join(changes) if changes else "none"))
+    st = d.step
+    exposed = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.exposed_s.items()) or "none"
+    hidden = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.overlapped_s.items()) or "none"
+    lines.append(
+        f"predicted step {_fmt_s(st.total_s)}: compute {_fmt_s(st.compute_s)}, bubble {_fmt_s(st.bubble_s)}, "
+        f"optimizer {_fmt_s(st.optimizer_s)}; exposed comm: {exposed}; overlapped comm: {hidden}"
+    )
+    lines.append(f"throughput {st.tokens_per_s:,.0f} tokens/s, MFU {100 * st.mfu:.1f}%")
+    if d.fits and len(d.candidates) > 1:
+        best, second = d.candidates[0], d.candidates[1]
+        gain = second.step.tokens_per_s / best.step.tokens_per_s - 1
+        if gain > 0:
+            why = (f"why not #2 ({second.describe()}): {100 * gain:.1f}% more tokens/s but more machinery "
+                   f"(change cost {second.change_cost:g} vs {best.change_cost:g}; each unit must buy > 1 %)")
+        else:
+            why = f"why not #2 ({second.describe()}): {100 * -gain:.1f}% fewer tokens/s"
+        lines.append(why)
+    for note in d.notes:
+        lines.append(f"note: {note}")
+    s = d.stats
+    if s:
+        lines.append(
+            f"search: {int(s.get('layouts', 0))} layouts, {int(s.get('memory_evaluations', 0))} memory evaluations, "
+            f"{1000 * float(s.get('seconds', 0.0)):.0f} ms"
+        )
+    return lines
+
+
+def _breakdown_rows(d: Any) -> list[tuple[str, str]]:
+    comps = d.estimate.components()
+    return [(c, _gib(comps[c])) for c in COMPONENTS if comps[c] > 0]
+
+
+def _candidate_rows(d: Any, top: int) -> list[list[str]]:
+    rows = []
+    best = d.candidates[0].step.total_s if d.candidates else None
+    for i, c in enumerate(d.candidates[:top], 1):
+        delta = f"{100 * (c.step.total_s / best - 1):+.1f}%" if best else "-"
+        rows.append([
+            str(i), c.describe(), _gib(c.peak_bytes), _gib(c.budget.budget), _fmt_s(c.step.total_s),
+            f"{c.step.tokens_per_s:,.0f}", f"{100 * c.step.mfu:.1f}%", delta, "; ".join(c.notes),
+        ])
+    return rows
+
+
+_CAND_HEAD = ["#", "plan | training", "peak GiB", "budget GiB", "step", "tokens/s", "MFU", "vs best", "notes"]
+
+
+def _rejected_lines(d: Any, max_rejected: int) -> list[str]:
+    by_kind = Counter(r.kind for r in d.rejected)
+    lines = [f"rejected: {len(d.rejected)} (" + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())) + ")"]
+    for kind in ("divisibility", "batch", "allow", "memory", "slower"):
+        items = [r for r in d.rejected if r.kind == kind]
+        if kind == "memory":  # estimated misses first, then the ones proven by a bound
+            items.sort(key=lambda r: r.peak_bytes is None)
+        for r in items[:max_rejected]:
+            lines.append(f"  [{kind}] {r.layout}: {r.reason}")
+        if len(items) > max_rejected:
+            lines.append(f"  [{kind}] ... and {len(items) - max_rejected} more")
+    return lines
+
+
+def _suggestion_lines(d: Any) -> list[str]:
+    if d.fits or not d.suggestions:
+        return []
+    lines = ["changes that would make it fit (cheapest first):"]
+    for s in d.suggestions:
+        mark = "fits" if s.fits else "not enough"
+        lines.append(f"  - {s.change} [{s.kind}, {mark}]: {s.detail}")
+    return lines
+
+
+def _text(d: Any, top: int, max_rejected: int) -> str:
+    lines = _header(d)
+    lines.append("memory at the peak (GiB): " + ", ".join(f"{k} {v}" for k, v in _breakdown_rows(d)))
+    lines += _suggestion_lines(d)
+    if d.candidates:
+        lines.append(f"top {min(top, len(d.candidates))} of {len(d.candidates)} ranked candidates:")
+        widths = [max(len(h), *(len(r[i]) for r in _candidate_rows(d, top))) for i, h in enumerate(_CAND_HEAD)]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(_CAND_HEAD, widths, strict=True)))
+        for row in _candidate_rows(d, top):
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    lines += _rejected_lines(d, max_rejected)
+    return "\n".join(lines)
+
+
+def _md_escape(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def _markdown(d: Any, top: int, max_rejected: int) -> str:
+    out = ["## Parallel plan", ""]
+    out += [f"- {_md_escape(x)}" for x in _header(d)]
+    out += ["", "### Memory at the peak (worst rank)", "", "| component | GiB |", "| --- | ---: |"]
+    out += [f"| {k} | {v} |" for k, v in _breakdown_rows(d)]
+    out.append(f"| **total** | **{_gib(d.estimate.total)}** |")
+    sugg = _suggestion_lines(d)
+    if sugg:
+        out += ["", "### Changes that would make it fit", ""] + [f"- {_md_escape(s.strip()[2:])}" for s in sugg[1:]]
+    if d.candidates:
+        out += ["", "### Ranked candidates", "", "| " + " | ".join(_CAND_HEAD) + " |",
+                "| " + " | ".join("---" for _ in _CAND_HEAD) + " |"]
+        out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in _candidate_rows(d, top)]
+    out += ["", "### Rejected", ""] + [f"- {_md_escape(x.strip())}" for x in _rejected_lines(d, max_rejected)]
+    return "\n".join(out) + "\n"
+
+
+def rich_renderable(d: Any, *, top: int = 5, max_rejected: int = 12) -> Any:
+    """A rich ``Group`` (header, breakdown table, candidates table, rejections) for ``console.print``."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text("\n".join(_header(d)))]
+    mem = Table(title="memory at the peak (worst rank)")
+    mem.add_column("component")
+    mem.add_column("GiB", justify="right")
+    for k, v in _breakdown_rows(d):
+        mem.add_row(k, v)
+    mem.add_row("total", _gib(d.estimate.total), style="bold")
+    parts.append(mem)
+    sugg = _suggestion_lines(d)
+    if sugg:
+        parts.append(Text("\n".join(sugg), style="yellow"))
+    if d.candidates:
+        tab = Table(title=f"top {min(top, len(d.candidates))} of {len(d.candidates)} ranked candidates")
+        for h in _CAND_HEAD:
+            tab.add_column(h, justify="right" if h in ("peak GiB", "budget GiB", "step", "tokens/s", "MFU", "vs best") else "left")
+        for row in _candidate_rows(d, top):
+            tab.add_row(*row)
+        parts.append(tab)
+    parts.append(Text("\n".join(_rejected_lines(d, max_rejected))))
+    return Group(*parts)
+
+
+def render(d: Any, *, format: str = "text", top: int = 5, max_rejected: int = 12) -> str:
+    """``d`` as ``"text"``, ``"markdown"`` or ``"rich"`` (rich tables rendered to plain text, 160 columns)."""
+    if format == "text":
+        return _text(d, top, max_rejected)
+    if format == "markdown":
+        return _markdown(d, top, max_rejected)
+    if format == "rich":
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=160, force_terminal=False, color_system=None).print(rich_renderable(d, top=top, max_rejected=max_rejected))
+        return buf.getvalue()
+    raise ValueError(f"format={format!r} must be one of {', '.join(map(repr, FORMATS))}")

@@ -1,0 +1,179 @@
+"""``plan()``: the cheapest-to-run layout whose worst rank fits the memory budget.
+
+Search (analytic, no profiling):
+
+1. :func:`~lightning_memplan.planning.space.enumerate_layouts` lists every ``dp x tp x pp x cp = world``
+   layout with its micro-batch and schedule, rejecting shape-invalid ones with a reason.
+2. :class:`~lightning_memplan.planning.timing.StepTimeModel` prices each layout; every inner option
+   (zero, sp, recompute, loss) gets ``score = step_time * (1 + CHANGE_PENALTY * change_cost)``.
+3. Best-first: layouts are visited in order of a lower bound of their score, their options in score
+   order; the memory model (:func:`~lightning_memplan.model.estimate.estimate_memory`) is called only
+   for what is visited. The first option of a layout that fits becomes a candidate; the search stops
+   with ``top_k`` candidates. What was never visited is reported as "slower" with its bound.
+
+Pruning that keeps it fast and exact:
+- the worst rank is stage 0 or the last stage (stage 0 holds the most in-flight micro-batches, the
+  most blocks and the embedding; the last holds the lm_head and the logits), so two ranks are
+  estimated per candidate, not p;
+- on first visit a layout is checked with its most memory-saving options; if even that misses the
+  budget the whole layout is rejected with one reason, and so is every larger micro-batch of the same
+  (dp, tp, pp, cp) (activations grow with b; GPipe and interleaving hold more in flight than 1F1B).
+
+Nothing in the ranking knows rules such as "TP inside a node": they follow from the time model (a
+cross-node TP all-reduce is priced at network bandwidth) and the memory model (more DP at fixed
+micro-batch shards nothing without ZeRO).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from lightning_memplan.hardware.presets import CHIP_TABLE
+from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.result import Calibration
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.planning.decision import Candidate, PlanDecision, Suggestion
+from lightning_memplan.planning.search import CHANGE_COST, CHANGE_PENALTY, DEFAULT_TOP_K, _Search
+from lightning_memplan.planning.space import Allow
+
+__all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "plan"]
+
+GiB = 2**30
+
+
+def _check_inputs(model: Any, train: Any, hardware: Any, global_batch: Any, memory_budget: Any, headroom: Any) -> None:
+    for name, value, cls in (("model", model, ModelSpec), ("train", train, TrainSpec), ("hardware", hardware, HardwareSpec)):
+        if not isinstance(value, cls):
+            hint = " (HardwareSpec.preset('h100-80gb', gpus_per_node=8))" if cls is HardwareSpec else ""
+            raise TypeError(f"{name}={value!r} must be a {cls.__name__}{hint}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1):
+        raise ValueError(f"global_batch={global_batch!r} must be a positive int (sequences per optimizer step) or None")
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+            raise TypeError(f"memory_budget={memory_budget!r} must be a number of bytes per device")
+        if memory_budget <= 0:
+            raise ValueError(
+                f"memory_budget={memory_budget!r} must be > 0 bytes per device (e.g. 70 * 2**30); pass None "
+                "to derive it from the device memory, headroom and overheads"
+            )
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10 % of device memory")
+
+
+def plan(
+    model: ModelSpec,
+    train: TrainSpec,
+    hardware: HardwareSpec,
+    *,
+    global_batch: int | None = None,
+    memory_budget: float | None = None,
+    headroom: float = 0.1,
+    allow: Any = None,
+    calibration: Calibration | None = None,
+    top_k: int = DEFAULT_TOP_K,
+) -> PlanDecision:
+    """Choose dp / ZeRO / tp (+sp) / pp (schedule, micro-batches) / cp, recompute, loss mode and
+    micro-batch so the worst rank fits and the predicted step is fastest.
+
+    Args:
+        model: the architecture.
+        train: the user's training settings; micro-batch, grad accumulation, recompute and loss mode may
+            change in the chosen :attr:`PlanDecision.train` (precision and optimizer never do).
+        hardware: the cluster (``world = gpus_per_node * num_nodes``; every GPU is used).
+        global_batch: sequences per optimizer step; ``dp * micro_batch * m`` must equal it. ``None``
+            keeps the per-replica batch ``train.micro_batch * train.grad_accumulation``.
+        memory_budget: bytes per device the predicted tensor peak must fit under; replaces the derived
+            budget ``memory * (1 - headroom) - CUDA context - NCCL - fragmentation`` (see ``planning.budget``).
+        headroom: fraction of device memory kept free (default 10 %).
+        allow: restrict the search (see :class:`~lightning_memplan.planning.space.Allow`): a sequence of
+            names such as ``("dp", "fsdp", "tp", "pp")``, a dict such as ``{"tp": [1, 2], "recompute":
+            ["none"]}``, or an ``Allow``.
+        calibration: traced coefficients for this model (passed to ``estimate_memory``).
+        top_k: ranked candidates to keep.
+
+    Returns:
+        :class:`PlanDecision`; when nothing fits, ``fits=False`` with the closest plan, its shortfall
+        and :attr:`~PlanDecision.suggestions` (call :meth:`~PlanDecision.require_fit` to raise instead).
+
+    Raises:
+        ValueError: world size no layout divides, ``memory_budget <= 0``, a global batch no ``dp x
+            micro-batch`` divides, an unknown ``allow`` name.
+        TypeError: wrong argument types.
+    """
+    t0 = time.perf_counter()
+    _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r} must be a positive int")
+    allow_spec = Allow.parse(allow)
+    explicit = None if memory_budget is None else int(memory_budget)
+    search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k)
+    found = search.run()
+    candidates: list[Candidate] = found["candidates"]
+    notes = _notes(search, hardware)
+    suggestions: tuple[Suggestion, ...] = ()
+    if candidates:
+        chosen, fits, shortfall = candidates[0], True, 0
+    else:
+        chosen = found["closest"]
+        if chosen is None:  # every layout was rejected before any memory check (cannot happen with layouts)
+            raise ValueError("no layout could be evaluated; relax allow=")
+        fits, shortfall = False, chosen.estimate.total - chosen.budget.budget
+        from lightning_memplan.planning.suggest import suggest
+
+        suggestions = tuple(suggest(search, chosen))
+    notes += _baseline_note(search, chosen)
+    stats = dict(found["stats"])
+    stats["memory_evaluations"] = search.evaluations
+    stats["seconds"] = time.perf_counter() - t0
+    return PlanDecision(
+        plan=chosen.plan, train=chosen.train, estimate=chosen.estimate, step=chosen.step,
+        candidates=tuple(candidates), rejected=tuple(found["rejected"]), fits=fits, budget=chosen.budget,
+        shortfall_bytes=max(0, shortfall), suggestions=suggestions, model=model, base_train=train,
+        hardware=hardware, global_batch=global_batch, headroom=float(headroom), stats=stats, notes=tuple(notes),
+    )
+
+
+def _notes(search: _Search, hardware: HardwareSpec) -> list[str]:
+    notes = []
+    assumed = hardware.assumed()
+    if assumed or hardware.fallback:
+        notes.append(
+            f"hardware figures assumed (fallback values, no datasheet): {', '.join(assumed) or 'all speeds'}; "
+            "the time ranking is approximate, the memory check is not affected"
+        )
+    if hardware.name.lower() not in CHIP_TABLE and not hardware.source:
+        notes.append(f"hardware {hardware.name!r} is user-described (no datasheet entry)")
+    return notes
+
+
+def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
+    """Why not plain data parallelism with the user's settings: one line, for the explanation."""
+    world, train = search.hardware.world_size, search.train
+    per_replica = (search.global_batch // world) if search.global_batch else train.micro_batch * train.grad_accumulation
+    if search.global_batch is not None and search.global_batch % world:
+        return [f"plain data parallelism (dp={world}) is impossible: global_batch={search.global_batch} is not divisible by {world}"]
+    b = train.micro_batch if per_replica % train.micro_batch == 0 else 1
+    base_plan = ParallelPlan(world)
+    base_train = train.replace(micro_batch=b, grad_accumulation=max(1, per_replica // b))
+    if chosen.plan == base_plan and chosen.train == base_train:
+        if chosen.estimate.total > chosen.budget.budget:
+            return [f"plain data parallelism (dp={world}) with your settings is the closest plan"]
+        return ["plain data parallelism with your settings fits and is the fastest choice"]
+    try:
+        est = search.worst(base_plan, base_train)
+    except ValueError as exc:
+        return [f"plain data parallelism (dp={world}) is invalid: {exc}"]
+    bud = search.budget(base_plan)
+    if est.total > bud.budget:
+        return [f"plain data parallelism (dp={world}, your settings): {search.miss_reason(est, bud)}"]
+    return [f"plain data parallelism (dp={world}, your settings) would fit ({est.total / GiB:.1f} GiB) but is "
+            "predicted slower than the choice"]
+
+
+def with_nodes(hardware: HardwareSpec, factor: int) -> HardwareSpec:
+    """``hardware`` with ``factor`` x the GPUs (more nodes; or more GPUs per node up to 8 on one node)."""
+    if hardware.num_nodes == 1 and hardware.gpus_per_node * factor <= 8:
+        return replace(hardware, gpus_per_node=hardware.gpus_per_node * factor)
+    return replace(hardware, num_nodes=hardware.num_nodes * factor)

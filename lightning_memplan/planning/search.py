@@ -1,0 +1,393 @@
+"""The best-first search behind :func:`~lightning_memplan.planning.plan` (see that module's docstring
+for the algorithm and the pruning rules); ``_Search`` also serves the nothing-fits suggestions."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Any
+
+from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.result import MemoryEstimate
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.planning.budget import Budget, memory_budget
+from lightning_memplan.planning.decision import Candidate, Rejection
+from lightning_memplan.planning.space import LayoutChoice, enumerate_layouts
+from lightning_memplan.planning.timing import (
+    Layout,
+    LayoutTimes,
+    StepTimeModel,
+    planned_chunk_size,
+    topology_notes,
+)
+
+__all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K"]
+
+GiB = 2**30
+#: Candidates kept (ranked) per decision.
+DEFAULT_TOP_K = 5
+#: Relative step-time penalty per unit of change cost: with 1 %, a plan needing one more unit of
+#: machinery must be predicted > 1 % faster to win. This is "the cheapest sufficient change wins when
+#: the time model is close": within the model's accuracy, fewer moving parts are preferred.
+CHANGE_PENALTY = 0.01
+#: Units of change, relative to plain data parallelism with the user's TrainSpec.
+CHANGE_COST: dict[str, float] = {
+    "zero1": 0.5, "zero2": 1.0, "zero3": 1.5, "tp": 1.0, "sp": 0.5, "pp": 1.5, "cp": 1.5,
+    "interleaved": 0.5, "gpipe": 0.25, "selective": 0.5, "full": 1.0, "chunked": 0.5,
+    "vocab_parallel": 1.0, "micro_batch": 0.5,
+}
+
+
+def _layout_cost(lc: LayoutChoice, user_b: int) -> float:
+    cost = 0.0
+    if lc.tp > 1:
+        cost += CHANGE_COST["tp"]
+    if lc.pp > 1:
+        cost += CHANGE_COST["pp"] + CHANGE_COST.get(lc.schedule, 0.0)
+    if lc.cp > 1:
+        cost += CHANGE_COST["cp"]
+    if lc.b != user_b:
+        cost += CHANGE_COST["micro_batch"]
+    return cost
+
+
+def _option_cost(z: int, sp: bool, rc: str, loss: str, user_loss: str) -> float:
+    cost = CHANGE_COST[f"zero{z}"] if z else 0.0
+    cost += CHANGE_COST["sp"] if sp else 0.0
+    cost += CHANGE_COST.get(rc, 0.0)
+    if loss != user_loss:
+        cost += CHANGE_COST.get(loss, 0.5)
+    return cost
+
+
+class _Search:
+    """One planning run (state shared by the search, the suggestions and the explanation)."""
+
+    def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k):
+        self.model, self.train, self.hardware = model, train, hardware
+        self.allow, self.global_batch = allow, global_batch
+        self.headroom, self.explicit_budget = headroom, explicit_budget
+        self.calibration, self.top_k = calibration, top_k
+        self._cache: dict[tuple, MemoryEstimate] = {}
+        self._plans: dict[tuple, ParallelPlan] = {}
+        self._trains: dict[tuple, TrainSpec] = {}
+        self.evaluations = 0
+
+    # -- memory ------------------------------------------------------------------------------------
+    def materialise(self, lc: LayoutChoice, rc: str, z: int, loss: str, sp: bool) -> tuple[ParallelPlan, TrainSpec]:
+        pp = lc.pp > 1
+        pkey = (lc.dp, lc.tp, lc.pp, lc.cp, sp, z, lc.m if pp else 1, lc.schedule if pp else "1f1b", lc.v if pp else 1)
+        plan = self._plans.get(pkey)
+        if plan is None:
+            plan = self._plans[pkey] = ParallelPlan(
+                lc.dp, lc.tp, lc.pp, lc.cp, sp=sp, zero=z, microbatches=pkey[6], schedule=pkey[7], virtual_stages=pkey[8]
+            )
+        tkey = (lc.b, 1 if pp else lc.m, rc, loss, lc.cp if loss == "chunked" else 0)
+        train = self._trains.get(tkey)
+        if train is None:
+            chunk = self.train.loss_chunk_size
+            if loss == "chunked" and chunk is None:
+                chunk = planned_chunk_size(self.model, self.train, lc.b * self.train.seq_len // lc.cp)
+            train = self._trains[tkey] = self.train.replace(
+                micro_batch=lc.b, grad_accumulation=tkey[1], recompute=rc, loss=loss, loss_chunk_size=chunk
+            )
+        return plan, train
+
+    def worst(self, plan: ParallelPlan, train: TrainSpec, *, quick: bool = False) -> MemoryEstimate:
+        """Worst-rank estimate from stage 0 and the last stage (see the module docstring).
+
+        ``quick``: when stage 0 alone misses the budget, return it without estimating the last stage
+        (enough to prove a miss; its ``stage`` says which rank was checked)."""
+        key = (plan, train)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        self.evaluations += 1
+        est = estimate_memory(self.model, train, plan, rank=0, calibration=self.calibration)
+        if plan.pp > 1 and (not quick or est.total <= self.budget(plan).budget):
+            last = estimate_memory(
+                self.model, train, plan, rank=(plan.pp - 1) * plan.dp * plan.cp * plan.tp, calibration=self.calibration
+            )
+            if last.total > est.total:
+                est = last
+        self._cache[key] = est
+        return est
+
+    def budget(self, plan: ParallelPlan) -> Budget:
+        return memory_budget(self.hardware, plan, headroom=self.headroom, explicit=self.explicit_budget)
+
+    @staticmethod
+    def miss_reason(est: MemoryEstimate, budget: Budget) -> str:
+        largest = est.largest_component()
+        return (
+            f"stage {est.stage} needs {est.total / GiB:.1f} GiB > {budget.budget / GiB:.1f} GiB budget "
+            f"(largest: {largest} {getattr(est, largest) / GiB:.1f} GiB, {est.peak_phase} peak)"
+        )
+
+    # -- search ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        model, train = self.model, self.train
+        world = self.hardware.world_size
+        layouts, early = enumerate_layouts(model, train, world, self.allow, self.global_batch)
+        rejected = [Rejection(layout=w, kind=k, reason=r) for w, k, r in early]
+        if not layouts:
+            self._raise_no_layout(world, early)
+        recomputes = tuple(self.allow.recompute)
+        zeros = tuple(sorted({z for lc in layouts for z in lc.zeros}))
+        losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
+        tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
+        times: dict[tuple, LayoutTimes] = {}
+        lts: list[LayoutTimes | None] = [None] * len(layouts)
+        # Cheap compute-only bounds first (k = -2); a layout is priced when it reaches the top of the
+        # heap and re-queued with its full bound (k = -1), so most layouts are never priced.
+        heap = [
+            (tm.compute_lower_bound(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
+             / (lc.dp * lc.m * lc.b * train.seq_len) * (1 + CHANGE_PENALTY * _layout_cost(lc, train.micro_batch)), i, -2)
+            for i, lc in enumerate(layouts)
+        ]
+        heapq.heapify(heap)
+        t_enum = time.perf_counter() - t0
+
+        combos: dict[int, list[tuple[float, str, int, str, bool]]] = {}
+        ocost = {(z, sp, rc, lm): _option_cost(z, sp, rc, lm, train.loss)
+                 for z in zeros for sp in (False, True) for rc in recomputes for lm in losses}
+        pruned: dict[int, int] = {}
+        # each (dp, tp, pp, cp) family's smallest micro-batch under 1F1B: the bound for all its layouts
+        first_in_family: dict[tuple[int, int, int, int], int] = {}
+        for i, lc in enumerate(layouts):
+            if lc.schedule == "1f1b":
+                fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+                j = first_in_family.get(fam)
+                if j is None or lc.b < layouts[j].b:
+                    first_in_family[fam] = i
+        self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
+        self._bounds_done: set[tuple] = set()
+        done: set[int] = set()
+        candidates: list[Candidate] = []
+        closest: Candidate | None = None
+        while heap and len(candidates) < self.top_k:
+            score, i, k = heapq.heappop(heap)
+            if i in done:
+                continue
+            lc, lt = layouts[i], lts[i]
+            fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+            if k == -2:  # price it, re-queue with the full bound
+                key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
+                lt = times.get(key)
+                if lt is None:  # GPipe and 1F1B share every time term
+                    lt = times[key] = tm.layout(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
+                lts[i] = lt
+                slot = min(lt.compute_mb[r] + lt.tp_mb[r] for r in recomputes) + lt.cp_mb + lt.pp_mb
+                slot += min(lt.loss_mb[lm] for lm in lc.losses)
+                bound = lt.slots * slot + min(lt.dp_exposed[(z, r)] for z in lc.zeros for r in recomputes)
+                bound += min(lt.opt_s[z] for z in lc.zeros)
+                heapq.heappush(heap, (bound / lt.tokens * (1 + CHANGE_PENALTY * _layout_cost(lc, train.micro_batch)), i, -1))
+                continue
+            if k == -1:  # first visit: check the most memory-saving options, then expand
+                if fam not in self.failures:
+                    self.failures[fam] = []
+                    j = first_in_family.get(fam)
+                    if j is not None and j != i:  # the family's smallest micro-batch bounds them all
+                        self._max_saving_check(layouts[j], recomputes)
+                verdict = self._max_saving_check(lc, recomputes)
+                if verdict is not None:
+                    done.add(i)
+                    rejected.append(Rejection(layout=lc.describe(), kind=verdict[3], reason=verdict[2],
+                                              peak_bytes=verdict[0].total if verdict[0] else None,
+                                              budget_bytes=verdict[1].budget if verdict[1] else None))
+                    if verdict[0] is not None:
+                        closest = self._closer(closest, lc, lt, verdict[0], verdict[1], *self._max_saving_opts(lc, recomputes))
+                    continue
+                base = _layout_cost(lc, train.micro_batch)
+                opts = [
+                    (lt.total(rc, z, lm) / lt.tokens * (1 + CHANGE_PENALTY * (base + ocost[(z, sp, rc, lm)])), rc, z, lm, sp)
+                    for rc in recomputes for z in lc.zeros for lm in lc.losses for sp in lc.sps
+                ]
+                opts.sort(key=lambda o: o[0])
+                combos[i] = opts
+                heapq.heappush(heap, (opts[0][0], i, 0))
+                continue
+            sc, rc, z, lm, sp = combos[i][k]
+            est = bud = None
+            dom = self._bounded_out(lc, rc, z, lm, sp, layouts[first_in_family.get(fam, i)])
+            if dom is not None:
+                pruned[i] = pruned.get(i, 0) + 1  # reported once per layout below
+            else:
+                plan, tr = self.materialise(lc, rc, z, lm, sp)
+                try:
+                    est = self.worst(plan, tr, quick=True)
+                except ValueError as exc:  # a rule of the memory model the enumeration did not know
+                    done.add(i)
+                    rejected.append(Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc)))
+                    continue
+                bud = self.budget(plan)
+                if est.total <= bud.budget:
+                    step = lt.step_time(rc, z, lm)
+                    cost = _layout_cost(lc, train.micro_batch) + _option_cost(z, sp, rc, lm, train.loss)
+                    candidates.append(Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=step,
+                                                change_cost=cost, score=sc, notes=lt.notes))
+                    done.add(i)
+                    continue
+                self._record_failure(lc, rc, z, lm, sp)
+                closest = self._closer(closest, lc, lt, est, bud, rc, z, lm, sp)
+                rejected.append(Rejection(
+                    layout=f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", kind="memory",
+                    reason=self.miss_reason(est, bud), peak_bytes=est.total, budget_bytes=bud.budget))
+            if k + 1 < len(combos[i]):
+                heapq.heappush(heap, (combos[i][k + 1][0], i, k + 1))
+            else:
+                done.add(i)
+
+        for i, n in pruned.items():
+            rejected.append(Rejection(layout=layouts[i].describe(), kind="memory", reason=(
+                f"{n} option combination{'s' if n > 1 else ''} (zero/sp/recompute/loss) need at least as much memory "
+                "as a combination shown above that does not fit (more ZeRO, sp or recompute never adds memory)")))
+        # everything left in the heap was never memory-checked: report it per (dp, tp, pp, cp)
+        best = candidates[0].step.total_s if candidates else None
+        slower: dict[tuple[int, int, int, int], tuple[float, LayoutChoice]] = {}
+        for score, i, _ in heap:
+            if i in done:
+                continue
+            lc = layouts[i]
+            fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+            if fam not in slower or score < slower[fam][0]:
+                slower[fam] = (score, lc)
+        for score, lc in sorted(slower.values(), key=lambda x: x[0]):
+            why = f"ranked below the {len(candidates)} kept candidates (>= {score * 1e6:.4g} us/token"
+            why += f" vs {candidates[-1].score * 1e6:.4g})" if candidates else ")"
+            notes = topology_notes(self.hardware, lc.dp, lc.tp, lc.pp, lc.cp)
+            if notes:
+                why += "; " + "; ".join(notes)
+            rejected.append(Rejection(layout=f"dp={lc.dp} tp={lc.tp} pp={lc.pp} cp={lc.cp}", kind="slower", reason=why))
+        return {
+            "candidates": candidates, "rejected": rejected, "closest": closest, "best": best,
+            "stats": {
+                "world_size": world, "layouts": len(layouts), "layouts_priced": len(times),
+                "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
+            },
+        }
+
+    def _bounded_out(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, family_first: LayoutChoice) -> tuple | None:
+        """Prove ``(lc, options)`` infeasible without estimating it, when possible.
+
+        Checks the bounds that dominate it, cheapest proof first: the same recompute and loss with the
+        most ZeRO and sp, at the family's smallest micro-batch (1F1B) and then at ``lc``; then with
+        this sp. Each bound is estimated once and its miss recorded, so it also settles every other
+        combination it dominates (other micro-batches, schedules and looser options)."""
+        dom = self._dominated(lc, rc, z, lm, sp)
+        if dom is not None:
+            return dom
+        zmax, spmax = max(lc.zeros), max(lc.sps)
+        targets = [family_first, lc] if family_first is not lc else [lc]
+        for level in ((rc, zmax, lm, spmax), (rc, zmax, lm, sp)):
+            for target in targets:
+                if level == (rc, z, lm, sp) and target is lc:
+                    continue  # that is the combination itself
+                key = (id(target),) + level
+                if key in self._bounds_done:
+                    continue
+                self._bounds_done.add(key)
+                if self._dominated(target, *level) is not None:
+                    continue
+                try:
+                    plan, tr = self.materialise(target, *level)
+                    est = self.worst(plan, tr, quick=True)
+                except ValueError:
+                    continue
+                if est.total > self.budget(plan).budget:
+                    self._record_failure(target, *level)
+                    dom = self._dominated(lc, rc, z, lm, sp)
+                    if dom is not None:
+                        return dom
+        return None
+
+    def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> tuple[str, int, str, bool]:
+        rc = next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])
+        lm = next((m for m in ("chunked", "vocab_parallel") if m in lc.losses), lc.losses[0])
+        return rc, max(lc.zeros), lm, max(lc.sps)
+
+    _RC_RANK = {"none": 0, "selective": 1, "full": 2}
+    _LOSS_RANK = {"fp32_upcast": 0, "naive": 1, "vocab_parallel": 2}
+
+    def _record_failure(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool) -> None:
+        self.failures.setdefault((lc.dp, lc.tp, lc.pp, lc.cp), []).append((lc, rc, z, lm, sp))
+
+    @staticmethod
+    def _failure_text(f: tuple) -> str:
+        flc, frc, fz, flm, fsp = f
+        return f"{flc.describe()} zero={fz}{' sp' if fsp else ''} recompute={frc} loss={flm}"
+
+    def _dominated(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool) -> tuple | None:
+        """A recorded failure that saves at least as much memory in every dimension, or ``None``.
+
+        Orders used (each from the memory model's structure): more ZeRO, sp, and (for stages of more
+        than 2 blocks) more recompute never add memory; vocab-parallel <= naive <= fp32_upcast; a
+        larger micro-batch holds at least as many activations (b * min(p, m) grows with b) when the
+        previous step's gradients are alive in the forward, or while accumulation continues (m > 1);
+        GPipe and interleaved hold at least the 1F1B in-flight micro-batches."""
+        rc_ordered = -(-self.model.n_layers // lc.pp) > 2
+        for f, frc, fz, flm, fsp in self.failures.get((lc.dp, lc.tp, lc.pp, lc.cp), ()):
+            if f.b > lc.b or fz < z or (sp and not fsp):
+                continue
+            if f.b < lc.b and not (self.train.grads_alive_in_forward or lc.m > 1):
+                continue
+            if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1):
+                continue
+            if flm != lm and not (flm in self._LOSS_RANK and lm in self._LOSS_RANK and self._LOSS_RANK[flm] >= self._LOSS_RANK[lm]):
+                continue
+            if frc != rc and not (rc_ordered and self._RC_RANK[frc] >= self._RC_RANK[rc]):
+                continue
+            return (f, frc, fz, flm, fsp)
+        return None
+
+    def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> tuple[str, int, str, bool]:
+        rc = next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])
+        lm = next((m for m in ("chunked", "vocab_parallel") if m in lc.losses), lc.losses[0])
+        return rc, max(lc.zeros), lm, max(lc.sps)
+
+    def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]):
+        """``None`` when the most memory-saving options of ``lc`` fit, else ``(estimate or None,
+        budget or None, reason, kind)``; a miss is recorded so :meth:`_dominated` prunes what it bounds."""
+        rc, z, lm, sp = self._max_saving_opts(lc, recomputes)
+        dom = self._dominated(lc, rc, z, lm, sp)
+        if dom is not None:
+            return None, None, f"needs at least as much as {self._failure_text(dom)}, which does not fit", "memory"
+        plan, tr = self.materialise(lc, rc, z, lm, sp)
+        try:
+            est = self.worst(plan, tr, quick=True)
+        except ValueError as exc:  # the memory model rejects this layout outright
+            return None, None, str(exc), "divisibility"
+        bud = self.budget(plan)
+        if est.total <= bud.budget:
+            return None
+        self._record_failure(lc, rc, z, lm, sp)
+        if -(-self.model.n_layers // lc.pp) <= 2:
+            return None  # full recompute's rebuilt block may exceed selective here: not a bound
+        opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
+        return est, bud, f"even with {', '.join(o for o in opts if o)}: " + self.miss_reason(est, bud), "memory"
+
+    def _closer(self, closest, lc, lt, est, bud, rc, z, lm, sp) -> Candidate:
+        ratio = est.total / bud.budget
+        if closest is not None and closest.estimate.total / closest.budget.budget <= ratio:
+            return closest
+        plan, tr = self.materialise(lc, rc, z, lm, sp)
+        return Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
+                         change_cost=_layout_cost(lc, self.train.micro_batch) + _option_cost(z, sp, rc, lm, self.train.loss),
+                         notes=lt.notes)
+
+    def _raise_no_layout(self, world: int, early: list[tuple[str, str, str]]) -> None:
+        kinds = {k for _, k, _ in early}
+        sample = "; ".join(r for _, _, r in early[:6])
+        if kinds == {"batch"} or (self.global_batch is not None and "batch" in kinds and "divisibility" not in kinds):
+            raise ValueError(
+                f"global_batch={self.global_batch!r} is not divisible by dp x micro-batch for any layout of "
+                f"world size {world} ({sample}); use a global batch that is a multiple of the data-parallel "
+                f"size, e.g. {world * self.train.micro_batch}"
+            )
+        raise ValueError(
+            f"world size {world} (gpus_per_node={self.hardware.gpus_per_node} x num_nodes="
+            f"{self.hardware.num_nodes}) admits no dp x tp x pp x cp layout under the allowed options: "
+            f"{sample or 'every axis is restricted by allow'}; allow data parallelism (it divides any world "
+            "size), change allow=, or use a world size that divides the heads/layers/global batch"
+        )

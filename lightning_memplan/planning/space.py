@@ -1,0 +1,301 @@
+"""The search space: which layouts and options the planner may use (:class:`Allow`), and the
+enumeration of the layouts ``dp x tp x pp x cp = world`` with their micro-batch and schedule, each
+rejected early, with a reason, when a divisibility rule forbids it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, SCHEDULES, ModelSpec, TrainSpec
+
+__all__ = [
+    "ALLOW_NAMES",
+    "MAX_MICRO_BATCH",
+    "MAX_VIRTUAL_STAGES",
+    "Allow",
+    "LayoutChoice",
+    "divisors",
+    "enumerate_layouts",
+]
+
+#: Largest micro-batch the planner tries on its own (the user's own value is always tried too).
+MAX_MICRO_BATCH = 64
+#: Largest number of model chunks per pipeline rank tried for the interleaved schedule.
+MAX_VIRTUAL_STAGES = 8
+
+#: Names accepted by the sequence form of ``allow`` and what each permits.
+ALLOW_NAMES: dict[str, str] = {
+    "dp": "data parallelism (replicas, zero=0)",
+    "ddp": "same as 'dp'",
+    "zero1": "ZeRO-1: optimizer states sharded over dp",
+    "zero2": "ZeRO-2 / FSDP SHARD_GRAD_OP: + gradients",
+    "zero3": "ZeRO-3 / FSDP FULL_SHARD: + parameters",
+    "zero": "any ZeRO stage 1-3",
+    "fsdp": "FSDP: zero 2 (SHARD_GRAD_OP) and 3 (FULL_SHARD)",
+    "tp": "tensor parallelism (with or without sequence parallelism)",
+    "sp": "same as 'tp' (sequence parallelism rides on tensor parallelism)",
+    "pp": "pipeline parallelism with every schedule",
+    "cp": "context parallelism",
+}
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of n in increasing order."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tuple(name: str, value: Any, kind: type | tuple[type, ...], choices: Iterable[Any] | None = None) -> tuple[Any, ...]:
+    values = (value,) if isinstance(value, (str, int, bool)) else tuple(value)
+    if not values:
+        raise ValueError(f"allow[{name!r}]={value!r} is empty; give at least one allowed value")
+    for v in values:
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise TypeError(f"allow[{name!r}] contains {v!r}; expected {kind}")
+        if choices is not None and v not in choices:
+            raise ValueError(f"allow[{name!r}] contains {v!r}; use values from {sorted(choices, key=str)}")
+        if kind is int and v < (0 if name == "zero" else 1):
+            raise ValueError(f"allow[{name!r}] contains {v!r}; sizes must be >= 1")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allow:
+    """What the planner may choose. ``None`` for a field means "anything valid".
+
+    ``plan(allow=...)`` accepts three forms:
+
+    - a sequence of names from :data:`ALLOW_NAMES`, e.g. ``("dp", "fsdp", "tp", "pp")``: only these
+      parallelisms; an axis not named stays at 1 (no ``"dp"``/zero name: dp = 1), ZeRO stages are
+      those named. Recompute, loss mode and micro-batch stay searchable.
+    - a mapping from the field names below to allowed values, e.g.
+      ``{"tp": [1, 2, 4, 8], "zero": [0, 3], "recompute": ["none", "full"], "micro_batch": [1]}``;
+      fields not given stay unrestricted.
+    - an :class:`Allow`.
+
+    Args:
+        dp, tp, pp, cp: allowed sizes per axis.
+        zero: allowed ZeRO stages (0-3).
+        sp: allowed sequence-parallel settings (``(False, True)``).
+        schedule: allowed pipeline schedules.
+        virtual_stages: allowed chunks per pipeline rank for ``"interleaved"``.
+        recompute: allowed recompute modes.
+        loss: allowed loss modes; ``None`` = the user's mode, ``"chunked"`` and ``"vocab_parallel"``.
+        micro_batch: allowed micro-batch sizes; ``None`` = the user's value and powers of two up to
+            :data:`MAX_MICRO_BATCH` that divide the per-replica batch.
+    """
+
+    dp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    sp: tuple[bool, ...] = (False, True)
+    schedule: tuple[str, ...] = SCHEDULES
+    virtual_stages: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    loss: tuple[str, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+
+    @classmethod
+    def parse(cls, allow: Any) -> Allow:
+        """Normalise the ``allow=`` argument of :func:`~lightning_memplan.planning.plan`."""
+        if allow is None:
+            return cls()
+        if isinstance(allow, Allow):
+            return allow
+        if isinstance(allow, Mapping):
+            return cls._from_mapping(allow)
+        if isinstance(allow, str):
+            allow = [a for a in allow.replace(";", ",").split(",") if a.strip()]
+        if isinstance(allow, Sequence):
+            return cls._from_names([str(a).strip().lower() for a in allow])
+        raise TypeError(
+            f"allow={allow!r} must be None, a sequence of names such as ('dp', 'fsdp', 'tp', 'pp'), a dict "
+            f"such as {{'tp': [1, 2, 4, 8]}}, or an Allow"
+        )
+
+    @classmethod
+    def _from_names(cls, names: list[str]) -> Allow:
+        unknown = [n for n in names if n not in ALLOW_NAMES]
+        if unknown:
+            raise ValueError(
+                f"allow contains {unknown!r}; use names from {', '.join(ALLOW_NAMES)} or a dict of field values"
+            )
+        zero: set[int] = set()
+        if {"dp", "ddp"} & set(names):
+            zero.add(0)
+        for n, stages in (("zero1", (1,)), ("zero2", (2,)), ("zero3", (3,)), ("zero", (1, 2, 3)), ("fsdp", (2, 3))):
+            if n in names:
+                zero.update(stages)
+        one = (1,)
+        return cls(
+            dp=None if zero else one,
+            zero=tuple(sorted(zero)) or (0,),
+            tp=None if {"tp", "sp"} & set(names) else one,
+            pp=None if "pp" in names else one,
+            cp=None if "cp" in names else one,
+        )
+
+    @classmethod
+    def _from_mapping(cls, data: Mapping[str, Any]) -> Allow:
+        known = {f.name for f in fields(cls)}
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            raise ValueError(f"allow has unknown keys {unknown!r}; use keys from {', '.join(sorted(known))}")
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if value is None:
+                continue
+            if key in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch", "zero"):
+                kwargs[key] = _tuple(key, value, int, (0, 1, 2, 3) if key == "zero" else None)
+            elif key == "sp":
+                kwargs[key] = _tuple(key, value, bool)
+            elif key == "schedule":
+                kwargs[key] = _tuple(key, value, str, SCHEDULES)
+            elif key == "recompute":
+                kwargs[key] = _tuple(key, value, str, RECOMPUTE_MODES)
+            elif key == "loss":
+                kwargs[key] = _tuple(key, value, str, LOSS_MODES)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if v is not None else None) for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """One point of the outer search: parallel degrees, micro-batch and pipeline schedule.
+
+    ``m`` micro-batches per optimizer step per replica: the pipeline's ``microbatches`` when pp > 1,
+    else the gradient-accumulation count. The inner options (zero, sp, recompute, loss) are the
+    tuples of values valid for this layout."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    b: int
+    m: int
+    schedule: str
+    v: int
+    zeros: tuple[int, ...] = field(default=(0,))
+    sps: tuple[bool, ...] = field(default=(False,))
+    losses: tuple[str, ...] = field(default=("naive",))
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        if self.pp > 1:
+            sched = self.schedule + (f"(v={self.v})" if self.v > 1 else "")
+            parts.append(f"pp={self.pp} {sched}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        parts.append(f"b={self.b} x{self.m}")
+        return " ".join(parts)
+
+
+def _in(value: int, allowed: tuple[int, ...] | None) -> bool:
+    return allowed is None or value in allowed
+
+
+def micro_batch_options(per_replica: int, user_b: int, allowed: tuple[int, ...] | None) -> list[int]:
+    """Micro-batch sizes tried for a per-replica batch: the user's value and powers of two up to
+    :data:`MAX_MICRO_BATCH`, each dividing the per-replica batch (or exactly ``allowed``)."""
+    if allowed is not None:
+        return [b for b in allowed if per_replica % b == 0]
+    opts = {user_b} if per_replica % user_b == 0 else set()
+    b = 1
+    while b <= min(per_replica, MAX_MICRO_BATCH):
+        if per_replica % b == 0:
+            opts.add(b)
+        b *= 2
+    return sorted(opts)
+
+
+def enumerate_layouts(
+    model: ModelSpec,
+    train: TrainSpec,
+    world: int,
+    allow: Allow,
+    global_batch: int | None,
+) -> tuple[list[LayoutChoice], list[tuple[str, str, str]]]:
+    """Every valid layout for ``world`` ranks, and ``(layout, kind, reason)`` for each rejected one.
+
+    Early, shape-only rejections (no memory estimate needed): tp must divide the query and key/value
+    heads (Megatron splits whole heads); pp <= L; cp must divide s (2c | s for the load-balanced
+    causal split); sp needs (s/c) % t == 0; the global batch must divide by dp x micro-batch;
+    interleaving needs L % (p v) == 0 and m % p == 0 (Megatron-LM's interleaved schedule). One reason is
+    recorded per rejected axis value, not per combination, so the list stays readable.
+    """
+    layouts: list[LayoutChoice] = []
+    rejected: list[tuple[str, str, str]] = []
+    s, L = train.seq_len, model.n_layers
+    per_replica_user = train.micro_batch * train.grad_accumulation
+    loss_opts = allow.loss if allow.loss is not None else tuple(dict.fromkeys((train.loss, "chunked", "vocab_parallel")))
+
+    for tp in divisors(world):
+        if not _in(tp, allow.tp):
+            continue
+        if model.n_heads % tp:
+            rejected.append((f"tp={tp}", "divisibility", f"n_heads={model.n_heads} not divisible by tp={tp}"))
+            continue
+        if model.kv_heads % tp:
+            rejected.append((f"tp={tp}", "divisibility", f"n_kv_heads={model.kv_heads} not divisible by tp={tp}"))
+            continue
+        for pp in divisors(world // tp):
+            if not _in(pp, allow.pp):
+                continue
+            if pp > L:
+                rejected.append((f"tp={tp} pp={pp}", "divisibility", f"pp={pp} > n_layers={L}: a stage needs a block"))
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if not _in(cp, allow.cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                where = f"dp={dp} tp={tp} pp={pp} cp={cp}"
+                if not _in(dp, allow.dp):
+                    continue
+                if cp > 1 and s % (2 * cp):
+                    rejected.append((where, "divisibility", f"seq_len={s} not divisible by 2*cp={2 * cp} (load-balanced causal split)"))
+                    continue
+                if global_batch is not None:
+                    if global_batch % dp:
+                        rejected.append((where, "batch", f"global_batch={global_batch} not divisible by dp={dp}"))
+                        continue
+                    per_replica = global_batch // dp
+                else:
+                    per_replica = per_replica_user
+                zeros = tuple(z for z in allow.zero if z == 0 or dp * cp > 1) or (0,)
+                sps = tuple(sp for sp in allow.sp if not sp or (tp > 1 and (s // cp) % tp == 0)) or (False,)
+                losses = tuple(lm for lm in loss_opts if lm != "vocab_parallel" or tp > 1)
+                if not losses:
+                    rejected.append((where, "allow", f"loss modes {list(loss_opts)} need tp > 1"))
+                    continue
+                bs = micro_batch_options(per_replica, train.micro_batch, allow.micro_batch)
+                if not bs:
+                    rejected.append((where, "batch", f"per-replica batch {per_replica} not divisible by any allowed micro-batch {list(allow.micro_batch or ())}"))
+                    continue
+                for b in bs:
+                    m = per_replica // b
+                    schedules: list[tuple[str, int]] = []
+                    if pp == 1:
+                        schedules.append(("1f1b", 1))
+                    else:
+                        for sched in allow.schedule:
+                            if sched != "interleaved":
+                                schedules.append((sched, 1))
+                                continue
+                            for v in range(2, min(MAX_VIRTUAL_STAGES, L // pp) + 1):
+                                if (L % (pp * v)) or not _in(v, allow.virtual_stages):
+                                    continue
+                                if m % pp:
+                                    break  # Megatron-LM's interleaved schedule needs m % p == 0
+                                schedules.append(("interleaved", v))
+                    for sched, v in schedules:
+                        layouts.append(LayoutChoice(dp, tp, pp, cp, b, m, sched, v, zeros, sps, losses))
+    return layouts, rejected

@@ -1,0 +1,139 @@
+"""When nothing fits: the cheapest changes that would make the closest plan fit.
+
+Tried in order of how cheap they are for the user, each checked with the memory model:
+1. training settings the search was not allowed to use (chunked loss, full recompute, micro-batch 1,
+   an 8-bit Adam);
+2. a shorter sequence (the longest that fits, by bisection on multiples of 2 x cp x tp);
+3. more GPUs (2x, 4x, 8x: a full re-plan of the larger cluster);
+4. a device with more memory from the hardware table (same plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from lightning_memplan.hardware.presets import CHIP_TABLE
+from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.planning.decision import Candidate, Suggestion
+
+__all__ = ["suggest"]
+
+GiB = 2**30
+#: Cluster growth factors tried, smallest first.
+GROWTH_FACTORS = (2, 4, 8)
+
+
+def _fit_text(peak: int, budget: int) -> str:
+    rel = "<=" if peak <= budget else ">"
+    return f"peak {peak / GiB:.1f} GiB {rel} {budget / GiB:.1f} GiB budget"
+
+
+def _train_changes(search: Any, closest: Candidate) -> list[Suggestion]:
+    out = []
+    tr, plan = closest.train, closest.plan
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if tr.loss not in ("chunked", "vocab_parallel"):
+        from lightning_memplan.planning.timing import planned_chunk_size
+
+        chunk = planned_chunk_size(search.model, tr, tr.micro_batch * tr.seq_len // plan.cp)
+        changes.append(("loss='chunked'", {"loss": "chunked", "loss_chunk_size": chunk}))
+    if tr.recompute != "full":
+        changes.append(("recompute='full'", {"recompute": "full"}))
+    if tr.micro_batch > 1:
+        acc = tr.grad_accumulation * tr.micro_batch if plan.pp == 1 else tr.grad_accumulation
+        changes.append(("micro_batch=1 (more accumulation)", {"micro_batch": 1, "grad_accumulation": acc}))
+    if tr.optimizer in ("adam", "adamw") and tr.optimizer_bytes_per_param is None:
+        changes.append(("optimizer='adamw8bit' (8-bit states)", {"optimizer": "adamw8bit"}))
+    for text, kw in changes:
+        new = tr.replace(**kw)
+        new_plan = plan
+        if plan.pp > 1 and "micro_batch" in kw:
+            new_plan = replace(plan, microbatches=plan.microbatches * tr.micro_batch)
+        try:
+            est = search.worst(new_plan, new)
+        except ValueError:
+            continue
+        bud = search.budget(new_plan)
+        out.append(Suggestion(change=text, kind="train", fits=est.total <= bud.budget,
+                              detail=f"{new_plan.describe()}: {_fit_text(est.total, bud.budget)}",
+                              peak_bytes=est.total, budget_bytes=bud.budget))
+    return out
+
+
+def _shorter_sequence(search: Any, closest: Candidate) -> list[Suggestion]:
+    tr, plan = closest.train, closest.plan
+    unit = 2 * plan.cp * plan.tp
+    lo, hi = 0, tr.seq_len // unit  # multiples of unit; hi does not fit
+    best = None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        cand = tr.replace(seq_len=mid * unit)
+        if cand.loss == "chunked" and cand.loss_chunk_size and cand.loss_chunk_size > cand.micro_batch * cand.seq_len:
+            cand = cand.replace(loss_chunk_size=None)
+        try:
+            est = search.worst(plan, cand)
+        except ValueError:
+            hi = mid
+            continue
+        if est.total <= search.budget(plan).budget:
+            lo, best = mid, est
+        else:
+            hi = mid
+    if best is None:
+        return [Suggestion(change="a shorter sequence", kind="sequence", fits=False,
+                           detail=f"even seq_len={unit} does not fit {plan.describe()}")]
+    s = lo * unit
+    return [Suggestion(change=f"seq_len <= {s}", kind="sequence", fits=True,
+                       detail=f"{plan.describe()} at seq_len={s}: {_fit_text(best.total, search.budget(plan).budget)}",
+                       peak_bytes=best.total, budget_bytes=search.budget(plan).budget)]
+
+
+def _more_gpus(search: Any) -> list[Suggestion]:
+    from lightning_memplan.planning.planner import with_nodes
+    from lightning_memplan.planning.search import _Search
+
+    for factor in GROWTH_FACTORS:
+        hw = with_nodes(search.hardware, factor)
+        sub = _Search(search.model, search.train, hw, search.allow, search.global_batch, search.headroom,
+                      search.explicit_budget, search.calibration, 1)
+        try:
+            found = sub.run()
+        except ValueError:
+            continue
+        search.evaluations += sub.evaluations
+        if found["candidates"]:
+            c = found["candidates"][0]
+            return [Suggestion(change=f"{factor}x the GPUs ({hw.world_size} x {hw.name}, {hw.gpus_per_node}/node)",
+                               kind="cluster", fits=True,
+                               detail=f"{c.describe()}: {_fit_text(c.peak_bytes, c.budget.budget)}",
+                               peak_bytes=c.peak_bytes, budget_bytes=c.budget.budget)]
+    return [Suggestion(change=f"up to {GROWTH_FACTORS[-1]}x the GPUs", kind="cluster", fits=False,
+                       detail="no layout of a cluster up to 8x larger fits either")]
+
+
+def _bigger_device(search: Any, closest: Candidate) -> list[Suggestion]:
+    hw = search.hardware
+    for chip in sorted(CHIP_TABLE.values(), key=lambda c: c.memory_bytes):
+        if chip.memory_bytes <= hw.memory_bytes:
+            continue
+        other = HardwareSpec.from_chip(chip, gpus_per_node=hw.gpus_per_node, num_nodes=hw.num_nodes)
+        from lightning_memplan.planning.budget import memory_budget
+
+        bud = memory_budget(other, closest.plan, headroom=search.headroom, explicit=search.explicit_budget)
+        if closest.estimate.total <= bud.budget:
+            return [Suggestion(change=f"a {chip.memory_bytes / GiB:.0f} GiB device such as {chip.key}", kind="hardware",
+                               fits=True, detail=f"{closest.plan.describe()}: {_fit_text(closest.estimate.total, bud.budget)}",
+                               peak_bytes=closest.estimate.total, budget_bytes=bud.budget)]
+    return []
+
+
+def suggest(search: Any, closest: Candidate) -> list[Suggestion]:
+    """Suggestions for a search that found no fitting plan, cheapest kind first, fitting ones first
+    within a kind."""
+    out = _train_changes(search, closest)
+    out += _shorter_sequence(search, closest)
+    out += _more_gpus(search)
+    out += _bigger_device(search, closest)
+    order = {"train": 0, "sequence": 1, "cluster": 2, "hardware": 3}
+    return sorted(out, key=lambda s: (not s.fits, order[s.kind]))

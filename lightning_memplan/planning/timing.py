@@ -1,0 +1,438 @@
+"""Step-time model: compute at an achievable fraction of peak, communication per parallel axis
+(exposed vs overlapped), the pipeline bubble, and the optimizer step.
+
+``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (seed 003, section "step time").
+Per micro-batch "slot" on the bottleneck pipeline stage:
+``slot = compute_mb + tp_mb + cp_exposed_mb + pp_mb + loss_mb``; a step runs ``m + (p-1)/v`` slots
+(m slots of work plus the bubble [N21 section 2.2]); data-parallel gradient traffic is added once per
+step minus what hides under backward compute.
+
+Sources (besides those of :mod:`.flops` and :mod:`.comm`):
+  [N21]  Narayanan et al. 2021, arXiv 2104.04473: section 2.2.1 bubble fraction (p-1)/m of the ideal
+         time, i.e. (p-1)/(m+p-1) of the total; section 2.2.2 interleaved (p-1)/(v m) with v times the
+         point-to-point messages; section 3.3: 2 all-reduces of b s h in the forward and 2 in the backward
+         per layer under tensor parallelism; section 4.1 scatter/gather: pipeline messages / t.
+  [K22]  Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2: sequence parallelism replaces each
+         all-reduce by a reduce-scatter + all-gather of the same total volume.
+  [R20]  Rajbhandari et al. 2020 (ZeRO), arXiv 1910.02054, section 7: ZeRO-1/2 move the same volume as
+         data parallelism (reduce-scatter + all-gather = all-reduce), ZeRO-3 1.5x (parameters gathered
+         in forward and again in backward).
+  [Z23]  Zhao et al. 2023 (PyTorch FSDP), arXiv 2304.11277, section 3.3: all-gathers are prefetched and
+         overlap the previous unit's compute; only the first unit's gather is exposed.
+  [L20]  Li et al. 2020 (PyTorch DDP), arXiv 2006.15704, section 3.2.3: gradient buckets all-reduce
+         while backward continues; only the tail is exposed.
+  [L23]  Liu et al. 2023 (Ring Attention), arXiv 2310.01889: each of c ranks passes its K/V block
+         around the ring, c-1 steps overlapped with the blockwise attention compute.
+  [LK24] Hsu et al. 2024 (Liger Kernel), arXiv 2410.10989, section 3.3: a chunked linear cross-entropy
+         computes the gradient in the forward, the same GEMM FLOPs as the naive loss.
+  [MFU]  Narayanan et al. 2021 Table 1: 44-52 % of A100 peak end to end (bubble and communication
+         included); Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4: 38-43 % BF16 MFU on H100;
+         Jiang et al. 2024 (MegaScale), arXiv 2402.15627: 55.2 % MFU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model import terms
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.planning import flops as F
+from lightning_memplan.planning.comm import (
+    all_gather_time,
+    all_reduce_time,
+    group_link,
+    p2p_time,
+    reduce_scatter_time,
+)
+
+__all__ = [
+    "ACHIEVABLE_FLOPS_FRACTION",
+    "CHUNK_OVERHEAD_S",
+    "FSDP_UNIT_OVERHEAD_S",
+    "MEMORY_BW_EFFICIENCY",
+    "OVERLAP_EFFICIENCY",
+    "Layout",
+    "LayoutTimes",
+    "StepTime",
+    "bubble_fraction",
+    "StepTimeModel",
+    "bubble_overhead",
+    "planned_chunk_size",
+    "predict_step_time",
+    "topology_notes",
+]
+
+#: Fraction of dense peak FLOP/s that a transformer's GEMM-dominated compute sustains [MFU]. Applied to
+#: all FLOPs including recomputation. End-to-end MFU comes out lower once the bubble and exposed
+#: communication are added.
+ACHIEVABLE_FLOPS_FRACTION = 0.55
+#: Fraction of a compute window that can hide concurrent communication (the rest is lost to SM
+#: contention and the last bucket/unit that has nothing left to overlap with) [L20, Z23].
+OVERLAP_EFFICIENCY = 0.8
+#: Fraction of rated device-memory bandwidth a fused/foreach optimizer step achieves (STREAM-like).
+MEMORY_BW_EFFICIENCY = 0.8
+#: Fixed critical-path cost per FSDP unit per collective: the copy-in before an all-gather, the
+#: copy-out after it and the stream synchronisation [Z23 section 4.2 and 7.2, where FSDP trails DDP on
+#: small models]; one unit per block plus the root (embedding/head).
+FSDP_UNIT_OVERHEAD_S = 100e-6
+#: Fixed cost per loss chunk (three GEMM launches plus the elementwise kernels), seconds [LK24].
+CHUNK_OVERHEAD_S = 30e-6
+#: Row budget of ``chunk_size="auto"``; mirrors ``lightning_memplan.loss.options.AUTO_CHUNK_BUDGET_BYTES``
+#: (kept here so the pure planner does not import torch; a unit test checks the two rules agree).
+AUTO_CHUNK_BUDGET_BYTES = 512 * 2**20
+#: Mirrors ``lightning_memplan.loss.options.AUTO_MIN_CHUNKS``.
+AUTO_MIN_CHUNKS = 16
+#: Mirrors ``lightning_memplan.loss.options.CHUNK_ROW_MULTIPLE``.
+CHUNK_ROW_MULTIPLE = 64
+
+
+def planned_chunk_size(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
+    """Tokens per loss chunk the loss's ``chunk_size="auto"`` rule picks for b*s = ``tokens``.
+
+    No chunking when ``tokens <= max(h, 64)``; else ``rows = 512 MiB // (V * (4 + e))`` (e = logits
+    dtype bytes when not fp32), at most ``tokens // 16``, rounded down to a multiple of 64 (at least 64)."""
+    if tokens <= max(model.hidden, CHUNK_ROW_MULTIPLE):
+        return max(tokens, 1)
+    e = terms.precision_bytes(train).logits
+    row_bytes = model.vocab_size * (terms.FP32_BYTES + (e if e != terms.FP32_BYTES else 0))
+    rows = min(AUTO_CHUNK_BUDGET_BYTES // max(row_bytes, 1), tokens // AUTO_MIN_CHUNKS)
+    rows = max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
+    return min(rows, tokens)
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Share of the step the pipeline idles: ``(p-1) / (v m + p - 1)`` [N21 2.2.1; v > 1: 2.2.2].
+
+    For v = 1 this is the GPipe/1F1B ``(p-1)/(m+p-1)`` (seed 001)."""
+    return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
+
+
+def bubble_overhead(p: int, m: int, v: int = 1) -> float:
+    """Bubble time relative to the ideal time: ``(p-1) / (v m)`` [N21 eq. in 2.2.2]."""
+    return (p - 1) / (v * m) if p > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape-level part of a plan the time model needs.
+
+    Args:
+        dp, tp, pp, cp: parallel degrees. b: micro-batch. m: micro-batches per optimizer step per
+        replica (grad accumulation, or pipeline micro-batches). schedule, v: pipeline schedule.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    b: int
+    m: int
+    schedule: str = "1f1b"
+    v: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Predicted time of one optimizer step, and where it goes.
+
+    Attributes:
+        total_s: predicted step time, seconds.
+        compute_s: m micro-batches of forward/backward/recompute on the bottleneck stage.
+        bubble_s: pipeline fill and drain.
+        exposed_s: ``{axis: seconds}`` communication on the critical path (tp, cp, pp, dp, loss).
+        overlapped_s: ``{axis: seconds}`` communication hidden under compute.
+        optimizer_s: the optimizer step (memory bound).
+        tokens: tokens per optimizer step (all replicas).
+        model_flops: FLOPs of the step without recomputation (for MFU).
+        hardware_flops: FLOPs actually executed, recomputation included.
+        tokens_per_s: tokens / total_s.
+        mfu: model_flops / (total_s * world * peak).
+    """
+
+    total_s: float
+    compute_s: float
+    bubble_s: float
+    exposed_s: Mapping[str, float] = field(default_factory=dict)
+    overlapped_s: Mapping[str, float] = field(default_factory=dict)
+    optimizer_s: float = 0.0
+    tokens: int = 0
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("total_s", "compute_s", "bubble_s", "optimizer_s", "tokens",
+                                              "model_flops", "hardware_flops", "tokens_per_s", "mfu")}
+        out["exposed_s"] = dict(self.exposed_s)
+        out["overlapped_s"] = dict(self.overlapped_s)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepTime:
+        return cls(**{**data, "exposed_s": dict(data.get("exposed_s", {})), "overlapped_s": dict(data.get("overlapped_s", {}))})
+
+
+def _stage_shape(model: ModelSpec, pp: int) -> tuple[int, int]:
+    """(layers on stage 0, layers on the last stage) under torch.distributed.pipelining's split
+    (the first ``L mod p`` stages take one extra block), as the memory model assumes."""
+    base, extra = divmod(model.n_layers, pp)
+    return base + (1 if extra else 0), base + (1 if (pp - 1) < extra else 0)
+
+
+class LayoutTimes:
+    """All time terms of one :class:`Layout`, precomputed once so that each of the (recompute, zero,
+    loss) combinations costs a few float operations (:meth:`total`), and expanded into a
+    :class:`StepTime` only for the candidates that are kept (:meth:`step_time`)."""
+
+    __slots__ = (
+        "layout", "world", "slots", "compute_mb", "tp_mb", "cp_mb", "cp_hidden_mb", "pp_mb", "loss_mb",
+        "dp_exposed", "dp_overlapped", "opt_s", "tokens", "model_flops", "recompute_flops", "peak", "notes",
+    )
+
+    def total(self, recompute: str, zero: int, loss: str) -> float:
+        slot = self.compute_mb[recompute] + self.tp_mb[recompute] + self.cp_mb + self.pp_mb + self.loss_mb[loss]
+        return self.slots * slot + self.dp_exposed[(zero, recompute)] + self.opt_s[zero]
+
+    def step_time(self, recompute: str, zero: int, loss: str) -> StepTime:
+        lay = self.layout
+        m, bubble_slots = lay.m, self.slots - lay.m
+        slot = self.compute_mb[recompute] + self.tp_mb[recompute] + self.cp_mb + self.pp_mb + self.loss_mb[loss]
+        exposed = {
+            "tp": m * self.tp_mb[recompute],
+            "cp": m * self.cp_mb,
+            "pp": m * self.pp_mb,
+            "loss": m * self.loss_mb[loss],
+            "dp": self.dp_exposed[(zero, recompute)],
+        }
+        overlapped = {"cp": m * self.cp_hidden_mb, "dp": self.dp_overlapped[(zero, recompute)]}
+        total = self.total(recompute, zero, loss)
+        hw = self.model_flops + self.recompute_flops[recompute]
+        return StepTime(
+            total_s=total,
+            compute_s=m * self.compute_mb[recompute],
+            bubble_s=bubble_slots * slot,
+            exposed_s={k: v for k, v in exposed.items() if v > 0},
+            overlapped_s={k: v for k, v in overlapped.items() if v > 0},
+            optimizer_s=self.opt_s[zero],
+            tokens=self.tokens,
+            model_flops=self.model_flops,
+            hardware_flops=hw,
+            tokens_per_s=self.tokens / total if total > 0 else 0.0,
+            mfu=self.model_flops / (total * self.world * self.peak) if total > 0 else 0.0,
+        )
+
+
+def topology_notes(hardware: HardwareSpec, dp: int, tp: int, pp: int, cp: int) -> list[str]:
+    """Which parallel groups cross the node boundary (their traffic then runs on the network)."""
+    notes = []
+    if group_link(hardware, 1, tp).inter_node:
+        notes.append(f"tp={tp} crosses nodes (TP all-reduces on the {hardware.resolved('inter_node_bw') / 1e9:.1f} GB/s network)")
+    if cp > 1 and group_link(hardware, tp, cp).inter_node:
+        notes.append(f"cp={cp} crosses nodes")
+    return notes
+
+
+class StepTimeModel:
+    """The step-time model for one (model, base train, hardware): model-level constants are computed
+    once here, so :meth:`layout` costs only arithmetic per layout (the planner calls it thousands of
+    times).
+
+    Args:
+        model, train, hardware: the specs; ``train`` supplies seq_len, precision, optimizer and an
+            explicit ``loss_chunk_size`` (micro-batch, recompute and loss vary per call).
+        recomputes, zeros, losses: option values :class:`LayoutTimes` precomputes.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        train: TrainSpec,
+        hardware: HardwareSpec,
+        *,
+        recomputes: tuple[str, ...] = ("none", "selective", "full"),
+        zeros: tuple[int, ...] = (0, 1, 2, 3),
+        losses: tuple[str, ...] = ("naive", "chunked", "vocab_parallel"),
+    ) -> None:
+        self.model, self.train, self.hardware = model, train, hardware
+        self.recomputes, self.zeros, self.losses = recomputes, zeros, losses
+        s = train.seq_len
+        self.pb = terms.precision_bytes(train)
+        self.peak = hardware.flops_for(train.precision)
+        self.rate = self.peak * ACHIEVABLE_FLOPS_FRACTION
+        self.layer_f = F.layer_matmul_flops_per_token(model) + F.attention_flops_per_token(model, s)
+        self.attn_f = F.attention_flops_per_token(model, s)
+        self.head_f = F.head_flops_per_token(model)
+        self.rec_layer_f = {rc: F.recompute_flops_per_token(model, s, rc, layers=1) for rc in recomputes}
+        self.model_f = F.model_flops_per_token(model, s)
+        scale = F.param_scale(model)
+        self.layer_p = terms.layer_param_count(model) * scale
+        self.emb_p = terms.embedding_param_count(model) * scale
+        self.head_p = terms.head_param_count(model) * scale
+        self.tied_extra = model.vocab_size * model.hidden * scale if model.tied_embeddings else 0.0
+        self.total_p = terms.param_count(model) * scale
+        state_b = terms.optimizer_state_bytes_per_param(train)
+        # read + write of params, states and master, read of grads
+        self.traffic = 2 * (self.pb.param + state_b + self.pb.master) + self.pb.grad
+        self.mem_bw = hardware.resolved("memory_bw") * MEMORY_BW_EFFICIENCY
+        self._links: dict[tuple[int, int], Any] = {}
+
+    def compute_lower_bound(self, lay: Layout) -> float:
+        """A cheap lower bound of every option's step time for ``lay``: the bottleneck stage's compute
+        with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
+        first_layers, last_layers = _stage_shape(self.model, lay.pp)
+        lf = self.layer_f + min(self.rec_layer_f.values())
+        per_rank = lay.b * self.train.seq_len / (lay.tp * lay.cp) / self.rate
+        slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
+        compute = max(first_layers * lf, last_layers * lf + self.head_f) * per_rank
+        tp = 0.0
+        if lay.tp > 1:  # the 4 TP all-reduces per layer are never hidden
+            msg = lay.b * (self.train.seq_len // lay.cp) * self.model.hidden * self.pb.compute
+            tp = max(first_layers, last_layers) * 4 * all_reduce_time(msg, lay.tp, self._link(1, lay.tp))
+        return slots * (compute + tp)
+
+    def _link(self, stride: int, size: int):
+        key = (stride, size)
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = group_link(self.hardware, stride, size)
+        return link
+
+    def layout(self, lay: Layout) -> LayoutTimes:
+        """Every time term of ``lay`` (see :class:`LayoutTimes`)."""
+        model, train, hardware, pb = self.model, self.train, self.hardware, self.pb
+        recomputes, zeros, losses = self.recomputes, self.zeros, self.losses
+        d, t, p, c, b, m, v = lay.dp, lay.tp, lay.pp, lay.cp, lay.b, lay.m, lay.v
+        s = train.seq_len
+        rate = self.rate
+        tokens_mb = b * s  # tokens of one micro-batch of one replica (before the cp split)
+        notes: list[str] = []
+
+        # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
+        first_layers, last_layers = _stage_shape(model, p)
+        per_rank = tokens_mb / (t * c) / rate
+        compute_mb = {}
+        for rc in recomputes:
+            lf = self.layer_f + self.rec_layer_f[rc]
+            compute_mb[rc] = max(first_layers * lf, last_layers * lf + self.head_f) * per_rank
+        tokens_step = d * m * tokens_mb
+
+        # tensor parallel: 4 all-reduces of b (s/c) h per layer per micro-batch, 6 with full recompute
+        # (the recomputed forward repeats its 2); sequence parallelism moves the same volume [N21, K22]
+        tp_link = self._link(1, t)
+        notes.extend(topology_notes(hardware, d, t, p, c))
+        per_ar = all_reduce_time(b * (s // c) * model.hidden * pb.compute, t, tp_link)
+        layers_b = max(first_layers, last_layers)
+        tp_mb = {rc: layers_b * (6 if rc == "full" else 4) * per_ar for rc in recomputes}
+
+        # context parallel: ring K/V exchange hidden under the attention compute [L23]
+        if c > 1:
+            cp_link = self._link(t, c)
+            kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * pb.compute
+            cp_total = layers_b * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
+            attn = layers_b * self.attn_f * per_rank
+            cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
+            cp_hidden = cp_total - cp_mb
+        else:
+            cp_mb = cp_hidden = 0.0
+
+        # pipeline: activation forward + gradient backward per micro-batch per virtual stage [N21 4.1]
+        if p > 1:
+            pp_link = self._link(d * c * t, p)
+            pp_mb = 2 * v * p2p_time(b * (s // c) * model.hidden * pb.residual / t, pp_link)
+        else:
+            pp_mb = 0.0
+
+        # loss: logits all-gather (+ reduce-scatter of their gradient) when tp > 1 without vocab
+        # parallelism; three b*s all-reduces with it; a fixed cost per chunk when chunked
+        tok_rank = tokens_mb // c
+        loss_mb = {}
+        for lm in losses:
+            cost = 0.0
+            if lm == "vocab_parallel":
+                cost += 3 * all_reduce_time(tok_rank * terms.FP32_BYTES, t, tp_link)
+            elif t > 1:
+                logits = tok_rank * model.vocab_size * pb.logits
+                cost += all_gather_time(logits, t, tp_link) + reduce_scatter_time(logits, t, tp_link)
+            if lm == "chunked":
+                chunk = train.loss_chunk_size or planned_chunk_size(model, train, tok_rank)
+                cost += math.ceil(tok_rank / chunk) * CHUNK_OVERHEAD_S
+            loss_mb[lm] = cost
+
+        # data parallel over the d*c replicas of each parameter
+        n_rep = d * c
+        if p > 1:
+            stage0 = first_layers * self.layer_p + self.emb_p
+            stage_last = last_layers * self.layer_p + self.head_p + self.tied_extra
+            local = max(stage0, stage_last) / t
+        else:
+            local = self.total_p / t
+        grad_bytes, param_bytes = local * pb.grad, local * pb.param
+        dp_exposed: dict[tuple[int, str], float] = {}
+        dp_overlapped: dict[tuple[int, str], float] = {}
+        opt_s: dict[int, float] = {}
+        if n_rep > 1:
+            dp_link = self._link(t, n_rep)
+            ar = all_reduce_time(grad_bytes, n_rep, dp_link)
+            rs = reduce_scatter_time(grad_bytes, n_rep, dp_link)
+            ag = all_gather_time(param_bytes, n_rep, dp_link)
+        for z in zeros:
+            shard = n_rep if z >= 1 else 1
+            opt_s[z] = local / shard * self.traffic / self.mem_bw
+            for rc in recomputes:
+                bwd_window = OVERLAP_EFFICIENCY * compute_mb[rc] * 2 / 3  # backward = 2/3 of fwd+bwd
+                if n_rep == 1:
+                    comm = hidden = 0.0
+                elif z == 0:  # DDP: all-reduce under the last micro-batch's backward [L20]
+                    comm = max(0.0, ar - bwd_window)
+                    hidden = ar - comm
+                elif z == 1:  # reduce-scatter under backward; the updated-parameter all-gather runs
+                    # after the optimizer step, on the critical path [R20 section 5.1; DeepSpeed stage 1]
+                    comm = max(0.0, rs - bwd_window) + ag
+                    hidden = rs - max(0.0, rs - bwd_window)
+                else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
+                    collectives = (2 if z == 3 else 1) + 1
+                    per_mb = (collectives - 1) * ag + rs
+                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc]) + ag / max(1, layers_b)
+                    exposed_mb += collectives * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
+                    comm = m * exposed_mb
+                    hidden = max(0.0, m * per_mb - comm)
+                dp_exposed[(z, rc)] = comm
+                dp_overlapped[(z, rc)] = hidden
+
+        out = LayoutTimes()
+        out.layout = lay
+        out.world = d * t * p * c
+        out.slots = m + (p - 1) / v if p > 1 else float(m)
+        out.compute_mb = compute_mb
+        out.tp_mb = tp_mb
+        out.cp_mb = cp_mb
+        out.cp_hidden_mb = cp_hidden
+        out.pp_mb = pp_mb
+        out.loss_mb = loss_mb
+        out.dp_exposed = dp_exposed
+        out.dp_overlapped = dp_overlapped
+        out.opt_s = opt_s
+        out.tokens = tokens_step
+        out.model_flops = self.model_f * tokens_step
+        out.recompute_flops = {rc: self.rec_layer_f[rc] * model.n_layers * tokens_step for rc in recomputes}
+        out.peak = self.peak
+        out.notes = tuple(notes)
+        return out
+
+
+def predict_step_time(
+    model: ModelSpec, train: TrainSpec, hardware: HardwareSpec, plan: ParallelPlan
+) -> StepTime:
+    """Predicted :class:`StepTime` of one plan with ``train``'s recompute, loss and micro-batch.
+
+    Micro-batches per step: ``plan.microbatches`` under pipeline parallelism, else
+    ``train.grad_accumulation``."""
+    m = plan.microbatches if plan.pp > 1 else train.grad_accumulation
+    lay = Layout(plan.dp, plan.tp, plan.pp, plan.cp, train.micro_batch, m, plan.schedule, plan.virtual_stages)
+    tm = StepTimeModel(model, train, hardware, recomputes=(train.recompute,), zeros=(plan.zero,), losses=(train.loss,))
+    return tm.layout(lay).step_time(train.recompute, plan.zero, train.loss)
