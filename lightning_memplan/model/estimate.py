@@ -17,6 +17,7 @@ to :attr:`MemoryEstimate.total`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -92,6 +93,7 @@ def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int) -> StageLayou
     return StageLayout(stage=stage, n_layers=layers, has_embedding=stage == 0, has_head=stage == p - 1)
 
 
+@functools.lru_cache(maxsize=4096)  # frozen inputs; called for every phase and by the planner's search
 def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> tuple[int, int, int]:
     """(parameters held by a rank before ZeRO sharding, its matmul weights, its largest tensor).
 

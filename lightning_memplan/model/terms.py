@@ -20,6 +20,7 @@ Sources cited below:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -144,6 +145,7 @@ class PrecisionBytes:
     logits: int
 
 
+@functools.lru_cache(maxsize=4096)  # specs are frozen (hashable); the planner asks many times per plan
 def precision_bytes(train: TrainSpec) -> PrecisionBytes:
     """Element sizes for Lightning's precision plugins [PL], then the explicit overrides.
 
