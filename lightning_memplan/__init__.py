@@ -22,6 +22,12 @@ _EXPORTS: dict[str, str] = {
     "trace_memory": "lightning_memplan.model.trace",
     "calibrate": "lightning_memplan.model.trace",
     "PlanDoesNotFitError": "lightning_memplan.planning",
+    "TraceResult": "lightning_memplan.model.trace",
+    "TensorTracker": "lightning_memplan.tracking",
+    "TrackerReport": "lightning_memplan.tracking",
+    "LossMetrics": "lightning_memplan.loss",
+    "LossOptions": "lightning_memplan.loss",
+    "CrossEntropyMetricAggregator": "lightning_memplan.loss",
     "HardwareSpec": "lightning_memplan.hardware",
     "plan": "lightning_memplan.planning",
     "PlanDecision": "lightning_memplan.planning",
@@ -45,3 +51,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+from lightning_memplan._registration import ensure_registered as _ensure_registered  # noqa: E402
+
+# Lightning discovers no third-party strategies by itself: importing this package registers
+# "memplan_auto" (immediately if Lightning is loaded, else the moment lightning.pytorch is imported).
+_ensure_registered()

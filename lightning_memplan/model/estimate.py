@@ -263,7 +263,7 @@ def _estimate_stage(
     comm_static = 0
     comm_fwd = comm_bwd = 0
     gathered = pb.compute if pb.autocast_copy else pb.param  # all-gather dtype of FSDP units
-    if shard > 1 and plan.zero <= 1:
+    if shard > 1 and plan.zero <= 1 and plan.grad_buckets:
         comm_static = terms.ddp_bucket_bytes(states["grads"])
     elif shard > 1 and plan.zero == 2:
         # SHARD_GRAD_OP keeps every unit unsharded (in the 16-bit compute dtype under mixed

@@ -343,6 +343,10 @@ class ParallelPlan:
         microbatches: m, micro-batches per optimizer step through the pipeline (>= pp for 1F1B).
         schedule: ``"gpipe"`` (all m forwards, then all backwards), ``"1f1b"`` or ``"interleaved"``.
         virtual_stages: v, model chunks per pipeline rank for the interleaved schedule.
+        grad_buckets: with zero <= 1, gradients are all-reduced through DDP's flat buckets, a second
+            copy of the gradients (``torch.nn.parallel.DistributedDataParallel``, Lightning's
+            ``DDPStrategy``); ``False`` for replication that reduces the gradients in place (FSDP2's
+            replicate mesh dimension, which ``memplan_auto`` uses for its data-parallel ranks).
     """
 
     dp: int = 1
@@ -354,6 +358,7 @@ class ParallelPlan:
     microbatches: int = field(default=1, kw_only=True)
     schedule: str = field(default="1f1b", kw_only=True)
     virtual_stages: int = field(default=1, kw_only=True)
+    grad_buckets: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual_stages"):

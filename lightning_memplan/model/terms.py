@@ -33,7 +33,12 @@ __all__ = [
     "INT8_BYTES",
     "MASK_BYTES",
     "PrecisionBytes",
+    "AUTO_CHUNK_BUDGET_BYTES",
+    "AUTO_MIN_CHUNKS",
+    "CHUNK_ROW_MULTIPLE",
+    "auto_loss_chunk_tokens",
     "autocast_copy_bytes",
+    "loss_chunk_row_bytes",
     "ddp_bucket_bytes",
     "embedding_param_count",
     "eager_attention_bytes",
@@ -363,6 +368,37 @@ def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: in
 # ---------------------------------------------------------------------------------------------
 
 
+#: ``LinearCrossEntropy`` computes a low-precision weight-gradient product in vocab blocks of at most
+#: this many bytes before adding it to its fp32 accumulator (lightning_memplan/loss/chunked.py).
+LOSS_WEIGHT_GRAD_BLOCK_BYTES = 16 * 2**20
+
+
+def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: int) -> dict[str, int]:
+    """Memory of ``LinearCrossEntropy`` in chunked mode (reduction mean/sum) for N = ``tokens``.
+
+    The gradients are computed during the forward, chunk by chunk, and kept until backward scales
+    them by ``grad_output``: the hidden states' gradient ``N*h`` (hidden dtype: the residual dtype,
+    fp32 under autocast) and the fp32 weight gradient ``V*h*4``. The forward's peak adds the last
+    chunk's working set ``chunk * V * (4 + e)`` (:func:`loss_chunk_row_bytes`) and, when the GEMMs run
+    in 16 bit, the casts of the weight and hidden states and one weight-gradient block. ``chunk`` is
+    ``loss_chunk_size`` or the ``"auto"`` rule (:func:`auto_loss_chunk_tokens`).
+    """
+    pb = precision_bytes(train)
+    h, e = model.hidden, pb.compute
+    chunk = min(tokens, train.loss_chunk_size or auto_loss_chunk_tokens(tokens, h, vocab, e))
+    stored = tokens * h * pb.residual + vocab * h * FP32_BYTES
+    casts = 0
+    if e != FP32_BYTES:
+        casts = min(vocab * h * e, LOSS_WEIGHT_GRAD_BLOCK_BYTES)
+        if pb.param != e:
+            casts += vocab * h * e
+        if pb.residual != e:
+            casts += tokens * h * e
+    forward = chunk * loss_chunk_row_bytes(vocab, e) + stored + casts
+    backward = stored + (vocab * h * pb.grad if pb.grad != FP32_BYTES else 0)
+    return {"forward": forward, "held": stored, "backward": backward}
+
+
 def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard: int = 1) -> dict[str, int]:
     """The logits family around the loss for ``tokens`` = b*s tokens of one micro-batch [S000].
 
@@ -375,16 +411,15 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
       log-probabilities; backward: log-probabilities + their gradient + the logits' gradient.
     - ``fp32_upcast`` (``logits = logits.float()`` before the loss, as Hugging Face models do):
       forward ``4E + max(e, 4)E`` (the rebinding frees the e-byte logits), backward ``12E``.
-    - ``chunked``: the same three tensors for ``loss_chunk_size`` tokens at a time, in fp32.
+    - ``chunked``: this project's ``LinearCrossEntropy`` (:func:`_chunked_loss_bytes`): one chunk's
+      working set plus the gradients it computes during the forward.
     - ``vocab_parallel``: naive with V/t columns per rank (``vocab_shard`` = t).
     """
     pb = precision_bytes(train)
     vocab = math.ceil(model.vocab_size / vocab_shard)
     e = pb.logits
     if train.loss == "chunked":
-        chunk = min(tokens, train.loss_chunk_size or tokens)
-        c = chunk * vocab
-        return {"forward": 3 * c * FP32_BYTES, "held": 0, "backward": 3 * c * FP32_BYTES}
+        return _chunked_loss_bytes(model, train, tokens, vocab)
     elems = tokens * vocab
     if train.loss == "fp32_upcast":
         # ``logits = logits.float()`` rebinds the name: the e-byte logits die once the copy exists,
@@ -399,6 +434,47 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     forward = elems * (e + upcast_copy + lp)
     held = elems * lp
     return {"forward": forward, "held": held, "backward": 3 * elems * lp}
+
+
+#: Byte budget of the per-chunk working set of ``LinearCrossEntropy(chunk_size="auto")``.
+AUTO_CHUNK_BUDGET_BYTES = 512 * 2**20
+#: ``chunk_size="auto"`` uses at most N / 16 rows per chunk, so the working set is at most 1/16 of the
+#: [N, V] logits it replaces whatever the budget.
+AUTO_MIN_CHUNKS = 16
+#: ``chunk_size="auto"`` rounds down to a multiple of this many rows (GEMM-friendly, deterministic).
+CHUNK_ROW_MULTIPLE = 64
+
+
+def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = False) -> int:
+    """Chunked-loss working set per token row: ``V*(4 + e [+ 4])``: one fp32 [chunk, V] buffer holds
+    logits -> exp -> gradient in place, a [chunk, V] copy in the GEMM dtype (e bytes, when not fp32)
+    feeds the matmuls, and a softcap keeps one more fp32 buffer for its derivative."""
+    per_elem = FP32_BYTES + (compute_bytes if compute_bytes != FP32_BYTES else 0)
+    if softcap:
+        per_elem += FP32_BYTES
+    return vocab * per_elem
+
+
+def auto_loss_chunk_tokens(
+    n_tokens: int,
+    hidden: int,
+    vocab: int,
+    compute_bytes: int = FP32_BYTES,
+    *,
+    budget_bytes: int = AUTO_CHUNK_BUDGET_BYTES,
+    softcap: bool = False,
+) -> int:
+    """Tokens per chunk of ``chunk_size="auto"`` (the rule the loss, the planner and the estimate
+    share): ``rows = min(budget // row_bytes, N / 16)`` rounded down to a multiple of 64 (at least
+    64); no chunking (one chunk of N rows) when ``N <= max(h, 64)``, where the [N, V] logits are no
+    larger than the [V, h] weight and its fp32 gradient that exist anyway (the break-even torch's
+    ``LinearCrossEntropyOptions`` documents)."""
+    if n_tokens <= max(hidden, CHUNK_ROW_MULTIPLE):
+        return max(n_tokens, 1)
+    rows = budget_bytes // max(loss_chunk_row_bytes(vocab, compute_bytes, softcap=softcap), 1)
+    rows = min(rows, n_tokens // AUTO_MIN_CHUNKS)
+    rows = max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
+    return min(rows, n_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

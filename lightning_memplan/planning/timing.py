@@ -81,27 +81,10 @@ MEMORY_BW_EFFICIENCY = 0.8
 FSDP_UNIT_OVERHEAD_S = 100e-6
 #: Fixed cost per loss chunk (three GEMM launches plus the elementwise kernels), seconds [LK24].
 CHUNK_OVERHEAD_S = 30e-6
-#: Row budget of ``chunk_size="auto"``; mirrors ``lightning_memplan.loss.options.AUTO_CHUNK_BUDGET_BYTES``
-#: (kept here so the pure planner does not import torch; a unit test checks the two rules agree).
-AUTO_CHUNK_BUDGET_BYTES = 512 * 2**20
-#: Mirrors ``lightning_memplan.loss.options.AUTO_MIN_CHUNKS``.
-AUTO_MIN_CHUNKS = 16
-#: Mirrors ``lightning_memplan.loss.options.CHUNK_ROW_MULTIPLE``.
-CHUNK_ROW_MULTIPLE = 64
-
-
 def planned_chunk_size(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
-    """Tokens per loss chunk the loss's ``chunk_size="auto"`` rule picks for b*s = ``tokens``.
-
-    No chunking when ``tokens <= max(h, 64)``; else ``rows = 512 MiB // (V * (4 + e))`` (e = logits
-    dtype bytes when not fp32), at most ``tokens // 16``, rounded down to a multiple of 64 (at least 64)."""
-    if tokens <= max(model.hidden, CHUNK_ROW_MULTIPLE):
-        return max(tokens, 1)
-    e = terms.precision_bytes(train).logits
-    row_bytes = model.vocab_size * (terms.FP32_BYTES + (e if e != terms.FP32_BYTES else 0))
-    rows = min(AUTO_CHUNK_BUDGET_BYTES // max(row_bytes, 1), tokens // AUTO_MIN_CHUNKS)
-    rows = max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
-    return min(rows, tokens)
+    """Tokens per loss chunk the loss's ``chunk_size="auto"`` rule picks for b*s = ``tokens``
+    (:func:`lightning_memplan.model.terms.auto_loss_chunk_tokens`, shared with the loss)."""
+    return terms.auto_loss_chunk_tokens(tokens, model.hidden, model.vocab_size, terms.precision_bytes(train).logits)
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:

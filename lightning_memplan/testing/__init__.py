@@ -5,5 +5,28 @@ reuse them (house style 14: benchmarks reuse the tests' reference implementation
 """
 
 from lightning_memplan.testing.distributed import find_free_port, run_distributed
+from lightning_memplan.testing.zoo import (
+    GPT,
+    ConvNet,
+    GPTConfig,
+    MLPNet,
+    causal_lm_loss,
+    gpt2_style,
+    llama_style,
+    random_tokens,
+    tied_style,
+)
 
-__all__ = ["find_free_port", "run_distributed"]
+__all__ = [
+    "GPT",
+    "ConvNet",
+    "GPTConfig",
+    "MLPNet",
+    "causal_lm_loss",
+    "find_free_port",
+    "gpt2_style",
+    "llama_style",
+    "random_tokens",
+    "run_distributed",
+    "tied_style",
+]

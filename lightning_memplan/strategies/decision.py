@@ -1,0 +1,205 @@
+"""Choosing the plan on rank 0: the planner, a forced plan or a checkpoint's plan, then what can be applied.
+
+:func:`decide` is pure given its inputs (no collectives): the strategy runs it on rank 0 and broadcasts
+the :class:`Resolution`. It never silently changes a plan: every change (a dimension the model cannot
+be split along, context parallelism that is not applied) is recorded in :attr:`Resolution.notes`, which
+the strategy shows as a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.strategies.layouts import TransformerLayout
+from lightning_memplan.strategies.mesh import MeshLayout
+from lightning_memplan.strategies.pipeline import pipeline_blocker
+from lightning_memplan.strategies.tensor_parallel import tensor_parallel_blocker
+
+__all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForcedDecision:
+    """The decision record when the plan was given (``plan=``) or restored from a checkpoint.
+
+    Mirrors the parts of :class:`~lightning_memplan.planning.PlanDecision` that the strategy and
+    :class:`~lightning_memplan.callbacks.MemoryPlanCallback` read: ``plan``, ``train``, ``estimate``,
+    ``explain()``, ``to_dict()``.
+
+    Args:
+        plan: the applied plan.
+        train: the TrainSpec it was estimated with.
+        model: the ModelSpec it was estimated with.
+        estimate: ``estimate_memory(model, train, plan)`` or ``None`` when the estimate is unavailable.
+        source: ``"forced"`` (``plan=``) or ``"checkpoint"`` (restored from a resumed checkpoint).
+    """
+
+    plan: ParallelPlan
+    train: TrainSpec
+    model: ModelSpec
+    estimate: Any = None
+    source: str = "forced"
+
+    def explain(self) -> str:
+        lines = [f"memplan_auto: plan {self.plan.describe()} ({self.source}, not searched)"]
+        if self.estimate is not None:
+            lines.append(f"  predicted peak per rank: {self.estimate.total / 2**30:.3f} GiB")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "plan": self.plan.to_dict(),
+            "train": self.train.to_dict(),
+            "model": self.model.to_dict(),
+            "estimate_total_bytes": None if self.estimate is None else int(self.estimate.total),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """What rank 0 decided, broadcast to every rank.
+
+    Args:
+        decision: the planner's ``PlanDecision`` or a :class:`ForcedDecision`.
+        plan: the plan that will be applied (``decision.plan`` unless folded, see ``notes``).
+        mesh: mesh sizes for ``plan``.
+        recompute: activation checkpointing to apply (``"none"``, ``"selective"``, ``"full"``).
+        loss: the loss mode the plan assumes.
+        notes: every deviation from what was asked, in words.
+    """
+
+    decision: Any
+    plan: ParallelPlan
+    mesh: MeshLayout
+    recompute: str = "none"
+    loss: str = "naive"
+    notes: tuple[str, ...] = field(default=())
+
+    def fingerprint(self) -> str:
+        """A string every rank must agree on (compared with an all-gather)."""
+        return json.dumps(
+            {"plan": self.plan.to_dict(), "mesh": list(self.mesh.shape), "recompute": self.recompute}, sort_keys=True
+        )
+
+
+def applicability(
+    plan: ParallelPlan, layout: TransformerLayout | None, module: nn.Module, *, self_parallel: bool
+) -> dict[str, str]:
+    """Why each of the plan's dimensions cannot be applied to ``module``: ``{"tp": reason, ...}``."""
+    out: dict[str, str] = {}
+    if self_parallel:
+        if plan.pp > 1:
+            out["pp"] = "the module overrides configure_model (it parallelises itself), and memplan_auto only sets mesh sizes for it"
+        return out
+    reason = tensor_parallel_blocker(layout, module, plan.tp)
+    if reason:
+        out["tp"] = reason
+    reason = pipeline_blocker(layout, plan.pp, plan.virtual_stages)
+    if reason:
+        out["pp"] = reason
+    return out
+
+
+def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelPlan, list[str]]:
+    """Turn blocked tp/pp ranks into data-parallel ranks (same world size); returns the plan and notes."""
+    notes = []
+    changes: dict[str, Any] = {}
+    dp = plan.dp
+    if "tp" in blocked:
+        dp *= plan.tp
+        changes.update(tp=1, sp=False)
+        notes.append(f"tp={plan.tp} not applied: {blocked['tp']}; its ranks became data-parallel ranks")
+    if "pp" in blocked:
+        dp *= plan.pp
+        changes.update(pp=1, microbatches=1, schedule="1f1b", virtual_stages=1)
+        notes.append(f"pp={plan.pp} not applied: {blocked['pp']}; its ranks became data-parallel ranks")
+    if not changes:
+        return plan, notes
+    return dataclasses.replace(plan, dp=dp, **changes), notes
+
+
+def decide(
+    *,
+    model_spec: ModelSpec,
+    train: TrainSpec,
+    world_size: int,
+    layout: TransformerLayout | None,
+    module: nn.Module,
+    self_parallel: bool,
+    forced: ParallelPlan | None,
+    forced_source: str,
+    planner: Any,
+) -> Resolution:
+    """Pick and check the plan (runs on rank 0 only).
+
+    Args:
+        planner: ``callable(exclude: dict[str, str]) -> PlanDecision``; called again with the blocked
+            dimensions excluded when the first choice cannot be applied to this module.
+    Raises:
+        ValueError: a forced plan whose world size differs from the run's.
+    """
+    notes: list[str] = []
+    if forced is not None:
+        if forced.world_size != world_size:
+            raise ValueError(
+                f"plan={forced!r} needs {forced.world_size} processes (dp*tp*pp*cp) but the Trainer runs "
+                f"{world_size} (devices x num_nodes); change the plan or Trainer(devices=..., num_nodes=...)"
+            )
+        plan = forced
+        blocked = applicability(plan, layout, module, self_parallel=self_parallel)
+        plan, fold_notes = fold_blocked(plan, blocked)
+        notes += fold_notes
+        estimate = _estimate_or_none(model_spec, train, dataclasses.replace(plan, grad_buckets=False))
+        decision: Any = ForcedDecision(plan=plan, train=train, model=model_spec, estimate=estimate, source=forced_source)
+        recompute, loss = train.recompute, train.loss
+    else:
+        decision = planner({})
+        blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel)
+        if blocked:
+            notes += [f"planner chose {decision.plan.describe()}, but {dim}: {why}" for dim, why in blocked.items()]
+            decision = planner(blocked)
+            notes.append(f"re-planned without {', '.join(sorted(blocked))}: {decision.plan.describe()}")
+            still = applicability(decision.plan, layout, module, self_parallel=self_parallel)
+            if still:  # the planner ignored the exclusion: fold rather than fail
+                plan, fold_notes = fold_blocked(decision.plan, still)
+                notes += fold_notes
+            else:
+                plan = decision.plan
+        else:
+            plan = decision.plan
+        chosen_train = getattr(decision, "train", None) or train
+        recompute, loss = chosen_train.recompute, chosen_train.loss
+        if plan.pp > 1:
+            # The schedule splits each dataloader batch (B = train.micro_batch) into B / b micro-batches;
+            # Lightning's own gradient accumulation stays as the user set it.
+            m = max(1, train.micro_batch // chosen_train.micro_batch)
+            if m != plan.microbatches:
+                notes.append(
+                    f"pipeline micro-batches per dataloader batch: {m} (micro-batch {chosen_train.micro_batch} of "
+                    f"batch {train.micro_batch}; the planner counted {plan.microbatches} per optimizer step)"
+                )
+                plan = dataclasses.replace(plan, microbatches=m)
+    # Data-parallel replicas are FSDP2's replicate mesh dimension: gradients are reduced in place, no
+    # DDP bucket copy (the estimate's ``grad_buckets``).
+    plan = dataclasses.replace(plan, grad_buckets=False)
+    mesh = MeshLayout.from_plan(plan)
+    notes += list(mesh.notes)
+    return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes))
+
+
+def _estimate_or_none(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> Any:
+    try:
+        from lightning_memplan.model.estimate import estimate_memory
+    except ImportError:
+        return None
+    try:
+        return estimate_memory(model, train, plan)
+    except ValueError:
+        return None

@@ -1,0 +1,515 @@
+"""``MemplanAutoStrategy``: plan the parallel layout at setup, then apply it with PyTorch's own machinery.
+
+A thin adapter (house style 10) over Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+(process group, DTensor checkpointing, optimizer handling) and PyTorch's FSDP2 ``fully_shard``, DTensor
+``parallelize_module``, ``torch.distributed.pipelining`` and ``checkpoint_wrapper``. What it adds:
+
+1. ``setup_environment``: rank 0 reads the model, the batch shape, the precision and the hardware, asks
+   :func:`lightning_memplan.planning.plan` (or takes ``plan=``), checks the plan can be applied to this
+   module, and broadcasts the result; every rank builds the same ``pp x dp_replicate x dp_shard x tp``
+   DeviceMesh and the ranks compare a fingerprint of plan and model (all-gather): a mismatch raises on
+   every rank instead of hanging in a later collective.
+2. ``setup``: unless the module parallelised itself in ``configure_model``, pipeline split -> tensor
+   parallel -> activation checkpointing -> FSDP2 (torchtitan's order).
+3. Under pipeline parallelism, ``training_step`` runs the schedule and ``backward`` hands its gradients
+   to the parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load, _has_dtensor_modules
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.strategies.decision import Resolution, decide
+from lightning_memplan.strategies.fsdp import (
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    data_parallel_mesh,
+    is_fsdp_managed,
+)
+from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for, train_spec_for
+from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
+from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, build_device_mesh
+from lightning_memplan.strategies.pipeline import PipelineRunner
+from lightning_memplan.strategies.record import CHECKPOINT_KEY, PLAN_FILENAME, explain, record, stored_plan
+from lightning_memplan.strategies.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["PLAN_FILENAME", "MemplanAutoStrategy"]
+
+class MemplanAutoStrategy(ModelParallelStrategy):
+    """Chooses DP / FSDP / TP / PP / activation checkpointing from the memory model and applies it.
+
+    Args:
+        memory_budget: bytes each rank may use for tensors; ``None`` uses the detected (or given)
+            hardware memory minus ``headroom``. A small value simulates a small GPU.
+        allow: restrictions passed to the planner (see :func:`lightning_memplan.planning.plan`).
+        hardware: a :class:`~lightning_memplan.hardware.HardwareSpec` or preset name; ``None`` detects.
+        plan: force this :class:`~lightning_memplan.model.specs.ParallelPlan` instead of searching
+            (its world size must equal devices x num_nodes).
+        train: the :class:`~lightning_memplan.model.specs.TrainSpec` to plan with (batch shape,
+            precision, optimizer, recompute, loss); ``None`` reads it from the Trainer and first batch.
+            With ``plan=``, its ``recompute`` is applied.
+        headroom: fraction of device memory kept free (planner's ``headroom``).
+        save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
+
+    Attributes:
+        decision: the planner's ``PlanDecision`` (or a ``ForcedDecision``); its ``plan`` is applied.
+        applied_plan: the :class:`ParallelPlan` actually applied (``decision.plan`` unless a dimension
+            had to be folded, which is warned about).
+        resolution: plan, mesh sizes, recompute, loss mode and notes.
+
+    Raises:
+        ValueError: at setup, for an accelerator it cannot drive, a world size the forced plan does not
+            match, a module whose own ``configure_model`` conflicts with the plan, or nothing that fits.
+
+    Example::
+
+        import lightning_memplan  # registers "memplan_auto"
+        trainer = L.Trainer(strategy="memplan_auto", devices=8)
+    """
+
+    strategy_name = "memplan_auto"
+
+    def __init__(
+        self,
+        memory_budget: int | None = None,
+        allow: Any = None,
+        hardware: Any = None,
+        plan: ParallelPlan | None = None,
+        train: TrainSpec | None = None,
+        headroom: float = 0.1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if memory_budget is not None and (
+            isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
+        ):
+            raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes, e.g. 8 * 2**30")
+        if plan is not None and not isinstance(plan, ParallelPlan):
+            raise TypeError(f"plan={plan!r} must be a lightning_memplan.ParallelPlan, e.g. ParallelPlan(dp=2, zero=3)")
+        if train is not None and not isinstance(train, TrainSpec):
+            raise TypeError(f"train={train!r} must be a lightning_memplan.TrainSpec")
+        if not isinstance(headroom, (int, float)) or not 0.0 <= float(headroom) < 1.0:
+            raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1")
+        self._memory_budget = memory_budget
+        self._allow = allow
+        self._hardware = hardware
+        self._forced_plan = plan
+        self._train = train
+        self._headroom = float(headroom)
+        self.resolution: Resolution | None = None
+        self._layout: TransformerLayout | None = None
+        self._pipeline: PipelineRunner | None = None
+        self._applied = False
+        self._self_parallel = False
+
+    # ------------------------------------------------------------------------------------- properties
+    @property
+    def decision(self) -> Any:
+        return None if self.resolution is None else self.resolution.decision
+
+    @property
+    def applied_plan(self) -> ParallelPlan | None:
+        return None if self.resolution is None else self.resolution.plan
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh[LIGHTNING_DP_ALIAS]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    # ------------------------------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        self._check_accelerator()
+        self._setup_distributed()
+        resolution = self._resolve_on_rank_zero()
+        self.resolution = resolution
+        for note in resolution.notes:
+            rank_zero_warn(f"memplan_auto: {note}")
+        self._device_mesh = build_device_mesh(resolution.mesh, self.root_device.type)
+        self._check_agreement(resolution)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(explain(resolution))
+
+    def _check_accelerator(self) -> None:
+        if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise ValueError(
+                f"accelerator={type(self.accelerator).__name__!r} is not supported by memplan_auto: it needs "
+                "torch.distributed collectives (gloo on CPU, NCCL on CUDA); use Trainer(accelerator='cpu') or "
+                "accelerator='cuda', or another strategy"
+            )
+
+    def _resolve_on_rank_zero(self) -> Resolution:
+        trainer = self.lightning_module.trainer
+        payload: list[Any] = [None]
+        if self.global_rank == 0:
+            try:
+                payload[0] = ("ok", self._resolve(trainer))
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, re-raised everywhere
+                payload[0] = ("error", exc if _picklable(exc) else f"{type(exc).__name__}: {exc}")
+                if self.world_size == 1:
+                    raise
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.broadcast_object_list(payload, src=0)
+        status, value = payload[0]
+        if status == "error":
+            if isinstance(value, BaseException):
+                raise value
+            raise ValueError(f"memplan_auto could not plan (on rank 0): {value}")
+        return value
+
+    def _resolve(self, trainer: pl.Trainer) -> Resolution:
+        lm = self.lightning_module
+        self_parallel = is_overridden("configure_model", lm)
+        layout = find_layout(lm)
+        model_spec = model_spec_for(lm, layout)
+        forced, source = self._forced_plan, "forced"
+        stored = stored_plan(getattr(trainer, "ckpt_path", None))
+        if stored is not None and forced is None:
+            forced, source = stored, "checkpoint"
+        try:
+            train = train_spec_for(trainer, lm, self._train)
+        except BatchShapeUnknown:
+            if forced is None:
+                raise
+            # A given plan needs no search; the shape only feeds its estimate, which is then rough.
+            rank_zero_warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
+            train = TrainSpec(micro_batch=1, seq_len=1, precision=str(trainer.precision))
+
+        def planner(blocked: dict[str, str]) -> Any:
+            return self._call_planner(model_spec, train, blocked, self_parallel)
+
+        return decide(
+            model_spec=model_spec,
+            train=train,
+            world_size=self.world_size,
+            layout=layout,
+            module=lm,
+            self_parallel=self_parallel,
+            forced=forced,
+            forced_source=source,
+            planner=planner,
+        )
+
+    def _call_planner(self, model_spec: Any, train: TrainSpec, blocked: dict[str, str], self_parallel: bool) -> Any:
+        from lightning_memplan.strategies.planner_bridge import run_planner
+
+        return run_planner(
+            model_spec,
+            train,
+            hardware=self._hardware,
+            devices=self.num_processes,
+            num_nodes=self.num_nodes,
+            memory_budget=self._memory_budget,
+            headroom=self._headroom,
+            allow=self._allow,
+            exclude=set(blocked) | ({"pp"} if self_parallel else set()),
+            has_lce=bool(find_linear_cross_entropy(self.lightning_module)),
+        )
+
+    def _check_agreement(self, resolution: Resolution) -> None:
+        lm = self.lightning_module
+        signature = [(n, tuple(p.shape)) for n, p in lm.named_parameters()]
+        digest = hashlib.sha256((resolution.fingerprint() + repr(signature)).encode()).hexdigest()
+        if not (torch.distributed.is_initialized() and self.world_size > 1):
+            return
+        digests: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(digests, digest)
+        if len(set(digests)) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, d in enumerate(digests):
+                groups.setdefault(d, []).append(rank)
+            raise RuntimeError(
+                "memplan_auto: ranks disagree on the plan or the model "
+                f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build the same "
+                "LightningModule (same config and parameter shapes) before fit"
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None and self.resolution is not None
+        self.accelerator.setup(trainer)
+        lm = self.lightning_module
+        if not self._applied:
+            self._self_parallel = _is_self_parallel(lm)
+            if self._self_parallel:
+                self._check_self_parallel(lm)
+            else:
+                self._apply(lm)
+            self._applied = True
+        if self._pipeline is not None:
+            self._check_pipeline_loop(trainer)
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
+            raise TypeError(
+                "memplan_auto found modules wrapped with FSDP1 (FullyShardedDataParallel); it applies FSDP2 "
+                "(fully_shard) itself, remove the wrapping"
+            )
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._publish(trainer)
+
+    def _apply(self, lm: torch.nn.Module) -> None:
+        res = self.resolution
+        assert res is not None
+        mesh, sizes = self.device_mesh, res.mesh
+        layout = find_layout(lm)
+        self._layout = layout
+        notes: list[str] = []
+        if sizes.pp > 1:
+            assert layout is not None
+            self._pipeline = PipelineRunner(
+                lm,
+                layout,
+                mesh[str(MeshAxis.PP)],
+                self.root_device,
+                microbatches=res.plan.microbatches,
+                schedule=res.plan.schedule,
+                virtual_stages=res.plan.virtual_stages,
+            )
+        if sizes.tp > 1:
+            notes += apply_tensor_parallel(lm, layout, mesh[str(MeshAxis.TP)])
+        if res.recompute != "none":
+            if layout is None:
+                notes.append(f"recompute={res.recompute!r} not applied: no list of repeated blocks found")
+            else:
+                notes.append(apply_activation_checkpointing(layout, res.recompute))
+                if self._pipeline is not None:
+                    self._pipeline.refresh_blocks()
+        if sizes.dp > 1:
+            dp_mesh = data_parallel_mesh(mesh, sizes)
+            if self._pipeline is not None:
+                apply_data_parallel(
+                    lm, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
+                    roots=tuple(self._pipeline.modules),
+                )
+            else:
+                apply_data_parallel(
+                    lm, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
+                    separate_head=not find_linear_cross_entropy(lm),
+                )
+        notes += self._configure_losses(lm, res)
+        for note in notes:
+            if note:
+                rank_zero_info(f"memplan_auto: {note}")
+
+    def _configure_losses(self, lm: torch.nn.Module, res: Resolution) -> list[str]:
+        """Set the loss mode the plan assumes on every ``LinearCrossEntropy`` (``configure(mode=...)``)."""
+        losses = find_linear_cross_entropy(lm)
+        if not losses:
+            if res.loss in ("chunked", "vocab_parallel"):
+                rank_zero_warn(
+                    f"memplan_auto: the plan assumes loss={res.loss!r} but the module has no LinearCrossEntropy; "
+                    "its logits are materialised in full, so the real peak can exceed the estimate. Compute the "
+                    "loss with lightning_memplan.LinearCrossEntropy"
+                )
+            return []
+        if res.mesh.tp > 1 and self._pipeline is None:
+            mode = "vocab_parallel"  # the lm_head weight is a vocab-sharded DTensor (ColwiseParallel)
+        elif res.loss in ("chunked", "vocab_parallel"):
+            mode = "chunked"
+        else:
+            return [f"{len(losses)} LinearCrossEntropy module(s) keep their own mode (plan loss={res.loss!r})"]
+        chunk = getattr(getattr(res.decision, "train", None), "loss_chunk_size", None)
+        for loss in losses:
+            configure = getattr(loss, "configure", None)
+            if callable(configure):
+                configure(mode=mode, chunk_size=chunk)
+        return [f"{len(losses)} LinearCrossEntropy module(s) set to mode={mode!r}" + (f", chunk_size={chunk}" if chunk else "")]
+
+    def _check_self_parallel(self, lm: torch.nn.Module) -> None:
+        plan = self.resolution.plan  # type: ignore[union-attr]
+        from torch.distributed.tensor import DTensor
+
+        tp_mesh_used = any(
+            isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
+            and any(n in (str(MeshAxis.TP), "tensor_parallel") for n in p.device_mesh.mesh_dim_names)
+            for p in lm.parameters()
+        )
+        if plan.tp > 1 and not tp_mesh_used:
+            raise ValueError(
+                f"the plan has tp={plan.tp} but configure_model applied no tensor parallelism over "
+                "self.device_mesh['tensor_parallel'] (no parameter is a DTensor on it); apply TP there, remove "
+                "configure_model so memplan_auto applies it, or force plan=ParallelPlan(dp=world_size, ...)"
+            )
+        dp = self.resolution.mesh.dp  # type: ignore[union-attr]
+        if dp > 1 and not is_fsdp_managed(lm):
+            raise ValueError(
+                f"the plan has {dp} data-parallel ranks but configure_model applied no fully_shard over "
+                "self.device_mesh['data_parallel'], so gradients would never be synchronised; call "
+                "fully_shard there, or remove configure_model so memplan_auto applies it"
+            )
+
+    def _check_pipeline_loop(self, trainer: pl.Trainer) -> None:
+        lm = self.lightning_module
+        if not lm.automatic_optimization:
+            raise ValueError(
+                "pipeline parallelism runs forward and backward inside the schedule, which needs automatic "
+                "optimization; set automatic_optimization=True or force a plan with pp=1"
+            )
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise ValueError(
+                f"trainer.{trainer.state.fn.value}() is not supported with pipeline parallelism (pp="
+                f"{self.resolution.plan.pp}); force a plan with pp=1 for evaluation"  # type: ignore[union-attr]
+            )
+        if is_overridden("validation_step", lm) and trainer.limit_val_batches != 0:
+            raise ValueError(
+                "validation under pipeline parallelism is not supported by memplan_auto; pass "
+                "Trainer(limit_val_batches=0) or force a plan with pp=1"
+            )
+
+    def _publish(self, trainer: pl.Trainer) -> None:
+        res = self.resolution
+        assert res is not None
+        log_dir = trainer.log_dir  # collective (broadcast) inside Lightning: every rank calls it
+        if self.global_rank != 0:
+            return
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, PLAN_FILENAME), "w") as fh:
+                json.dump(record(res), fh, indent=2, default=str)
+        params = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
+        params["memplan/plan"] = res.plan.describe()
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+    # ----------------------------------------------------------------------------------- train loop
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        window_start = batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.step(args[0], window_start=window_start)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward inside training_step; hand its gradients over now that
+        # Lightning has zeroed the previous ones.
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline.install_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if self.resolution is not None:
+            checkpoint[CHECKPOINT_KEY] = record(self.resolution)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir() and (self._pipeline is not None or not _has_dtensor_modules(self.model)):
+            checkpoint = self._load_sharded(path, weights_only)
+        else:
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan")
+        if stored is not None and self.resolution is not None and stored != self.resolution.plan.to_dict():
+            rank_zero_warn(
+                f"memplan_auto: the checkpoint was written under plan {ParallelPlan.from_dict(stored).describe()} "
+                f"and is loaded into {self.resolution.plan.describe()} (distributed checkpoint reshards it). "
+                "Set trainer.ckpt_path before fit to resume with the stored plan"
+            )
+        return checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._pipeline is None or not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        # Pipeline ranks hold different parameters; flattened keys (``param_groups.<fqn>.lr``) keep each
+        # rank's groups apart in the distributed checkpoint (torchtitan does the same for PP).
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, options=self._sharded_options())
+
+    def _sharded_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=self._pipeline is not None)
+
+    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        # Lightning's loader insists on DTensor parameters and unflattened optimizer states; a module
+        # without DTensors (one device, pipeline stages without FSDP/TP) or a pipeline stage (flattened
+        # optimizer states, see optimizer_state) is loaded through the same distributed-checkpoint calls.
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        state = {"state_dict": get_model_state_dict(module)}
+        _distributed_checkpoint_load(state, path)
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        options = self._sharded_options()
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(module, optimizer, options=options)}
+            _distributed_checkpoint_load(optim_state, path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=bool(weights_only))
+
+
+def _picklable(exc: BaseException) -> bool:
+    """Whether an exception survives ``broadcast_object_list`` (pickle needs its ``args`` to rebuild it)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _is_self_parallel(module: torch.nn.Module) -> bool:
+    """Whether ``configure_model`` already parallelised the module (FSDP2 units or DTensor parameters)."""
+    if not is_overridden("configure_model", module):
+        return False
+    return is_fsdp_managed(module) or _has_dtensor_modules(module)

@@ -1,0 +1,178 @@
+"""Calling the planner with what the strategy can actually apply.
+
+The planner searches a larger space than a running Trainer can change. Before it is called, the
+search is narrowed (``Allow``) to what memplan_auto applies:
+
+* context parallelism and sequence parallelism are not applied (``cp=1``, ``sp=False``);
+* ZeRO-1 has no FSDP2 form (``zero`` in 0, 2, 3);
+* the dataloader fixes the per-rank batch B: without PP the micro-batch must be B (Lightning's
+  ``accumulate_grad_batches`` stays the user's); with PP the schedule splits B into micro-batches, so
+  the micro-batch must divide B;
+* the loss mode can change only when the model computes its loss with ``LinearCrossEntropy``;
+* dimensions the module cannot be split along (``exclude``) are pinned to 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from lightning_memplan.model.specs import ModelSpec, TrainSpec
+
+__all__ = ["hardware_for_run", "narrow_allow", "run_planner"]
+
+
+def hardware_for_run(hardware: Any, devices: int, num_nodes: int) -> Any:
+    """A ``HardwareSpec`` with this run's ``devices`` per node and ``num_nodes``.
+
+    ``hardware`` is ``None`` (detect the local machine), a preset name, or a ``HardwareSpec`` (its
+    per-node count and nodes are replaced by the run's, with a warning when they differ).
+    """
+    from lightning_memplan.hardware import HardwareSpec
+
+    if hardware is None:
+        return HardwareSpec.detect(num_nodes=num_nodes).replace(gpus_per_node=devices, num_nodes=num_nodes)
+    if isinstance(hardware, str):
+        return HardwareSpec.preset(hardware, gpus_per_node=devices, num_nodes=num_nodes)
+    if not isinstance(hardware, HardwareSpec):
+        raise TypeError(f"hardware={hardware!r} must be None, a preset name such as 'h100-80gb' or a HardwareSpec")
+    if (hardware.gpus_per_node, hardware.num_nodes) != (devices, num_nodes):
+        warnings.warn(
+            f"hardware={hardware.describe()!r} describes {hardware.gpus_per_node} devices x {hardware.num_nodes} "
+            f"nodes but the Trainer runs {devices} x {num_nodes}; planning for the Trainer's world",
+            UserWarning,
+            stacklevel=2,
+        )
+    return hardware.replace(gpus_per_node=devices, num_nodes=num_nodes)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def narrow_allow(allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bool, pipeline: bool) -> Any:
+    """The user's ``allow`` intersected with what the strategy can apply (see the module docstring)."""
+    from lightning_memplan.planning import Allow
+
+    spec = Allow.parse(allow)
+
+    def keep(name: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        current = getattr(spec, name)
+        out = values if current is None else tuple(v for v in current if v in values)
+        if not out:
+            raise ValueError(
+                f"allow restricts {name} to {current!r}, but memplan_auto can only apply {values!r} here; relax allow"
+            )
+        return out
+
+    changes: dict[str, Any] = {"cp": keep("cp", (1,)), "sp": keep("sp", (False,)), "zero": keep("zero", (0, 2, 3))}
+    for dim in ("tp", "pp"):
+        if dim in exclude:
+            changes[dim] = keep(dim, (1,))
+    b = train.micro_batch
+    changes["micro_batch"] = keep("micro_batch", _divisors(b) if pipeline and "pp" not in exclude else (b,))
+    if not has_lce:
+        changes["loss"] = (train.loss,)
+    return dataclasses.replace(spec, **changes)
+
+
+def applicable(candidate: Any, train: TrainSpec) -> bool:
+    """Whether a planner candidate can run on the dataloader's batch B = ``train.micro_batch``.
+
+    Without PP the micro-batch must be B with the user's accumulation. With PP the schedule splits B
+    into m = B / b micro-batches, and torch's 1F1B (and interleaved) schedules need m >= pp
+    (interleaved: m a multiple of pp).
+    """
+    plan, b, batch = candidate.plan, candidate.train.micro_batch, train.micro_batch
+    if plan.pp == 1:
+        return b == batch and candidate.train.grad_accumulation == train.grad_accumulation
+    if batch % b:
+        return False
+    m = batch // b
+    if plan.schedule == "interleaved":
+        return m % plan.pp == 0
+    return m >= plan.pp
+
+
+def rank_key(candidate: Any) -> float:
+    """Seconds per token with the planner's simplicity penalty: ``score / step_time / tokens_per_s``.
+
+    The planner ranks by step time, which compares layouts at equal global batch. Under a Trainer the
+    dataloader fixes the per-rank batch, so the global batch grows with dp; per token is the fair unit.
+    """
+    factor = candidate.score / candidate.step_time_s if candidate.step_time_s > 0 else 1.0
+    return factor / max(candidate.tokens_per_s, 1e-30)
+
+
+#: Candidates the planner keeps for re-ranking.
+TOP_K = 64
+
+
+def run_planner(
+    model: ModelSpec,
+    train: TrainSpec,
+    *,
+    hardware: Any,
+    devices: int,
+    num_nodes: int,
+    memory_budget: int | None,
+    headroom: float,
+    allow: Any,
+    exclude: set[str],
+    has_lce: bool,
+) -> Any:
+    """``plan(...)`` over the applicable space, re-ranked per token; raises ``PlanDoesNotFitError``
+    (a ``ValueError`` with the shortfall and the cheapest changes) when nothing fits.
+
+    Returns the planner's ``PlanDecision`` with the chosen candidate swapped in (a note says so when
+    it differs from the planner's own first choice).
+    """
+    from lightning_memplan.planning import plan
+
+    hw = hardware_for_run(hardware, devices, num_nodes)
+    narrowed = narrow_allow(allow, train, exclude, has_lce=has_lce, pipeline=True)
+    try:
+        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
+    except ValueError as exc:
+        if "no layout could be evaluated" not in str(exc):
+            raise
+        raise ValueError(_nothing_evaluated(model, train, hw.world_size, memory_budget, exc)) from exc
+    usable = [c for c in decision.candidates if applicable(c, train)] if decision.fits else []
+    if not usable:
+        narrowed = narrow_allow(allow, train, exclude | {"pp"}, has_lce=has_lce, pipeline=False)
+        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
+        return decision.require_fit()
+    best = min(usable, key=rank_key)
+    if best.plan == decision.plan and best.train == decision.train:
+        return decision
+    note = (
+        f"memplan_auto chose {best.describe()} over the planner's first {decision.chosen.describe()}: "
+        "ranked per token (the dataloader fixes the per-rank batch) among plans it can apply"
+    )
+    return dataclasses.replace(
+        decision,
+        plan=best.plan,
+        train=best.train,
+        estimate=best.estimate,
+        step=best.step,
+        budget=best.budget,
+        notes=(*decision.notes, note),
+    )
+
+
+def _nothing_evaluated(model: ModelSpec, train: TrainSpec, world: int, budget: int | None, exc: Exception) -> str:
+    # The planner rejected every layout by its bounds before estimating one, so it has no closest plan;
+    # state the most sharded data-parallel layout's need instead of an empty error.
+    from lightning_memplan.model.estimate import estimate_memory
+    from lightning_memplan.model.specs import ParallelPlan
+
+    sharded = ParallelPlan(dp=world, zero=3 if world > 1 else 0)
+    need = estimate_memory(model, train, sharded).total
+    where = f"budget {budget} bytes" if budget is not None else "the device budget"
+    return (
+        f"no parallel plan fits {world} rank(s) within {where}: the closest data-parallel layout, "
+        f"{sharded.describe()}, needs {need} bytes per rank (short by {need - (budget or 0)} bytes); raise "
+        f"memory_budget, use more devices, or shrink the micro-batch ({train.micro_batch}) or sequence "
+        f"({train.seq_len}). Planner: {exc}"
+    )

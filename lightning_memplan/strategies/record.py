@@ -1,0 +1,59 @@
+"""What memplan_auto writes down about its decision: the JSON record (``memplan_plan.json`` in the log
+directory, the ``"memplan"`` entry of checkpoints), the console text, and reading a checkpoint's plan back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+from lightning_memplan.model.specs import ParallelPlan
+from lightning_memplan.strategies.decision import Resolution
+from lightning_memplan.strategies.mesh import MeshAxis
+
+__all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "record", "stored_plan"]
+
+#: Written into the log directory by rank 0.
+PLAN_FILENAME = "memplan_plan.json"
+#: Key under which the applied plan is stored in checkpoints.
+CHECKPOINT_KEY = "memplan"
+
+
+def record(res: Resolution) -> dict[str, Any]:
+    """The JSON-ready record of a resolution: applied plan, mesh, recompute, loss, notes, decision."""
+    decision = res.decision
+    to_dict = getattr(decision, "to_dict", None)
+    return {
+        "plan": res.plan.to_dict(),
+        "describe": res.plan.describe(),
+        "mesh": {str(axis): size for axis, size in zip(MeshAxis, res.mesh.shape, strict=True)},
+        "reshard_after_forward": res.mesh.reshard_after_forward,
+        "recompute": res.recompute,
+        "loss": res.loss,
+        "notes": list(res.notes),
+        "decision": to_dict() if callable(to_dict) else None,
+    }
+
+
+def explain(res: Resolution) -> str:
+    """The decision's ``explain()`` text plus the mesh line, for the console."""
+    explain = getattr(res.decision, "explain", None)
+    text = explain() if callable(explain) else res.plan.describe()
+    mesh = " x ".join(f"{axis}={size}" for axis, size in zip(MeshAxis, res.mesh.shape, strict=True))
+    return f"{text}\nmemplan_auto mesh: {mesh}; recompute={res.recompute}"
+
+
+def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
+    """The plan stored in a memplan_auto checkpoint (file or distributed-checkpoint folder), if any."""
+    if ckpt_path is None:
+        return None
+    path = Path(ckpt_path)
+    meta = path / _METADATA_FILENAME if path.is_dir() else path
+    if not meta.is_file():
+        return None
+    checkpoint = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=False)
+    stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan") if isinstance(checkpoint, dict) else None
+    return ParallelPlan.from_dict(stored) if stored else None

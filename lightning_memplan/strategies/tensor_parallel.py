@@ -1,0 +1,179 @@
+"""Tensor parallelism with DTensor ``parallelize_module`` (Megatron-style column/row splits).
+
+Per block, q/k/v and the MLP up/gate projections are split on their output features
+(``ColwiseParallel``) and the attention output and MLP down projection on their input features
+(``RowwiseParallel``), so each block needs one all-reduce in forward and one in backward per sub-layer
+(Shoeybi et al. 2019, arXiv 1909.08053, section 3, Fig. 3). The token embedding is split on the vocab rows
+(``RowwiseParallel`` on ``nn.Embedding``), the lm_head on the vocab columns (``ColwiseParallel``): its
+weight is a vocab-sharded DTensor, which :class:`~lightning_memplan.loss.LinearCrossEntropy` consumes
+directly (vocab-parallel loss); a plain ``self.lm_head(hidden)`` call gets the gathered logits back so
+ordinary training steps keep working.
+
+A module whose layout is not recognised may provide ``tp_plan``: a dict from (wildcard) submodule paths to a ``ParallelStyle``
+or one of the strings ``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (= Hugging Face's
+``"colwise_gather_output"``), ``"rowwise_rep"``, ``"embedding_rowwise"``. Recognised layouts use the
+plans here and ignore a ``tp_plan`` attribute (Hugging Face models carry a partial one of their own).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_memplan.strategies.layouts import TransformerLayout, get_submodule_or_none
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "apply_tensor_parallel",
+    "find_linear_cross_entropy",
+    "module_tp_plan",
+    "tensor_parallel_blocker",
+]
+
+
+def module_tp_plan(module: nn.Module) -> dict[str, Any] | None:
+    """The ``tp_plan`` a module provides for itself (attribute or zero-argument method), if any."""
+    plan = getattr(module, "tp_plan", None)
+    if callable(plan):
+        plan = plan()
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise TypeError(
+            f"{type(module).__name__}.tp_plan={plan!r} must be a dict from submodule path to a "
+            "ParallelStyle or 'colwise'/'rowwise'"
+        )
+    return plan or None  # an empty plan (Hugging Face models without TP support) is no plan
+
+
+def _attention_heads(layout: TransformerLayout) -> list[tuple[str, int]]:
+    if layout.attn is None or not layout.head_count_attrs:
+        return []
+    attn = get_submodule_or_none(layout.block_list[0], layout.attn)
+    return [(name, int(getattr(attn, name))) for name in layout.head_count_attrs if hasattr(attn, name)]
+
+
+def _hf_heads(layout: TransformerLayout) -> list[tuple[str, int]]:
+    config = getattr(layout.root, "config", None)
+    out = []
+    for attr, label in (("num_attention_heads", "n_heads"), ("num_key_value_heads", "kv_heads")):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            out.append((label, value))
+    return out
+
+
+def tensor_parallel_blocker(layout: TransformerLayout | None, module: nn.Module, tp: int) -> str | None:
+    """Why ``module`` cannot be split ``tp`` ways (``None`` when it can).
+
+    A recognised layout must have whole heads and projection widths divisible by ``tp``; anything else
+    needs a module-provided ``tp_plan`` (accepted as given).
+    """
+    if tp == 1:
+        return None
+    if layout is None or layout.tp_blocker is not None:
+        owner = layout.root if layout is not None else module
+        if module_tp_plan(owner) is not None or module_tp_plan(module) is not None:
+            return None
+        if layout is None:
+            return f"{type(module).__name__} has no list of repeated blocks and no `tp_plan`"
+        return layout.tp_blocker
+    heads = _attention_heads(layout) if layout.family == "zoo-gpt" else _hf_heads(layout)
+    if layout.tp_note is not None:
+        heads = []  # attention is not split
+    for name, count in heads:
+        if count % tp:
+            good = [d for d in range(1, count + 1) if count % d == 0]
+            return f"tp={tp} does not divide {name}={count}; use tp in {good}"
+    block = layout.block_list[0]
+    for path in (*layout.colwise, *layout.rowwise):
+        linear = block.get_submodule(path)
+        if not isinstance(linear, nn.Linear):
+            return f"{path} is a {type(linear).__name__}, not nn.Linear"
+        width = linear.out_features if path in layout.colwise else linear.in_features
+        if width % tp:
+            return f"tp={tp} does not divide the width {width} of {path}"
+    return None
+
+
+def _style(value: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if isinstance(value, ParallelStyle):
+        return value
+    table = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    if value not in table:
+        raise ValueError(f"tp_plan style {value!r} is not a ParallelStyle; use one of {sorted(table)}")
+    return table[value]()
+
+
+def find_linear_cross_entropy(module: nn.Module) -> list[nn.Module]:
+    """Every ``LinearCrossEntropy`` inside ``module`` (matched by class name, so no import is needed)."""
+    return [m for m in module.modules() if type(m).__name__ == "LinearCrossEntropy"]
+
+
+def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, tp_mesh: DeviceMesh) -> list[str]:
+    """Shard ``module`` over ``tp_mesh`` in place; returns notes about what stayed replicated.
+
+    The caller has checked :func:`tensor_parallel_blocker`. Parameters are distributed from rank 0
+    (``src_data_rank=0``), so every TP rank starts from the same weights.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    notes: list[str] = []
+    if layout is None or layout.tp_blocker is not None:
+        # Not a recognised layout: the module's own plan (checked by tensor_parallel_blocker).
+        target = layout.root if layout is not None and module_tp_plan(layout.root) is not None else module
+        custom = module_tp_plan(target) or {}
+        parallelize_module(target, tp_mesh, {path: _style(style) for path, style in custom.items()})
+        notes.append(f"tensor parallel from {type(target).__name__}.tp_plan ({len(custom)} entries)")
+        return notes
+    assert layout is not None  # guaranteed by tensor_parallel_blocker
+
+    root = layout.root
+    tied = (
+        layout.head is not None
+        and layout.embeddings
+        and root.get_submodule(layout.head).weight is root.get_submodule(layout.embeddings[0]).weight
+    )
+    top: dict[str, Any] = {}
+    if layout.embeddings:
+        # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce.
+        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate())
+    if layout.head is not None:
+        # Vocab-sharded weight; gathered logits for plain callers (LinearCrossEntropy reads the weight).
+        top[layout.head] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(root, tp_mesh, top)
+    if tied:
+        # Both styles shard the shared [V, h] matrix on dim 0, so one DTensor serves both modules again.
+        root.get_submodule(layout.head).weight = root.get_submodule(layout.embeddings[0]).weight
+    block_plan = {**{p: ColwiseParallel() for p in layout.colwise}, **{p: RowwiseParallel() for p in layout.rowwise}}
+    for block in layout.block_list:
+        parallelize_module(block, tp_mesh, block_plan)
+        if layout.attn is not None:
+            attn = block.get_submodule(layout.attn)
+            for name in layout.head_count_attrs:
+                if hasattr(attn, name):
+                    setattr(attn, name, getattr(attn, name) // tp)
+    if layout.tp_note:
+        notes.append(layout.tp_note)
+    lces = find_linear_cross_entropy(module)
+    if lces:
+        notes.append(
+            f"{len(lces)} LinearCrossEntropy module(s) see the vocab-sharded lm_head weight and compute the "
+            "loss vocab-parallel"
+        )
+    return notes

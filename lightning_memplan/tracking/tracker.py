@@ -1,0 +1,500 @@
+"""A live-storage tensor tracker that attributes every byte of a training step to a memory-model component.
+
+Why not just PyTorch's ``torch.distributed._tools.mem_tracker.MemTracker``: it does the hard part the same
+way (a ``TorchDispatchMode`` that keeps a weak reference to each ``UntypedStorage``, so views share one
+entry and a storage is subtracted the moment it is freed; it works under ``FakeTensorMode``) and we check
+our totals against it in the tests. But it falls short for the memory model in four ways:
+
+1. its categories (Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other) do not separate the
+   [b, a, s, s] attention scores and the [b, s, V] logits, which are the terms the estimate is about;
+2. every tensor created inside ``optimizer.step`` is an optimizer state to it, so foreach temporaries
+   are counted as states; and under Lightning, whose ``optimizer.step(closure)`` runs forward and
+   backward *inside* the step, the whole step would be "optimizer";
+3. it keeps one overall peak (plus per-module forward/backward peaks), not a peak per phase
+   (forward, backward, optimizer step);
+4. it hooks every module and walks all module statistics after every operator, which is too slow for
+   sampled steps of a real Trainer run.
+
+:class:`TensorTracker` therefore re-implements the small storage-accounting core with the project's
+classification. Usage::
+
+    tracker = TensorTracker(model, [optimizer], seq_len=s, vocab_size=V)
+    with tracker:
+        tracker.set_phase("forward"); loss = step(batch)
+        tracker.set_phase("backward"); loss.backward()
+        tracker.set_phase("optimizer"); optimizer.step(); optimizer.zero_grad()
+    report = tracker.report()          # a TrackerReport: bytes per component at each peak
+
+Classification of a storage when it is first created (inside the tracker):
+
+- ``params`` / ``grads`` / ``optimizer``: parameter storages, ``.grad`` storages (re-classified by a
+  post-accumulate-grad hook) and ``optimizer.state`` tensors (re-classified after ``optimizer.step``).
+- a copy (``clone``, ``_to_copy``) of a tracked activation/attention/logits/workspace storage: the
+  component of its source (so ``logits.float()`` is logits and a contiguous copy of ``q`` stays an
+  activation even when ``head_dim == s``).
+- ``attention``: shaped ``[..., s, s]`` with >= 4 dims (eager scores, probabilities, dropout masks and
+  their gradients) or a 2-d bool ``[s, s]`` (the causal mask); ``[b, s, h]`` and weight-shaped
+  ``[h, h]`` tensors with ``h == s`` are deliberately not matched. When
+  ``head_dim == s``, ``[b, a, s, d]`` tensors produced by matmuls (e.g. gradients of q in backward) are
+  indistinguishable by shape and are counted as attention.
+- ``logits``: at least 2 dims and last dim ``V`` (logits, fp32 copies, log-softmax, gradient of logits).
+- ``other``: casts of parameters (autocast's low-precision weight copies), buffers, storages first seen
+  through a view or in-place op (created before the tracker started, e.g. the batch), tensors passed to
+  :meth:`track` without a component.
+- ``activations``: anything else created in the forward phase (alive until backward frees it).
+- ``workspace``: anything else created in backward or in the optimizer step (activation gradients in
+  flight, foreach temporaries).
+
+A storage created in backward or in the optimizer step that later becomes a ``.grad`` or an optimizer
+state is reported in its final component at the peaks too (the peak snapshot remembers those storages
+and is resolved when the report is taken).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.tracking.report import TrackerReport
+
+__all__ = ["TensorTracker"]
+
+# Components a storage can move *into* after its creation; only these re-classifications are applied to
+# peak snapshots taken before the move (a gradient or an optimizer state is what the bytes are).
+_FINAL_COMPONENTS = frozenset({"grads", "optimizer"})
+# Ops whose output is a copy of their first input: the copy belongs to the input's component (a
+# contiguous copy of q is an activation even when head_dim == s makes it look like [b, a, s, s]; a
+# ``logits.float()`` copy is logits), except copies of parameters (autocast's weight copies: other)
+# and of "other" storages (a cast of the batch is an activation, by the rules below).
+_COPY_OPS = frozenset(
+    {
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.clone.default,
+        torch.ops.aten._to_copy.out,
+        torch.ops.aten.clone.out,
+    }
+)
+_INHERITED = frozenset({"activations", "attention", "logits", "workspace"})
+
+
+class _Info:
+    __slots__ = ("component", "nbytes")
+
+    def __init__(self, nbytes: int, component: str) -> None:
+        self.nbytes = nbytes
+        self.component = component
+
+
+_DTENSOR: Any
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # torch built without distributed
+    _DTENSOR = None
+
+
+def _fake_mode() -> Any:
+    # The innermost FakeTensorMode on the dispatch-mode stack (what ``torch._guards.active_fake_mode``
+    # finds outside a tracing context, without its per-call overhead).
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def _moment_name(moment: tuple[Any, int]) -> str:
+    func, k = moment
+    return "start" if func == "start" else f"{func}#{k}"
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(t):
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        return list(get_untyped_storages(t))
+    if t.layout is not torch.strided:
+        return []
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # e.g. tensors without storage (functional wrappers)
+        return []
+
+
+def _flat_tensors(out: Any) -> Iterable[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _flat_tensors(item)]
+    return ()
+
+
+class TensorTracker(TorchDispatchMode):
+    """Measures live tensor bytes per memory component at the peak of each phase of a training step.
+
+    Args:
+        module: the model; its parameters (``params``), buffers (``other``) and existing ``.grad``
+            (``grads``) are registered on entry and post-accumulate-grad hooks classify new gradients.
+        optimizers: optimizers whose states are ``optimizer`` (states of any optimizer stepped inside
+            the tracker are classified after its step as well).
+        seq_len: s, to recognise ``[..., s, s]`` attention tensors; ``None`` disables that rule
+            (settable between steps through :attr:`seq_len`, sequence length may change per batch).
+        vocab_size: V, to recognise ``[..., V]`` logits tensors; ``None`` means the largest
+            ``nn.Embedding`` of ``module`` if it has one, else the rule is disabled.
+        device: count only storages on this device type (``"cpu"``, ``"cuda"``); ``None`` means the
+            device of the module's first parameter (all devices when there is none).
+        pin: ``{phase: moment}``: also snapshot the components at that moment of the phase
+            (:attr:`TrackerReport.pinned`); a moment is ``"<operator>#<k>"``, right after the k-th call
+            of that operator in the phase, as :attr:`TrackerReport.peak_ops` names the peaks. Used to
+            compare batch shapes at the same point of the step (counting calls of one operator is robust
+            to the few view ops whose presence depends on the shape, e.g. matmul folding for b == 1).
+
+    Raises:
+        ValueError: ``seq_len``/``vocab_size`` not a positive int, or a phase name not in ``PHASES``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] | torch.optim.Optimizer = (),
+        *,
+        seq_len: int | None = None,
+        vocab_size: int | None = None,
+        device: str | torch.device | None = None,
+        pin: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.seq_len = seq_len
+        if vocab_size is None and module is not None:
+            sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+            vocab_size = max(sizes) if sizes else None
+        self.vocab_size = vocab_size
+        for name, value in (("seq_len", seq_len), ("vocab_size", vocab_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int or None")
+        if device is None and module is not None:
+            first = next(iter(module.parameters()), None)
+            device = first.device if first is not None else None
+        self.device_type: str | None = torch.device(device).type if device is not None else None
+        self._live: dict[int, tuple[weakref.ref, _Info]] = {}
+        self._cur = dict.fromkeys(COMPONENTS, 0)
+        self._total = 0
+        self._fresh: dict[int, _Info] = {}
+        self._phase = "forward"
+        self._peak: tuple[int, str, dict[str, int], tuple] = (-1, "forward", dict(self._cur), ())
+        self._phase_peaks: dict[str, tuple[int, dict[str, int], tuple, tuple[Any, int]]] = {}
+        self._phase_ops: dict[str, dict[Any, int]] = {p: {} for p in PHASES}
+        # moment = (operator, k): right after the k-th call of that operator in the phase
+        self._moment: dict[str, tuple[Any, int]] = dict.fromkeys(PHASES, ("start", 0))
+        for phase, moment in (pin or {}).items():
+            if phase not in PHASES or not isinstance(moment, str):
+                raise ValueError(f"pin={pin!r} must map phases {PHASES} to moments such as 'aten.mm.default#3'")
+        self._pin = dict(pin or {})
+        self._pinned: dict[str, tuple[dict[str, int], tuple]] = {}
+        self._aliasing: dict[Any, bool] = {}
+        self._handles: list[Any] = []
+        self._orig_resize: Any = None
+        self._fake_on_entry: Any = None
+        self._active = False
+        self.n_ops = 0
+
+    # ----------------------------------------------------------------------------------- control
+    @property
+    def phase(self) -> str:
+        """The phase set by :meth:`set_phase` (backward is also detected inside the autograd engine)."""
+        return self._phase
+
+    def set_phase(self, phase: str) -> None:
+        """Mark the start of ``phase`` (``"forward"``, ``"backward"`` or ``"optimizer"``)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r} must be one of {PHASES}")
+        self._phase = phase
+        self._fresh.clear()
+        self._phase_ops[phase] = {}
+        self._moment[phase] = ("start", 0)
+        self._check_peak(phase)
+
+    def reset_peaks(self) -> None:
+        """Forget the peaks so far (call at the start of each measured step); live storages stay."""
+        self._peak = (-1, self._phase, dict(self._cur), ())
+        self._phase_peaks.clear()
+        self._pinned.clear()
+        self._check_peak(self._phase)
+
+    def track(self, obj: Any, component: str = "other") -> None:
+        """Register tensors created outside the tracker (a batch, a master copy, a comm bucket).
+
+        ``obj`` may be a tensor, a module (its parameters, grads and buffers), an optimizer (its states)
+        or a (nested) list/tuple/dict of those; ``component`` applies to plain tensors.
+        """
+        if component not in COMPONENTS:
+            raise ValueError(f"component={component!r} must be one of {COMPONENTS}")
+        if isinstance(obj, torch.Tensor):
+            self._classify_existing(obj, component)
+        elif isinstance(obj, nn.Module):
+            self._register_module(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self._register_optimizer_states(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                self.track(value, component)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                self.track(value, component)
+
+    def report(self) -> TrackerReport:
+        """Bytes per component at the overall peak and at each phase's peak so far."""
+        for opt in self.optimizers:
+            self._register_optimizer_states(opt)
+        for p in self._params():
+            if p.grad is not None:
+                self._classify_existing(p.grad, "grads")
+        total, phase, comps, fresh = self._peak
+        return TrackerReport(
+            peak=self._resolve(comps, fresh),
+            peak_phase=phase,
+            by_phase={p: self._resolve(c, f) for p, (_, c, f, _) in self._phase_peaks.items()},
+            peak_ops={p: _moment_name(k) for p, (_, _, _, k) in self._phase_peaks.items()},
+            pinned={p: self._resolve(c, f) for p, (c, f) in self._pinned.items()},
+            current=dict(self._cur),
+            n_ops=self.n_ops,
+            device=self.device_type or "any",
+        )
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of all storages alive now."""
+        return self._total
+
+    def start(self) -> TensorTracker:
+        """Enter the tracker without a ``with`` block (pair with :meth:`stop`)."""
+        return self.__enter__()
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------------------- enter / exit
+    def __enter__(self) -> TensorTracker:
+        if self._active:
+            raise RuntimeError("this TensorTracker is already active; create a second tracker instead")
+        self._active = True
+        self._fake_on_entry = _fake_mode()
+        if self.module is not None:
+            self._register_module(self.module)
+        for opt in self.optimizers:
+            self._register_optimizer_states(opt)
+        for p in self._params():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        # States of any optimizer stepped inside the tracker are classified after its step. (Not a
+        # phase marker: Lightning's ``optimizer.step(closure)`` runs forward and backward inside it.)
+        self._handles.append(register_optimizer_step_post_hook(self._on_step_post))
+        self._patch_resize()
+        self._check_peak(self._phase)
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            if self._orig_resize is not None:
+                torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+                self._orig_resize = None
+            self._active = False
+
+    def _patch_resize(self) -> None:
+        # ``UntypedStorage.resize_`` (FSDP2 frees/re-allocates unsharded parameters with it) bypasses the
+        # dispatcher, so, like MemTracker, wrap it while the tracker is active.
+        orig = torch.UntypedStorage.resize_
+        self._orig_resize = orig
+
+        @functools.wraps(orig)
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            entry = self._live.get(id(st))
+            if entry is not None and entry[0]() is st and entry[1].nbytes != st.nbytes():
+                info = entry[1]
+                delta = st.nbytes() - info.nbytes
+                info.nbytes += delta
+                self._cur[info.component] += delta
+                self._total += delta
+                self._check_peak(self._effective_phase())
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+
+    # ----------------------------------------------------------------------------- registration
+    def _params(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        if self.module is not None:
+            for p in self.module.parameters():
+                seen[id(p)] = p
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    seen[id(p)] = p
+        return list(seen.values())
+
+    def _register_module(self, module: nn.Module) -> None:
+        for p in module.parameters():
+            self._classify_existing(p, "params")
+            if p.grad is not None:
+                self._classify_existing(p.grad, "grads")
+        for b in module.buffers():
+            self._classify_existing(b, "other")
+
+    def _register_optimizer_states(self, opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self._classify_existing(value, "optimizer")
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._classify_existing(param.grad, "grads")
+
+    def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._register_optimizer_states(opt)
+
+    def _classify_existing(self, t: torch.Tensor, component: str) -> None:
+        if not self._counted(t):
+            return
+        for st in _storages(t):
+            entry = self._live.get(id(st))
+            if entry is not None and entry[0]() is st:
+                info = entry[1]
+                if info.component != component:
+                    self._cur[info.component] -= info.nbytes
+                    self._cur[component] += info.nbytes
+                    info.component = component
+            else:
+                self._add(st, component, fresh=False)
+
+    def _counted(self, t: torch.Tensor) -> bool:
+        return self.device_type is None or t.device.type == self.device_type
+
+    def _add(self, st: torch.UntypedStorage, component: str, *, fresh: bool) -> None:
+        key = id(st)
+        info = _Info(st.nbytes(), component)
+        ref = weakref.ref(st, functools.partial(self._on_free, key))
+        self._live[key] = (ref, info)
+        self._cur[component] += info.nbytes
+        self._total += info.nbytes
+        if fresh:
+            self._fresh[key] = info
+
+    def _on_free(self, key: int, ref: weakref.ref) -> None:
+        entry = self._live.get(key)
+        if entry is None or entry[0] is not ref:
+            return
+        del self._live[key]
+        info = entry[1]
+        self._fresh.pop(key, None)
+        self._cur[info.component] -= info.nbytes
+        self._total -= info.nbytes
+
+    # ---------------------------------------------------------------------------------- dispatch
+    def _effective_phase(self) -> str:
+        if self._phase != "optimizer" and torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return self._phase
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _DTENSOR is not None and any(t is _DTENSOR for t in types):
+            # Let DTensor desugar into local ops first, then track those (as MemTracker does).
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if _fake_mode() is not self._fake_on_entry:
+            # Shape propagation inside a nested fake mode (DTensor) allocates nothing real.
+            return out
+        self.n_ops += 1
+        phase = self._effective_phase()
+        counts = self._phase_ops[phase]
+        counts[func] = counts.get(func, 0) + 1
+        self._moment[phase] = (func, counts[func])
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = any(r.alias_info is not None for r in func._schema.returns)
+            self._aliasing[func] = aliasing
+        for t in _flat_tensors(out):
+            if not self._counted(t):
+                continue
+            for st in _storages(t):
+                entry = self._live.get(id(st))
+                if entry is not None and entry[0]() is st:
+                    info = entry[1]
+                    nbytes = st.nbytes()
+                    if nbytes != info.nbytes:  # e.g. an out= op resized its output
+                        self._cur[info.component] += nbytes - info.nbytes
+                        self._total += nbytes - info.nbytes
+                        info.nbytes = nbytes
+                    continue
+                if aliasing:
+                    # A view or in-place result whose storage the tracker has not seen: created before it
+                    # started (the batch) or outside the dispatcher (``torch.tensor(0.0)`` lifted by
+                    # ``lift_fresh``, as Adam's step counters are).
+                    self._add(st, "other", fresh=phase != "forward")
+                else:
+                    component = self._classify_new(t, func, args, phase)
+                    self._add(st, component, fresh=phase != "forward")
+        self._check_peak(phase)
+        if self._pin and self._pin.get(phase) == _moment_name(self._moment[phase]):
+            self._pinned[phase] = self._snapshot()
+        return out
+
+    def _classify_new(self, t: torch.Tensor, func: Any, args: Any, phase: str) -> str:
+        if func in _COPY_OPS and args and isinstance(args[0], torch.Tensor):
+            src = self._live.get(id(args[0].untyped_storage()))
+            if src is not None:
+                if src[1].component == "params":
+                    return "other"  # a low-precision copy of a weight (autocast)
+                if src[1].component in _INHERITED:
+                    return src[1].component
+        shape = t.shape
+        s = self.seq_len
+        if (
+            s is not None
+            and (len(shape) >= 4 or (len(shape) == 2 and t.dtype == torch.bool))
+            and shape[-1] == s
+            and shape[-2] == s
+        ):
+            return "attention"
+        if self.vocab_size is not None and len(shape) >= 2 and shape[-1] == self.vocab_size:
+            return "logits"
+        return "activations" if phase == "forward" else "workspace"
+
+    # ------------------------------------------------------------------------------------- peaks
+    def _check_peak(self, phase: str) -> None:
+        total = self._total
+        current = self._phase_peaks.get(phase)
+        new_phase_peak = current is None or total > current[0]
+        new_peak = total > self._peak[0]
+        if not (new_phase_peak or new_peak):
+            return
+        comps, fresh = self._snapshot()
+        if new_phase_peak:
+            self._phase_peaks[phase] = (total, comps, fresh, self._moment[phase])
+        if new_peak:
+            self._peak = (total, phase, comps, fresh)
+
+    def _snapshot(self) -> tuple[dict[str, int], tuple]:
+        fresh = tuple((info, info.component, info.nbytes) for info in self._fresh.values()) if self._fresh else ()
+        return dict(self._cur), fresh
+
+    @staticmethod
+    def _resolve(comps: dict[str, int], fresh: tuple) -> dict[str, int]:
+        out = dict(comps)
+        for info, component, nbytes in fresh:
+            if info.component != component and info.component in _FINAL_COMPONENTS:
+                out[component] -= nbytes
+                out[info.component] += nbytes
+        return out

@@ -1,0 +1,309 @@
+"""memplan_auto on one process: registration, argument checks, layout recognition, the decision logic
+(pure, no process group), mesh sizes, candidate filtering, a real single-device fit, and the user guide's
+snippets.
+
+Runs that initialise a process group happen in a child process (``run_distributed(fn, 1)`` or a
+subprocess), so this test process never keeps one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_layout
+from lightning_memplan.strategies.decision import decide
+from lightning_memplan.strategies.pipeline import pipeline_blocker, split_blocks, stage_indices
+from lightning_memplan.strategies.planner_bridge import applicable, narrow_allow
+from lightning_memplan.strategies.tensor_parallel import tensor_parallel_blocker
+from lightning_memplan.testing import run_distributed
+from lightning_memplan.testing.zoo import GPT, GPTConfig, MLPNet, causal_lm_loss, llama_style
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------ registration
+def test_registered_and_resolved_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "memplan_auto" in StrategyRegistry
+    trainer = L.Trainer(strategy="memplan_auto", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, MemplanAutoStrategy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "words"),
+    [
+        ({"memory_budget": 0}, ValueError, "memory_budget=0"),
+        ({"memory_budget": 1.5}, ValueError, "memory_budget=1.5"),
+        ({"plan": "dp=2"}, TypeError, "plan='dp=2'"),
+        ({"train": {"micro_batch": 1}}, TypeError, "train="),
+        ({"headroom": 1.0}, ValueError, "headroom=1.0"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        MemplanAutoStrategy(**kwargs)
+
+
+class _NoCollectivesAccelerator(L.pytorch.accelerators.Accelerator):
+    """An accelerator that is neither CPU nor CUDA (as MPS or XLA would be to memplan_auto)."""
+
+    def setup_device(self, device):
+        pass
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return int(devices)
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("cpu")] * int(devices)
+
+    @staticmethod
+    def auto_device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return True
+
+    def get_device_stats(self, device):
+        return {}
+
+    @classmethod
+    def name(cls):
+        return "no_collectives"
+
+
+def test_unsupported_accelerator_is_rejected_at_setup():
+    strategy = MemplanAutoStrategy(plan=ParallelPlan())
+    trainer = L.Trainer(accelerator=_NoCollectivesAccelerator(), devices=1, strategy=strategy, logger=False,
+                        max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="_NoCollectivesAccelerator.*accelerator='cpu'"):
+        trainer.fit(_TinyLM(), _loader())
+    assert not torch.distributed.is_initialized()  # rejected before any process group
+
+
+# ------------------------------------------------------------------------------- layouts and plans
+def test_layouts_recognised_by_attribute_names():
+    zoo = find_layout(nn.ModuleDict({"model": GPT(llama_style())}))
+    assert (zoo.family, zoo.root_path, zoo.blocks, zoo.head) == ("zoo-gpt", "model", "blocks", "lm_head")
+    assert zoo.colwise == ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    generic = find_layout(MLPNet(16, 32, 3, 4))
+    assert generic.family == "generic" and generic.blocks == "layers"
+    assert "tp_plan" in tensor_parallel_blocker(generic, MLPNet(16, 32, 3, 4), tp=2)
+    assert find_layout(nn.Linear(2, 2)) is None
+
+
+class _LitgptBlock(nn.Module):  # litgpt's attribute names (LLaMAMLP), written from its public layout
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_1, self.norm_2 = nn.RMSNorm(32), nn.RMSNorm(32)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(32, 64), nn.Linear(32, 32)
+        self.mlp = nn.Module()
+        self.mlp.fc_1, self.mlp.fc_2, self.mlp.proj = nn.Linear(32, 88), nn.Linear(32, 88), nn.Linear(88, 32)
+
+
+class _LitgptGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(64, 32), "h": nn.ModuleList(_LitgptBlock() for _ in range(2)), "ln_f": nn.RMSNorm(32),
+        })
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+
+def test_litgpt_layout_splits_mlp_only_and_says_so():
+    layout = find_layout(_LitgptGPT())
+    assert layout.family == "litgpt"
+    assert layout.colwise == ("mlp.fc_1", "mlp.fc_2") and layout.rowwise == ("mlp.proj",)
+    assert "attention stays replicated" in layout.tp_note
+    assert tensor_parallel_blocker(layout, layout.root, tp=2) is None
+    assert "does not divide" in tensor_parallel_blocker(layout, layout.root, tp=3)
+
+
+def test_head_count_divisibility_blocks_tp():
+    layout = find_layout(GPT(llama_style()))  # 4 heads, 2 kv-heads
+    assert tensor_parallel_blocker(layout, layout.root, tp=2) is None
+    assert tensor_parallel_blocker(layout, layout.root, tp=4) == "tp=4 does not divide kv_heads=2; use tp in [1, 2]"
+
+
+def test_hf_models_recognised():
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    layout = find_layout(llama)
+    assert layout.family == "hf-llama" and layout.blocks == "model.layers"
+    assert tensor_parallel_blocker(layout, llama, tp=2) is None
+    assert "num_key_value_heads" not in (tensor_parallel_blocker(layout, llama, tp=4) or "kv_heads")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64))
+    layout = find_layout(gpt2)
+    assert layout.family == "hf-gpt2" and "Conv1D" in tensor_parallel_blocker(layout, gpt2, tp=2)
+    assert "does not implement the pipeline contract" in pipeline_blocker(layout, pp=2)
+
+
+def _decide(module, forced=None, planner=None, world=2):
+    return decide(
+        model_spec=ModelSpec(2, 32, 4, 64), train=TrainSpec(micro_batch=4, seq_len=8), world_size=world,
+        layout=find_layout(module), module=module, self_parallel=False, forced=forced, forced_source="forced",
+        planner=planner,
+    )
+
+
+def test_forced_plan_the_module_cannot_take_is_folded_with_a_note():
+    res = _decide(MLPNet(16, 32, 3, 4), forced=ParallelPlan(dp=2, tp=2, zero=3), world=4)
+    assert res.plan == ParallelPlan(dp=4, zero=3, grad_buckets=False)
+    assert res.mesh == MeshLayout(dp_shard=4, reshard_after_forward=True, notes=())
+    assert len(res.notes) == 1 and res.notes[0].startswith("tp=2 not applied: MLPNet is not a recognised layout")
+    tied = GPT(GPTConfig(64, 2, 32, 4, tied_embeddings=True))
+    res = _decide(tied, forced=ParallelPlan(pp=2))
+    assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and "tied embeddings" in res.notes[0]
+
+
+def test_forced_plan_with_the_wrong_world_size_is_an_error():
+    with pytest.raises(ValueError, match=r"needs 4 processes .* the Trainer runs 2 \(devices x num_nodes\)"):
+        _decide(GPT(llama_style()), forced=ParallelPlan(dp=2, tp=2))
+
+
+def test_auto_plan_replans_without_a_blocked_dimension():
+    calls = []
+
+    def planner(blocked):
+        calls.append(dict(blocked))
+        plan = ParallelPlan(dp=2) if blocked else ParallelPlan(tp=2)
+        return SimpleNamespace(plan=plan, train=TrainSpec(micro_batch=4, seq_len=8, recompute="full"))
+
+    res = _decide(MLPNet(16, 32, 3, 4), planner=planner)
+    assert [set(c) for c in calls] == [set(), {"tp"}]
+    assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and res.recompute == "full"
+    assert "planner chose dp=1 tp=2" in res.notes[0] and "re-planned without tp: dp=2" == res.notes[1]
+
+
+@pytest.mark.parametrize(
+    ("plan", "shape", "reshard"),
+    [
+        (ParallelPlan(dp=8), (1, 8, 1, 1), True),
+        (ParallelPlan(dp=8, zero=3), (1, 1, 8, 1), True),
+        (ParallelPlan(dp=4, zero=2, tp=2), (1, 1, 4, 2), False),
+        (ParallelPlan(dp=2, zero=1, pp=2, microbatches=2), (2, 1, 2, 1), False),
+        (ParallelPlan(dp=2, cp=2), (1, 4, 1, 1), True),
+    ],
+)
+def test_mesh_sizes_from_plan(plan, shape, reshard):
+    layout = MeshLayout.from_plan(plan)
+    assert layout.shape == shape and layout.world_size == plan.world_size
+    assert layout.reshard_after_forward is reshard
+    assert bool(layout.notes) == (plan.cp > 1 or plan.zero == 1)
+
+
+def test_block_split_and_interleaved_placement():
+    assert split_blocks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_indices(1, 4, 2) == [1, 5]
+    assert "cannot fill 8 pipeline stages" in pipeline_blocker(find_layout(GPT(llama_style(n_layers=4))), 4, 2)
+
+
+def test_only_candidates_the_dataloader_batch_allows():
+    train = TrainSpec(micro_batch=4, seq_len=8, grad_accumulation=2)
+
+    def cand(plan, b, acc=1):
+        return SimpleNamespace(plan=plan, train=train.replace(micro_batch=b, grad_accumulation=acc))
+
+    assert applicable(cand(ParallelPlan(dp=2), 4, 2), train)
+    assert not applicable(cand(ParallelPlan(dp=2), 2, 4), train)  # would need in-step accumulation
+    assert applicable(cand(ParallelPlan(pp=2, microbatches=4), 2), train)  # B=4 -> m=2 >= pp
+    assert not applicable(cand(ParallelPlan(pp=2, microbatches=2), 4), train)  # m=1 < pp (1F1B)
+    assert not applicable(cand(ParallelPlan(pp=2, schedule="interleaved", virtual_stages=2, microbatches=6), 4), train)
+    allow = narrow_allow({"tp": [1, 2], "zero": [0, 1, 3]}, train, {"tp"}, has_lce=False, pipeline=True)
+    assert (allow.tp, allow.zero, allow.cp, allow.sp, allow.loss) == ((1,), (0, 3), (1,), (False,), ("naive",))
+    assert allow.micro_batch == (1, 2, 4)
+    with pytest.raises(ValueError, match="allow restricts tp"):
+        narrow_allow({"tp": [2]}, train, {"tp"}, has_lce=False, pipeline=True)
+
+
+# -------------------------------------------------------------------------------- single-device fit
+class _TinyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(64, 2, 32, 4, max_positions=8))
+
+    def training_step(self, batch, batch_idx):
+        loss = causal_lm_loss(self.model, *batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _loader():
+    tokens = torch.randint(0, 64, (8, 9), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def single_device_worker(rank: int, world: int, root: str) -> dict:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_memplan.callbacks.infer import infer_plan
+
+    strategy = MemplanAutoStrategy(memory_budget=2**30)
+    logger = CSVLogger(root, name="run")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2,
+                        logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(_TinyLM(), _loader())
+    with open(os.path.join(trainer.log_dir, "memplan_plan.json")) as fh:
+        written = json.load(fh)
+    with open(os.path.join(trainer.log_dir, "hparams.yaml")) as fh:
+        hparams = fh.read()
+    return {
+        "plan": strategy.applied_plan,
+        "decision_type": type(strategy.decision).__name__,
+        "written": written,
+        "hparams": hparams,
+        "callback_plan": infer_plan(trainer)[0],
+        "loss": float(trainer.callback_metrics["train_loss"]),
+    }
+
+
+@pytest.mark.distributed
+def test_single_device_fit_plans_logs_and_writes_the_decision(tmp_path):
+    (out,) = run_distributed(single_device_worker, 1, str(tmp_path))
+    applied = ParallelPlan(grad_buckets=False)  # memplan_auto replicates with FSDP2: no DDP buckets
+    assert out["plan"] == applied and out["decision_type"] == "PlanDecision"
+    assert out["written"]["plan"] == applied.to_dict() and out["written"]["mesh"]["dp_replicate"] == 1
+    assert out["written"]["decision"]["fits"] is True
+    assert "memplan/plan: dp=1" in out["hparams"]
+    assert out["callback_plan"] == out["plan"]  # what MemoryPlanCallback reads
+    assert 0 < out["loss"] < 10
+
+
+# ------------------------------------------------------------------------------------- user guide
+@pytest.mark.slow
+def test_user_guide_snippets_run():
+    text = (ROOT / "docs" / "strategy.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(snippets) >= 4
+    script = "\n\n".join(snippets)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MemplanAutoStrategy" in proc.stdout and "generic layers" in proc.stdout
+    assert "dp=2" in proc.stdout and "[range(0, 3), range(3, 5)]" in proc.stdout
