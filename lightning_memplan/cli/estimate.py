@@ -16,7 +16,12 @@ import json
 import sys
 from typing import Any
 
-from lightning_memplan.cli._common import add_model_arguments, add_train_arguments, model_from_args, train_from_args
+from lightning_memplan.cli._common import (
+    add_model_arguments,
+    add_train_arguments,
+    model_from_args,
+    train_from_args,
+)
 
 __all__ = ["add_parser", "run"]
 

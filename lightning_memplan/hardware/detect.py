@@ -142,8 +142,10 @@ def detect_hardware(*, num_nodes: int = 1, device: int | None = None) -> Hardwar
             source=f"torch.cuda: {props.name!r}, {int(total)} bytes (mem_get_info); table: {chip.source}",
         )
     bus = None
-    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    # Not in torch's _CudaDeviceProperties stub on every version, so read them dynamically.
+    domain, pci_bus, pci_dev = (getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    if domain is not None and pci_bus is not None and pci_dev is not None:
+        bus = f"{domain:08x}:{pci_bus:02x}:{pci_dev:02x}.0"
     link = nvml_interconnect(index, pci_bus_id=bus)
     if link is not None and link["bw"] > 0 and count > 1:
         spec = dataclasses.replace(

@@ -57,7 +57,6 @@ from lightning_memplan.model.terms import (  # noqa: E402
 )
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class LossOptions:
     """Options of :func:`~lightning_memplan.loss.linear_cross_entropy` (all keyword-only).

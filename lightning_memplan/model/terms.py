@@ -107,8 +107,8 @@ def layer_param_count(model: ModelSpec) -> int:
 
 def embedding_param_count(model: ModelSpec) -> int:
     """Token embedding ``V*h`` plus a learned position table ``P*h`` (stage 0 holds them)."""
-    pos = model.max_positions * model.hidden if model.position_embedding == "learned" else 0
-    return model.vocab_size * model.hidden + (pos or 0)
+    pos = (model.max_positions or 0) * model.hidden if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden + pos
 
 
 def head_param_count(model: ModelSpec) -> int:

@@ -142,7 +142,8 @@ class Rejection:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Rejection:
-        return cls(**{k: data.get(k) for k in ("layout", "kind", "reason", "peak_bytes", "budget_bytes")})
+        fields: dict[str, Any] = {k: data.get(k) for k in ("layout", "kind", "reason", "peak_bytes", "budget_bytes")}
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +169,8 @@ class Suggestion:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Suggestion:
-        return cls(**{k: data.get(k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")})
+        fields: dict[str, Any] = {k: data.get(k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")}
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,7 +63,7 @@ def _option_cost(z: int, sp: bool, rc: str, loss: str, user_loss: str) -> float:
 class _Search:
     """One planning run (state shared by the search, the suggestions and the explanation)."""
 
-    def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k):
+    def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k) -> None:
         self.model, self.train, self.hardware = model, train, hardware
         self.allow, self.global_batch = allow, global_batch
         self.headroom, self.explicit_budget = headroom, explicit_budget
@@ -184,6 +184,8 @@ class _Search:
                 bound += min(lt.opt_s[z] for z in lc.zeros)
                 heapq.heappush(heap, (bound / lt.tokens * (1 + CHANGE_PENALTY * _layout_cost(lc, train.micro_batch)), i, -1))
                 continue
+            if lt is None:  # k >= -1 is only queued after the k == -2 visit priced the layout
+                raise RuntimeError(f"layout {lc.describe()} reached option expansion before being priced")
             if k == -1:  # first visit: check the most memory-saving options, then expand
                 if fam not in self.failures:
                     self.failures[fam] = []
@@ -301,11 +303,6 @@ class _Search:
                     if dom is not None:
                         return dom
         return None
-
-    def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> tuple[str, int, str, bool]:
-        rc = next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])
-        lm = next((m for m in ("chunked", "vocab_parallel") if m in lc.losses), lc.losses[0])
-        return rc, max(lc.zeros), lm, max(lc.sps)
 
     _RC_RANK = {"none": 0, "selective": 1, "full": 2}
     _LOSS_RANK = {"fp32_upcast": 0, "naive": 1, "vocab_parallel": 2}

@@ -57,7 +57,7 @@ def _tuple(name: str, value: Any, kind: type | tuple[type, ...], choices: Iterab
             raise TypeError(f"allow[{name!r}] contains {v!r}; expected {kind}")
         if choices is not None and v not in choices:
             raise ValueError(f"allow[{name!r}] contains {v!r}; use values from {sorted(choices, key=str)}")
-        if kind is int and v < (0 if name == "zero" else 1):
+        if kind is int and isinstance(v, int) and v < (0 if name == "zero" else 1):
             raise ValueError(f"allow[{name!r}] contains {v!r}; sizes must be >= 1")
     return values
 

@@ -177,6 +177,25 @@ class LayoutTimes:
         "dp_exposed", "dp_overlapped", "opt_s", "tokens", "model_flops", "recompute_flops", "peak", "notes",
     )
 
+    # Filled in by :meth:`StepTimeModel.layout` (declared here for type checkers; ``__slots__`` holds them).
+    layout: Layout
+    world: int
+    slots: float
+    compute_mb: dict[str, float]
+    tp_mb: dict[str, float]
+    cp_mb: float
+    cp_hidden_mb: float
+    pp_mb: float
+    loss_mb: dict[str, float]
+    dp_exposed: dict[tuple[int, str], float]
+    dp_overlapped: dict[tuple[int, str], float]
+    opt_s: dict[int, float]
+    tokens: int
+    model_flops: float
+    recompute_flops: dict[str, float]
+    peak: float
+    notes: tuple[str, ...]
+
     def total(self, recompute: str, zero: int, loss: str) -> float:
         slot = self.compute_mb[recompute] + self.tp_mb[recompute] + self.cp_mb + self.pp_mb + self.loss_mb[loss]
         return self.slots * slot + self.dp_exposed[(zero, recompute)] + self.opt_s[zero]

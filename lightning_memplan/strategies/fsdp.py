@@ -14,7 +14,7 @@ Lightning's precision plugin keeps doing autocast, so no ``MixedPrecisionPolicy`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -68,7 +68,7 @@ def apply_data_parallel(
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if roots is None:
         roots = (transformer.root,) if transformer is not None else (module,)
     if transformer is not None:
@@ -128,15 +128,16 @@ def apply_activation_checkpointing(transformer: TransformerLayout, recompute: st
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer.block_items()
-    if recompute == "full" or (recompute == "selective" and transformer.attn is None):
+    attn = transformer.attn
+    if recompute == "full" or (recompute == "selective" and attn is None):
         for key, block in blocks:
             transformer.set_block(key, checkpoint_wrapper(block))
         if recompute == "selective":
             return "selective recompute: no attention module found, whole blocks checkpointed instead"
         return f"activation checkpointing: every block ({len(blocks)})"
-    if recompute == "selective":
+    if recompute == "selective" and attn is not None:  # attn is None was handled above
         for _, block in blocks:
-            parent_path, _, name = transformer.attn.rpartition(".")
+            parent_path, _, name = attn.rpartition(".")
             parent = block.get_submodule(parent_path) if parent_path else block
             setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
         return f"selective recompute: attention of every block ({len(blocks)}) checkpointed"

@@ -180,6 +180,8 @@ def _litgpt(module: nn.Module, path: str) -> TransformerLayout | None:
     block = _first_block(module, "transformer.h")
     if block is None or not _has(block, "attn", "mlp"):
         return None
+    col: tuple[str, ...]
+    row: tuple[str, ...]
     if _has(block, "mlp.fc_1", "mlp.fc_2", "mlp.proj"):
         col, row = ("mlp.fc_1", "mlp.fc_2"), ("mlp.proj",)
     elif _has(block, "mlp.fc", "mlp.proj"):

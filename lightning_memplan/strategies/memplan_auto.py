@@ -170,8 +170,22 @@ class MemplanAutoStrategy(ModelParallelStrategy):
                 "accelerator='cuda', or another strategy"
             )
 
+    def _require_lightning_module(self) -> pl.LightningModule:
+        """``self.lightning_module``, which Lightning attaches before any hook that calls this."""
+        lm = self.lightning_module
+        if lm is None:
+            raise RuntimeError("memplan_auto: no LightningModule is attached to the strategy yet")
+        return lm
+
+    def _require_model(self) -> torch.nn.Module:
+        """``self.model`` (the wrapped module), set once the trainer connected the LightningModule."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("memplan_auto: no model is attached to the strategy yet")
+        return model
+
     def _resolve_on_rank_zero(self) -> Resolution:
-        trainer = self.lightning_module.trainer
+        trainer = self._require_lightning_module().trainer
         payload: list[Any] = [None]
         if self.global_rank == 0:
             try:
@@ -190,7 +204,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         return value
 
     def _resolve(self, trainer: pl.Trainer) -> Resolution:
-        lm = self.lightning_module
+        lm = self._require_lightning_module()
         self_parallel = is_overridden("configure_model", lm)
         layout = find_layout(lm)
         model_spec = model_spec_for(lm, layout)
@@ -235,11 +249,11 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             headroom=self._headroom,
             allow=self._allow,
             exclude=set(blocked) | ({"pp"} if self_parallel else set()),
-            has_lce=bool(find_linear_cross_entropy(self.lightning_module)),
+            has_lce=bool(find_linear_cross_entropy(self._require_lightning_module())),
         )
 
     def _check_agreement(self, resolution: Resolution) -> None:
-        lm = self.lightning_module
+        lm = self._require_lightning_module()
         signature = [(n, tuple(p.shape)) for n, p in lm.named_parameters()]
         digest = hashlib.sha256((resolution.fingerprint() + repr(signature)).encode()).hexdigest()
         if not (torch.distributed.is_initialized() and self.world_size > 1):
@@ -262,7 +276,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
 
         assert self.model is not None and self.accelerator is not None and self.resolution is not None
         self.accelerator.setup(trainer)
-        lm = self.lightning_module
+        lm = self._require_lightning_module()
         if not self._applied:
             self._self_parallel = _is_self_parallel(lm)
             if self._self_parallel:
@@ -380,16 +394,19 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             )
 
     def _check_pipeline_loop(self, trainer: pl.Trainer) -> None:
-        lm = self.lightning_module
+        lm = self._require_lightning_module()
         if not lm.automatic_optimization:
             raise ValueError(
                 "pipeline parallelism runs forward and backward inside the schedule, which needs automatic "
                 "optimization; set automatic_optimization=True or force a plan with pp=1"
             )
-        if trainer.state.fn != TrainerFn.FITTING:
+        fn = trainer.state.fn
+        if fn != TrainerFn.FITTING:
+            fn_name = fn.value if fn is not None else "None"
+            pp = self.resolution.plan.pp if self.resolution is not None else "?"
             raise ValueError(
-                f"trainer.{trainer.state.fn.value}() is not supported with pipeline parallelism (pp="
-                f"{self.resolution.plan.pp}); force a plan with pp=1 for evaluation"  # type: ignore[union-attr]
+                f"trainer.{fn_name}() is not supported with pipeline parallelism (pp="
+                f"{pp}); force a plan with pp=1 for evaluation"
             )
         if is_overridden("validation_step", lm) and trainer.limit_val_batches != 0:
             raise ValueError(
@@ -418,7 +435,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        window_start = batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0
+        window_start = batch_idx % self._require_lightning_module().trainer.accumulate_grad_batches == 0
         with self.precision_plugin.train_step_context():
             return self._pipeline.step(args[0], window_start=window_start)
 
@@ -429,9 +446,10 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         # The schedule already ran backward inside training_step; hand its gradients over now that
         # Lightning has zeroed the previous ones.
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        lm = self._require_lightning_module()
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
         self._pipeline.install_grads()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
         return closure_loss
 
@@ -467,7 +485,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         # Pipeline ranks hold different parameters; flattened keys (``param_groups.<fqn>.lr``) keep each
         # rank's groups apart in the distributed checkpoint (torchtitan does the same for PP).
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.model, optimizer, options=self._sharded_options())
+        return get_optimizer_state_dict(self._require_model(), optimizer, options=self._sharded_options())
 
     def _sharded_options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -484,10 +502,10 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        module = self.model
+        module = self._require_model()
         state = {"state_dict": get_model_state_dict(module)}
         _distributed_checkpoint_load(state, path)
-        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        module.load_state_dict(state["state_dict"], strict=self._require_lightning_module().strict_loading)
         options = self._sharded_options()
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"

@@ -31,12 +31,14 @@ from lightning_memplan.strategies.layouts import TransformerLayout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 __all__ = ["PipelineRunner", "StageModule", "pipeline_blocker", "split_blocks", "stage_indices"]
 
 
-def _zoo_forward(model: nn.Module, x: torch.Tensor, blocks: Iterable[nn.Module], *, first: bool, last: bool):
-    # Mirrors zoo.GPT.forward + GPT.logits, one slice at a time.
+def _zoo_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, first: bool, last: bool):
+    # Mirrors zoo.GPT.forward + GPT.logits, one slice at a time. ``model`` is a zoo.GPT (duck-typed:
+    # its submodules are read by name).
     if first:
         s = x.shape[1]
         x = model.tok_emb(x)
@@ -109,6 +111,10 @@ class StageModule(nn.Module):
     Only the modules of this stage are registered, so ``fully_shard(stage)`` owns exactly them. The
     transformer itself is held without registration (``object.__setattr__``) to call its forward slice.
     """
+
+    # Set with ``object.__setattr__`` in ``__init__`` (declared here for type checkers).
+    _model: nn.Module
+    _forward: Callable[..., torch.Tensor]
 
     def __init__(
         self,
@@ -230,7 +236,7 @@ class PipelineRunner:
         )
 
         group = self.pp_mesh.get_group()
-        stages = [
+        stages: list[_PipelineStageBase] = [
             PipelineStage(module, sid, self.n_stages, self.device, group=group)
             for module, sid in zip(self.modules, self.stage_ids, strict=True)
         ]

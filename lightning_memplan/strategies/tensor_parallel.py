@@ -144,10 +144,11 @@ def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, t
     assert layout is not None  # guaranteed by tensor_parallel_blocker
 
     root = layout.root
+    head = layout.head
     tied = (
-        layout.head is not None
+        head is not None
         and layout.embeddings
-        and root.get_submodule(layout.head).weight is root.get_submodule(layout.embeddings[0]).weight
+        and root.get_submodule(head).weight is root.get_submodule(layout.embeddings[0]).weight
     )
     top: dict[str, Any] = {}
     if layout.embeddings:
@@ -157,9 +158,9 @@ def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, t
         # Vocab-sharded weight; gathered logits for plain callers (LinearCrossEntropy reads the weight).
         top[layout.head] = ColwiseParallel(output_layouts=Replicate())
     parallelize_module(root, tp_mesh, top)
-    if tied:
+    if tied and head is not None:  # tied implies a head
         # Both styles shard the shared [V, h] matrix on dim 0, so one DTensor serves both modules again.
-        root.get_submodule(layout.head).weight = root.get_submodule(layout.embeddings[0]).weight
+        root.get_submodule(head).weight = root.get_submodule(layout.embeddings[0]).weight
     block_plan = {**{p: ColwiseParallel() for p in layout.colwise}, **{p: RowwiseParallel() for p in layout.rowwise}}
     for block in layout.block_list:
         parallelize_module(block, tp_mesh, block_plan)

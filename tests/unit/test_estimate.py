@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_memplan.model import ModelSpec, ParallelPlan, TrainSpec, estimate_memory
-from lightning_memplan.model import terms
+from lightning_memplan.model import ModelSpec, ParallelPlan, TrainSpec, estimate_memory, terms
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
 
 GB = 10**9

@@ -2,8 +2,7 @@
 
 import pytest
 
-from lightning_memplan.model import ModelSpec, TrainSpec
-from lightning_memplan.model import terms
+from lightning_memplan.model import ModelSpec, TrainSpec, terms
 
 GB = 10**9
 GiB = 2**30
