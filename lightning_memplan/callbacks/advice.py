@@ -1,0 +1,209 @@
+"""Warnings with remedies: which component explains a measurement above the estimate, and the cheapest
+change that cuts the component that dominates the peak.
+
+The remedy table follows the seeds' "which parallelism cuts which tensor" table
+(seeds/000_ae44ffcbb4645c0b.txt, sections 2-4: ZeRO/FSDP cut model states only; TP cuts hidden/heads
+and, with a vocab-parallel loss, the logits; SP/CP cut the sequence dimension of activations; chunked
+cross-entropy removes the [b, s, V] logits; recompute trades 20-40% step time for activations,
+seeds/002_a8121d020d685462.txt) and seeds/004_98543d7f24e12d1f.txt's "doesn't fit" cases A/B/C.
+Options are listed cheapest first (no extra GPUs, no extra compute before more of either); the first one
+the current plan does not already use is the advice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.report.records import StepRecord
+from lightning_memplan.report.render import format_bytes
+
+__all__ = ["REMEDIES", "culprit", "forecast_message", "headroom_message", "mismatch_message", "remedy"]
+
+_MODEL_STATES = ("params", "grads", "optimizer", "master")
+
+
+def _remedies_for(component: str, plan: ParallelPlan, train: TrainSpec | None) -> list[tuple[bool, str]]:
+    """``(already_applied, advice)`` options for ``component``, cheapest first."""
+    t = train
+    if component == "logits":
+        return [
+            (
+                t is not None and t.loss in ("chunked", "vocab_parallel"),
+                "compute the loss in chunks "
+                "(lightning_memplan.LinearCrossEntropy / linear_cross_entropy: the [b, s, V] logits are never "
+                "materialised)",
+            ),
+            (
+                t is not None and t.loss == "vocab_parallel",
+                "use a vocab-parallel loss over tensor-parallel ranks (each rank holds V/t logit columns)",
+            ),
+            (False, "reduce the micro-batch (logits scale with b*s) and raise accumulate_grad_batches"),
+        ]
+    if component == "attention":
+        return [
+            (
+                t is not None and t.attention == "sdpa",
+                "use fused attention (F.scaled_dot_product_attention / "
+                "FlashAttention) so the [b, a, s, s] scores are not stored",
+            ),
+            (
+                t is not None and t.recompute != "none",
+                "recompute the attention core in backward (selective activation checkpointing)",
+            ),
+            (plan.cp > 1, "split the sequence with context parallelism"),
+        ]
+    if component in ("activations", "workspace"):
+        return [
+            (
+                t is not None and t.recompute != "none",
+                "enable activation checkpointing (selective first, full if needed; costs ~20-40% step time)",
+            ),
+            (
+                t is not None and t.micro_batch == 1,
+                "reduce the micro-batch and raise accumulate_grad_batches to keep the global batch",
+            ),
+            (
+                plan.sp,
+                "use sequence parallelism with tensor parallelism (norm/dropout activations split over t)",
+            ),
+            (plan.cp > 1, "split the sequence with context parallelism"),
+        ]
+    if component in _MODEL_STATES or component == "other":
+        if plan.dp == 1:
+            # Sharding needs data-parallel peers; on one device the cheapest cut is the state format.
+            return [
+                (
+                    t is not None and t.optimizer in ("adamw8bit", "sgd", "adafactor"),
+                    "use an 8-bit optimizer (adamw8bit: 2 bytes of state per parameter instead of 8)",
+                ),
+                (
+                    False,
+                    "shard the model states over more GPUs with FSDP / ZeRO-3 (strategy='fsdp' or "
+                    "strategy='memplan_auto')",
+                ),
+                (plan.tp > 1, "add tensor parallelism (splits every layer's matrices over t ranks)"),
+            ]
+        return [
+            (plan.zero >= 1, "shard optimizer states over data-parallel ranks (ZeRO-1)"),
+            (plan.zero >= 2, "shard gradients too (ZeRO-2 / FSDP SHARD_GRAD_OP)"),
+            (plan.zero >= 3, "shard parameters too (ZeRO-3 / FSDP FULL_SHARD, or strategy='memplan_auto')"),
+            (plan.tp > 1, "add tensor parallelism (splits every layer's matrices over t ranks)"),
+        ]
+    if component == "comm":
+        return [
+            (
+                plan.tp > 1,
+                "a single layer's all-gathered weights dominate: split layers with tensor "
+                "parallelism, or wrap smaller FSDP units",
+            ),
+        ]
+    return []
+
+
+#: Component -> the options considered for it (for documentation and tests).
+REMEDIES: Mapping[str, tuple[str, ...]] = {
+    c: tuple(text for _, text in _remedies_for(c, ParallelPlan(dp=2), None))
+    for c in (
+        "params",
+        "grads",
+        "optimizer",
+        "master",
+        "activations",
+        "attention",
+        "logits",
+        "comm",
+        "workspace",
+        "other",
+    )
+}
+
+
+def remedy(component: str, plan: ParallelPlan, train: TrainSpec | None) -> str:
+    """The cheapest option for ``component`` the current ``plan``/``train`` does not already use."""
+    options = _remedies_for(component, plan, train)
+    for applied, text in options:
+        if not applied:
+            return text
+    return "every cheap option is already in use; add devices (data or tensor parallel) or a larger GPU"
+
+
+def _largest(components: Mapping[str, int] | None) -> str | None:
+    if not components:
+        return None
+    return max(components, key=lambda k: components[k])
+
+
+def culprit(record: StepRecord) -> tuple[str, str]:
+    """``(component, reason)`` most likely responsible for a measurement above the estimate.
+
+    With a tensor-tracker breakdown, the component whose measured bytes exceed its estimate the most.
+    Without one (CUDA allocator peak only), the phase whose measured peak exceeds its estimated peak the
+    most, blaming the component the estimate says dominates the peak.
+    """
+    est = record.estimated_components or {}
+    meas = record.measured_components
+    if meas:
+        excess = {c: meas.get(c, 0) - est.get(c, 0) for c in set(meas) | set(est)}
+        comp = max(excess, key=lambda c: excess[c])
+        return comp, f"measured {comp} exceeds its estimate by {format_bytes(excess[comp], 'MiB')}"
+    est_ph = record.estimated_phase_peaks or {}
+    meas_ph = record.measured_phase_peaks or {}
+    if meas_ph and est_ph:
+        phase = max(meas_ph, key=lambda p: meas_ph[p] - est_ph.get(p, 0))
+        return (
+            _largest(est) or "other",
+            f"the {phase} phase exceeds its estimate the most; this is the largest estimated component",
+        )
+    return _largest(est) or "other", "no per-component measurement on this backend"
+
+
+def mismatch_message(record: StepRecord, tolerance: float) -> str | None:
+    """Warning text when ``record.measured_peak`` exceeds the estimate by more than ``tolerance``."""
+    ratio = record.ratio
+    if ratio is None or record.warmup or ratio <= 1.0 + tolerance:
+        return None
+    comp, why = culprit(record)
+    return (
+        f"measured peak {format_bytes(record.measured_peak)} is {ratio - 1.0:.1%} above the estimate "
+        f"{format_bytes(record.estimated_peak)} (tolerance {tolerance:.0%}) at step {record.step}, batch "
+        f"{record.micro_batch} x {record.seq_len} on rank {record.rank}; most likely component: {comp} ({why}); "
+        "check that model_spec=, train_spec= and plan= describe the run, and keep calibrate=True"
+    )
+
+
+def headroom_message(
+    record: StepRecord, min_headroom: float, plan: ParallelPlan, train: TrainSpec | None
+) -> str | None:
+    """Warning text when the step left less than ``min_headroom`` (a fraction of device memory) free."""
+    if record.headroom is None or not record.device_memory:
+        return None
+    if record.headroom >= min_headroom * record.device_memory:
+        return None
+    comp = _largest(record.measured_components or record.estimated_components) or "activations"
+    return (
+        f"headroom {format_bytes(record.headroom)} on rank {record.rank} is below min_headroom="
+        f"{min_headroom:.0%} of {format_bytes(record.device_memory)}; the largest component at the peak is "
+        f"{comp}: {remedy(comp, plan, train)}"
+    )
+
+
+def forecast_message(
+    seq_len: int,
+    estimated_peak: int,
+    capacity: int,
+    components: Mapping[str, int],
+    plan: ParallelPlan,
+    train: TrainSpec | None,
+    *,
+    rank: int,
+) -> str | None:
+    """Warning text when the estimate at ``seq_len`` would not fit in ``capacity`` bytes."""
+    if estimated_peak <= capacity:
+        return None
+    comp = _largest(components) or "activations"
+    return (
+        f"forecast: at seq_len={seq_len} rank {rank} would need {format_bytes(estimated_peak)} but only "
+        f"{format_bytes(capacity)} is usable, so it would run out of memory; the largest component would "
+        f"be {comp}: {remedy(comp, plan, train)}"
+    )

@@ -1,0 +1,344 @@
+"""What :class:`~lightning_memplan.callbacks.MemoryPlanCallback` infers from the running Trainer: the
+batch shape of each step, the :class:`TrainSpec` (precision plugin, gradient accumulation, optimizer)
+and the :class:`ParallelPlan` (the running strategy).
+
+Each function either returns its answer or raises :class:`InferenceError` whose message says exactly
+what could not be inferred and which callback argument supplies it, so the callback can keep
+measuring and report the gap instead of failing the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, ParallelPlan, TrainSpec
+
+__all__ = [
+    "InferenceError",
+    "batch_factory",
+    "batch_shape",
+    "infer_optimizer",
+    "infer_plan",
+    "infer_train_spec",
+]
+
+#: Mapping keys that hold the token ids of a language-model batch, in order of preference (Hugging Face
+#: ``BatchEncoding`` uses ``input_ids``; nanoGPT/litgpt-style dicts use ``idx`` / ``tokens`` / ``x``).
+TOKEN_KEYS = ("input_ids", "tokens", "idx", "input", "inputs", "x", "data")
+#: How deep to look into nested containers before giving up.
+_MAX_DEPTH = 6
+
+
+class InferenceError(ValueError):
+    """Something the callback could not infer; the message names the argument that supplies it."""
+
+
+def _first_tensor(obj: Any, depth: int = 0) -> torch.Tensor | None:
+    """The tensor that carries the batch shape: a token-id key of a mapping first, else the first tensor
+    found depth-first in tuples, lists, mappings and dataclass-like objects."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if depth >= _MAX_DEPTH:
+        return None
+    if isinstance(obj, Mapping):  # dict, OrderedDict, Hugging Face BatchEncoding (a UserDict)
+        for key in TOKEN_KEYS:
+            if key in obj and isinstance(obj[key], torch.Tensor):
+                return obj[key]
+        values: Sequence[Any] = list(obj.values())
+    elif isinstance(obj, (tuple, list)):
+        values = obj
+    elif hasattr(obj, "__dataclass_fields__"):
+        values = [getattr(obj, name) for name in obj.__dataclass_fields__]
+    else:
+        return None
+    for value in values:
+        found = _first_tensor(value, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def batch_shape(batch: Any, *, seq_len: int | None = None) -> tuple[int, int]:
+    """``(micro_batch, seq_len)`` of one step's batch.
+
+    The batch tensor is the token ids of a mapping (``input_ids``, ``tokens``, ``idx``, ...) or the first
+    tensor found in nested tuples/lists/dicts/dataclasses. Its first dimension is b. Its second is s
+    when the tensor holds integer token ids ``[b, s]`` or embeddings ``[b, s, h]``; a floating-point
+    ``[b, features]`` tensor (an MLP's input) counts as one position per sample, s = 1. Anything else
+    (images ``[b, c, H, W]``) needs ``seq_len=``: the sequence length the memory model should use.
+
+    Raises:
+        InferenceError: no tensor in the batch, a 0-d tensor, or an ambiguous layout without ``seq_len``.
+    """
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        raise InferenceError(
+            f"could not find a tensor in the batch (type {type(batch).__name__}) to read its shape; pass "
+            "MemoryPlanCallback(train_spec=TrainSpec(micro_batch=..., seq_len=...)) to give the shape"
+        )
+    if tensor.ndim == 0:
+        raise InferenceError(
+            "the batch tensor is a scalar, so it has no batch dimension; pass "
+            "MemoryPlanCallback(train_spec=TrainSpec(micro_batch=..., seq_len=...))"
+        )
+    b = int(tensor.shape[0])
+    if seq_len is not None:
+        return b, int(seq_len)
+    if tensor.ndim == 1:
+        return b, 1
+    if not tensor.is_floating_point() and tensor.ndim == 2:
+        return b, int(tensor.shape[1])
+    if tensor.is_floating_point() and tensor.ndim == 2:
+        return b, 1
+    if tensor.is_floating_point() and tensor.ndim == 3:
+        return b, int(tensor.shape[1])
+    raise InferenceError(
+        f"the batch tensor has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, which has no single "
+        "sequence dimension; pass MemoryPlanCallback(seq_len=...) with the length the memory model should use"
+    )
+
+
+def batch_factory(batch: Any, micro_batch: int, seq_len: int) -> Callable[[int, int], Any]:
+    """``(b, s) -> batch``: new batches with ``batch``'s structure and dtypes, resized from
+    ``(micro_batch, seq_len)`` to ``(b, s)``, for tracing other shapes of the same step.
+
+    Every tensor whose first dimension is ``micro_batch`` gets b there, and (when ``seq_len > 1``) every
+    later dimension equal to ``seq_len`` gets s (token ids, labels, ``[b, 1, s, s]`` masks). Values are
+    drawn with factory functions (``randint`` within the real tensor's value range, ``randn`` for floats)
+    so that the batch is made of fake tensors when built inside ``FakeTensorMode``. Containers keep their
+    type: tuples, lists, named tuples, dicts, ``BatchEncoding``-like mappings and dataclasses.
+    """
+
+    def template(t: torch.Tensor) -> tuple[Any, ...]:
+        lo = hi = 0
+        if t.numel() and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            lo, hi = int(t.min()), int(t.max())
+        resized = [False] * t.ndim
+        if t.ndim and t.shape[0] == micro_batch:
+            resized[0] = True
+            if seq_len > 1:
+                for d in range(1, t.ndim):
+                    resized[d] = t.shape[d] == seq_len
+        return (tuple(t.shape), t.dtype, lo, hi, tuple(resized))
+
+    def build(obj: Any, tmpl: Any, b: int, s: int) -> Any:
+        if isinstance(obj, torch.Tensor):
+            shape0, dtype, lo, hi, resized = tmpl
+            shape = [
+                (b if d == 0 else s) if r else n for d, (n, r) in enumerate(zip(shape0, resized, strict=True))
+            ]
+            if dtype == torch.bool:
+                return torch.zeros(shape, dtype=dtype)
+            if dtype.is_floating_point or dtype.is_complex:
+                return torch.randn(shape, dtype=dtype)
+            return torch.randint(lo, hi + 1, shape, dtype=dtype)
+        if isinstance(obj, Mapping):
+            data = {k: build(v, tmpl[k], b, s) for k, v in obj.items()}
+            cls: Any = type(obj)
+            try:
+                return cls(data)
+            except TypeError:
+                return data
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(build(v, t, b, s) for v, t in zip(obj, tmpl, strict=True)))
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(build(v, t, b, s) for v, t in zip(obj, tmpl, strict=True))
+        if hasattr(obj, "__dataclass_fields__"):
+            import dataclasses
+
+            return dataclasses.replace(obj, **{k: build(getattr(obj, k), tmpl[k], b, s) for k in tmpl})
+        return obj
+
+    def make_template(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return template(obj)
+        if isinstance(obj, Mapping):
+            return {k: make_template(v) for k, v in obj.items()}
+        if isinstance(obj, (tuple, list)):
+            return [make_template(v) for v in obj]
+        if hasattr(obj, "__dataclass_fields__"):
+            return {k: make_template(getattr(obj, k)) for k in obj.__dataclass_fields__}
+        return None
+
+    tmpl = make_template(batch)
+    return lambda b, s: build(batch, tmpl, b, s)
+
+
+def infer_optimizer(optimizer: Any) -> tuple[str, str]:
+    """``(optimizer, optimizer_impl)`` TrainSpec strings for a ``torch.optim.Optimizer`` (possibly
+    wrapped by Lightning's ``LightningOptimizer``).
+
+    Raises:
+        InferenceError: an optimizer class the memory model does not know.
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
+    name = type(opt).__name__.lower()
+    defaults = getattr(opt, "defaults", {}) or {}
+    if "8bit" in name and "adam" in name:
+        kind = "adamw8bit"
+    elif name in ("adamw", "adam", "lion", "adafactor"):
+        kind = name
+    elif name == "sgd":
+        kind = "sgd_momentum" if float(defaults.get("momentum", 0.0) or 0.0) > 0.0 else "sgd"
+    else:
+        raise InferenceError(
+            f"optimizer {type(opt).__name__!r} has no entry in the memory model (known: Adam, AdamW, SGD, "
+            "Lion, Adafactor, 8-bit Adam); pass MemoryPlanCallback(train_spec=TrainSpec(..., "
+            "optimizer_bytes_per_param=...)) with its state bytes per parameter"
+        )
+    if defaults.get("fused"):
+        impl = "fused"
+    elif defaults.get("foreach") is False:
+        impl = "for_loop"
+    elif defaults.get("foreach"):
+        impl = "foreach"
+    else:
+        # torch.optim's default (_default_to_fused_or_foreach): foreach only when every parameter is a
+        # CUDA tensor, the single-tensor loop otherwise.
+        params = [p for g in opt.param_groups for p in g["params"]]
+        impl = "foreach" if params and all(p.is_cuda for p in params) else "for_loop"
+    return kind, impl
+
+
+def infer_train_spec(
+    trainer: Any, batch: Any, *, seq_len: int | None = None, base: TrainSpec | None = None
+) -> TrainSpec:
+    """The TrainSpec of the running fit: Lightning's precision string, ``accumulate_grad_batches``, the
+    first optimizer of ``configure_optimizers``, and ``batch``'s shape.
+
+    ``base`` (an explicit ``train_spec=``) wins for every field except the batch shape, which is this
+    batch's own whenever it can be read.
+    """
+    try:
+        b, s = batch_shape(batch, seq_len=seq_len)
+    except InferenceError:
+        if base is None:
+            raise
+        b, s = base.micro_batch, seq_len or base.seq_len
+    if base is not None:
+        return base.replace(micro_batch=b, seq_len=s)
+    if not trainer.optimizers:
+        raise InferenceError(
+            "the LightningModule configured no optimizer, so its state bytes are unknown; pass "
+            "MemoryPlanCallback(train_spec=TrainSpec(..., optimizer='sgd'))"
+        )
+    optimizer, impl = infer_optimizer(trainer.optimizers[0])
+    spec = TrainSpec(
+        micro_batch=b,
+        seq_len=s,
+        precision=str(trainer.precision),
+        optimizer=optimizer,
+        optimizer_impl=impl,
+        grad_accumulation=int(trainer.accumulate_grad_batches),
+    )
+    # strategy="memplan_auto" applies activation checkpointing and picks the loss mode itself; its
+    # resolution says which, so the estimate assumes what really runs.
+    resolution = getattr(trainer.strategy, "resolution", None)
+    changes = {}
+    for name, allowed in (("recompute", RECOMPUTE_MODES), ("loss", LOSS_MODES)):
+        value = getattr(resolution, name, None)
+        if value in allowed:
+            changes[name] = value
+    return spec.replace(**changes) if changes else spec
+
+
+def _fsdp_zero(sharding_strategy: Any) -> int:
+    """ZeRO stage of an FSDP1 ``ShardingStrategy`` (FULL_SHARD/HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0)."""
+    name = getattr(sharding_strategy, "name", str(sharding_strategy)).upper()
+    if "NO_SHARD" in name:
+        return 0
+    if "GRAD_OP" in name:
+        return 2
+    return 3
+
+
+def _has_fsdp2(module: Any) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied anywhere in ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return module is not None and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def infer_plan(trainer: Any, pl_module: Any = None) -> tuple[ParallelPlan, str]:
+    """``(ParallelPlan, description)`` of the running strategy.
+
+    Recognised by class name so that optional backends (DeepSpeed) are never imported: memplan_auto's
+    decision, ``ModelParallelStrategy`` (its device mesh: data_parallel x tensor_parallel, ZeRO-3 when
+    FSDP2 ``fully_shard`` was applied), ``FSDPStrategy`` (its sharding strategy), ``DeepSpeedStrategy``
+    (its ``zero_optimization.stage``), DDP variants (dp = world size) and single-device strategies.
+    For memplan_auto, the plan it really applied (``applied_plan``) wins over its planner's decision.
+    """
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    world = int(trainer.world_size)
+    applied = getattr(strategy, "applied_plan", None)  # memplan_auto: the plan it really applied
+    if isinstance(applied, ParallelPlan):
+        return applied, f"{name} applied plan: {applied.describe()}"
+    applied = getattr(strategy, "applied_plan", None)  # memplan_auto: the plan really applied
+    if isinstance(applied, ParallelPlan):
+        return applied, f"{name} applied plan: {applied.describe()}"
+    decision = getattr(strategy, "decision", None)
+    if decision is not None and isinstance(getattr(decision, "plan", None), ParallelPlan):
+        return decision.plan, f"{name} decision: {decision.plan.describe()}"
+    if name == "ModelParallelStrategy":
+        mesh = strategy.device_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        dp = mesh["data_parallel"].size() if "data_parallel" in names else 1
+        tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+        zero = 3 if _has_fsdp2(pl_module) else 0
+        return ParallelPlan(
+            dp=dp, tp=tp, zero=zero
+        ), f"{name} mesh {dict(zip(names, mesh.mesh.shape, strict=True))}"
+    if name == "FSDPStrategy":
+        zero = _fsdp_zero(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
+        return ParallelPlan(
+            dp=world, zero=zero if world > 1 else 0
+        ), f"{name} ({getattr(strategy, 'sharding_strategy', '')})"
+    if name == "DeepSpeedStrategy":
+        config = getattr(strategy, "config", None) or {}
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        return ParallelPlan(dp=world, zero=stage if world > 1 else 0), f"{name} ZeRO stage {stage}"
+    if "DDP" in name or name in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+        return ParallelPlan(dp=world), f"{name} (dp={world})"
+    raise InferenceError(
+        f"strategy {name!r} is not one the callback can read a layout from; pass "
+        f"MemoryPlanCallback(plan=ParallelPlan(dp=..., tp=..., pp=..., zero=...))"
+    )
+
+
+def _calibration_shapes(b: int, s: int, head_dim: int | None) -> list[tuple[int, int]]:
+    """Batch shapes to trace for the calibration fit, starting with the real one (exact there).
+
+    ``(b, s)``, ``(b, s')`` with s' = 3s/4 and ``(2b, s)``: never longer than the real sequence (a learned
+    position table may end at s), and three shapes so that the b*s and b*s^2 terms separate when attention
+    is materialised (for sdpa the linear fit is a least-squares fit through the three, exact when memory is
+    linear in tokens). s' avoids the head width, where ``[b, a, s, d]`` tensors would look like ``[.., s, s]``
+    attention scores to the tracker. One-position batches (s = 1) vary the batch only.
+    """
+    if s < 4:
+        return [(b, s), (2 * b, s)]
+    shorter = (3 * s) // 4
+    if shorter == head_dim:
+        shorter -= 1
+    return [(b, s), (b, shorter), (2 * b, s)]
+
+
+def _optimizer_factory(opt: torch.optim.Optimizer) -> Any:
+    """``params -> Optimizer`` rebuilding ``opt``'s class with its defaults (only the keywords its
+    constructor accepts: ``defaults`` also holds derived entries such as ``decoupled_weight_decay``)."""
+    import inspect
+
+    cls = type(opt)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+    return lambda params: cls(params, **kwargs)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside a ``LightningOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)

@@ -1,0 +1,649 @@
+"""``MemoryPlanCallback``: estimate and measure per-rank memory every step, report after each epoch."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_memplan.callbacks import emit
+from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
+from lightning_memplan.callbacks.infer import (
+    InferenceError,
+    _calibration_shapes,
+    _optimizer_factory,
+    _unwrap,
+    batch_factory,
+    batch_shape,
+    infer_plan,
+    infer_train_spec,
+)
+from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
+from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.report.gather import gather_objects
+from lightning_memplan.report.io import write_report
+from lightning_memplan.report.records import (
+    EpochReport,
+    Incident,
+    MemoryReport,
+    RankAccumulator,
+    RankSummary,
+    StepRecord,
+)
+from lightning_memplan.report.render import check_units, render_rich
+
+__all__ = ["MemoryPlanCallback", "is_out_of_memory"]
+
+#: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
+_ESTIMATE_CACHE_SIZE = 256
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (CUDA/MPS/XPU allocators), or a ``RuntimeError`` saying "out of memory"
+    (CPU allocations and older PyTorch raise that)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def _check_fraction(name: str, value: Any, *, upper: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < upper:
+        raise ValueError(f"{name}={value!r} must be a number in [0, {upper:g}); e.g. {name}=0.1 for 10%")
+    return float(value)
+
+
+def _check_optional_int(name: str, value: Any, hint: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int or None; {hint}")
+    return value
+
+
+def _check_type(name: str, value: Any, cls: type) -> Any:
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or None")
+    return value
+
+
+class MemoryPlanCallback(Callback):
+    r"""Estimate and measure per-rank memory every training step; report it after each epoch.
+
+    At fit start the callback infers the :class:`ModelSpec` from the LightningModule, the
+    :class:`TrainSpec` from the Trainer (precision plugin, ``accumulate_grad_batches``, the optimizer
+    from ``configure_optimizers``, the first batch's shape) and the :class:`ParallelPlan` from the running
+    strategy, and calibrates the batch-dependent terms with one traced fake-tensor step (falling back to
+    the analytic model, and saying so, when tracing fails). Every training step, on every rank, it
+    estimates memory for that step's real batch shape and measures it: on CUDA the allocator's peak
+    allocated/reserved bytes per phase (peaks reset each step); on CPU the process RSS every step and
+    live tensor bytes per component (a tensor tracker) on the first step and every
+    ``measure_every_n_steps``; on MPS sampled allocator counters. After each epoch it gathers every rank's
+    figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically),
+    ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
+    ``default_root_dir``), prints a rich table on rank 0 and logs to every logger.
+
+    **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` batches and on
+    every tracked step; bytes are exact integers, and each byte metric also has a view in ``units``
+    named ``<key>_<units lower-case>``, e.g. ``memplan/measured_peak_gib``):
+
+    - ``memplan/estimated_peak`` — the memory model's peak allocated tensor bytes for this step's shape
+    - ``memplan/measured_peak`` — measured peak allocated tensor bytes of the step (CUDA allocator every
+      step; tensor tracker on tracked CPU steps; sampled on MPS)
+    - ``memplan/reserved`` — peak reserved bytes (CUDA allocator), driver-allocated (MPS) or process RSS (CPU)
+    - ``memplan/headroom`` — capacity (``memory_budget``, device memory, or RAM on CPU) minus ``reserved``
+      (minus memory held outside the allocator on CUDA)
+    - ``memplan/measured_to_estimated`` — measured_peak / estimated_peak
+    - ``memplan/micro_batch``, ``memplan/seq_len`` — the step's batch shape
+    - ``memplan/{forward,backward,optimizer}/estimated_peak`` — the estimate's peak within each phase
+    - ``memplan/{forward,backward,optimizer}/measured_peak`` — the measured peak within each phase
+    - ``memplan/<component>/estimated`` and ``memplan/<component>/measured`` — on tracked steps, for each
+      component ``params, grads, optimizer, master, activations, attention, logits, comm, workspace, other``
+    - after each epoch: ``memplan/epoch/{estimated_peak,measured_peak,reserved}_{max,min,imbalance}``
+      (imbalance = max / mean - 1 across ranks), ``memplan/epoch/headroom_min``, ``memplan/epoch/ranks``
+
+    Args:
+        measure_every_n_steps: run the tensor tracker on the first step and every this many steps
+            (CPU/MPS; also CUDA with ``track_tensors=True``). A tracked step runs ~1.3-1.7x slower on a
+            small CPU model, so the default keeps the amortised cost under 1%.
+        tolerance: warn when a measured peak exceeds the estimate by more than this fraction.
+        min_headroom: warn when free memory falls below this fraction of the capacity.
+        units: display unit of the report and of the metric views: ``"B"``, ``"KiB"``, ``"MiB"``,
+            ``"GiB"``, ``"KB"``, ``"MB"``, ``"GB"``.
+        calibrate: fit the batch-dependent terms with one traced fake-tensor step at fit start.
+        seq_len: sequence length to use when the batch layout has none (images, odd layouts).
+        max_seq_len: forecast whether this sequence length would fit (default: the largest seen).
+        model_spec, train_spec, plan: explicit :class:`ModelSpec` / :class:`TrainSpec` /
+            :class:`ParallelPlan` for what cannot be inferred (``train_spec``'s batch shape is replaced by
+            each step's real one when it can be read).
+        memory_budget: capacity in bytes for headroom and forecasts instead of the device's memory
+            (on CPU the default is the machine's RAM).
+        track_tensors: ``None`` tracks tensors on CPU and MPS only; ``True`` also on CUDA; ``False`` never.
+        write_files: write the report files after each epoch and on an exception.
+        print_report: print the rich table on rank 0 after each epoch.
+
+    Raises:
+        ValueError: ``tolerance`` < 0, ``min_headroom`` outside [0, 1), ``measure_every_n_steps`` < 1,
+            an unknown ``units``, ``seq_len``/``max_seq_len``/``memory_budget`` not a positive int.
+        TypeError: ``model_spec``/``train_spec``/``plan`` of the wrong type.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_memplan import MemoryPlanCallback
+        trainer = Trainer(callbacks=[MemoryPlanCallback()])
+    """
+
+    def __init__(
+        self,
+        *,
+        measure_every_n_steps: int = 100,
+        tolerance: float = 0.10,
+        min_headroom: float = 0.10,
+        units: str = "GiB",
+        calibrate: bool = True,
+        seq_len: int | None = None,
+        max_seq_len: int | None = None,
+        model_spec: ModelSpec | None = None,
+        train_spec: TrainSpec | None = None,
+        plan: ParallelPlan | None = None,
+        memory_budget: int | None = None,
+        track_tensors: bool | None = None,
+        write_files: bool = True,
+        print_report: bool = True,
+    ) -> None:
+        if (
+            isinstance(measure_every_n_steps, bool)
+            or not isinstance(measure_every_n_steps, int)
+            or measure_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"measure_every_n_steps={measure_every_n_steps!r} must be an int >= 1 (the tensor tracker runs "
+                "on the first step and every this many steps); e.g. measure_every_n_steps=100"
+            )
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, (int, float))
+            or not (tolerance >= 0 and math.isfinite(tolerance))
+        ):
+            raise ValueError(
+                f"tolerance={tolerance!r} must be a finite fraction >= 0; e.g. tolerance=0.1 for 10%"
+            )
+        self.measure_every_n_steps = measure_every_n_steps
+        self.tolerance = float(tolerance)
+        self.min_headroom = _check_fraction("min_headroom", min_headroom, upper=1.0)
+        self.units = check_units(units)
+        self.calibrate = bool(calibrate)
+        self.seq_len = _check_optional_int("seq_len", seq_len, "the tokens per sequence, e.g. seq_len=2048")
+        self.max_seq_len = _check_optional_int("max_seq_len", max_seq_len, "e.g. max_seq_len=8192")
+        self.memory_budget = _check_optional_int("memory_budget", memory_budget, "bytes, e.g. 80 * 2**30")
+        self.model_spec = _check_type("model_spec", model_spec, ModelSpec)
+        self.train_spec = _check_type("train_spec", train_spec, TrainSpec)
+        self.plan = _check_type("plan", plan, ParallelPlan)
+        if track_tensors not in (None, True, False):
+            raise ValueError(f"track_tensors={track_tensors!r} must be None (CPU/MPS only), True or False")
+        self.track_tensors = track_tensors
+        self.write_files = bool(write_files)
+        self.print_report = bool(print_report)
+        # Run state (persisted by state_dict): the report so far, steps seen, warnings already given.
+        self.report = MemoryReport()
+        self._batches_seen = 0
+        self._warned: set[str] = set()
+        self._acc: RankAccumulator | None = None
+        self._max_shape_seen = (0, 0)
+        self._reset_fit_state()
+
+    def _reset_fit_state(self) -> None:
+        self._rank = 0
+        self._log_dir: str | None = None
+        self._probe: PhaseProbe | None = None
+        self._tracker: Any = None
+        self._tracking_enabled = False
+        self._spec: ModelSpec | None = None
+        self._train: TrainSpec | None = None
+        self._plan_: ParallelPlan | None = None
+        self._est_rank: int | None = None
+        self._calibration: Calibration | None = None
+        self._estimates: OrderedDict[tuple[int, int], MemoryEstimate | None] = OrderedDict()
+        self._initialised = False
+        self._stepped = False
+        self._current: dict[str, Any] | None = None
+        self._epoch_warnings: list[str] = []
+
+    # ------------------------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset_fit_state()
+        self._rank = trainer.global_rank
+        # trainer.log_dir broadcasts from rank 0: resolve it now, while every rank calls the hook, and
+        # never from on_exception (where the other ranks would not join the collective).
+        self._log_dir = trainer.log_dir or trainer.default_root_dir
+        self._probe = make_probe(trainer.strategy.root_device)
+        kind = self._probe.kind
+        self._tracking_enabled = self.track_tensors is True or (
+            self.track_tensors is None and kind in ("cpu", "mps")
+        )
+
+    def _note(self, text: str) -> None:
+        """Record what could not be inferred or measured; warn once (rank 0)."""
+        if text not in self.report.notes:
+            from dataclasses import replace
+
+            self.report = replace(self.report, notes=(*self.report.notes, text))
+        self._warn_once(f"note:{text}", text)
+
+    def _warn_once(self, key: str, text: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self._epoch_warnings.append(text)
+        rank_zero_warn(f"MemoryPlanCallback: {text}")
+
+    def _initialise(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """Infer specs and calibrate at the first batch of the fit (needs the batch and the optimizer)."""
+        self._initialised = True
+        spec = self.model_spec
+        if spec is None:
+            try:
+                spec = ModelSpec.from_module(pl_module)
+            except (ValueError, TypeError) as exc:
+                self._note(
+                    f"could not infer a ModelSpec from {type(pl_module).__name__} ({exc}); estimates are off, "
+                    "measurement continues; pass MemoryPlanCallback(model_spec=ModelSpec(...))"
+                )
+        try:
+            self._train = infer_train_spec(trainer, batch, seq_len=self.seq_len, base=self.train_spec)
+        except InferenceError as exc:
+            self._note(f"{exc}; estimates are off until it is given, measurement continues")
+        if self.plan is not None:
+            plan, how = self.plan, "given by plan="
+        else:
+            try:
+                plan, how = infer_plan(trainer, pl_module)
+            except InferenceError as exc:
+                plan, how = ParallelPlan(dp=trainer.world_size), f"assumed dp={trainer.world_size}"
+                self._note(f"{exc}; assumed ParallelPlan(dp={trainer.world_size}) meanwhile")
+        self._plan_ = plan
+        self._est_rank = self._rank if self._rank < plan.world_size else None
+        if self._est_rank is None:
+            self._note(
+                f"plan {plan.describe()} has {plan.world_size} ranks but the run has {trainer.world_size}; "
+                "reporting the worst rank's estimate on every rank; pass a matching plan="
+            )
+        self._spec = spec
+        source = "none"
+        if spec is not None and self._train is not None:
+            source = "analytic"
+            if self.calibrate:
+                self._calibration = self._run_calibration(trainer, pl_module, batch)
+                source = "calibrated" if self._calibration is not None else "analytic"
+        if (
+            self.model_spec is None
+            and spec is not None
+            and "guessed" in (spec.name or "")
+            and source == "analytic"
+        ):
+            self._note(
+                f"the ModelSpec was guessed ({spec.name}) and no traced step calibrated it, so the {source} "
+                "estimate of activations is unreliable; pass MemoryPlanCallback(model_spec=...) or keep calibrate=True"
+            )
+        run = {
+            "model": spec.name or type(pl_module).__name__ if spec is not None else type(pl_module).__name__,
+            "model_spec": spec.to_dict() if spec is not None else None,
+            "train_spec": self._train.to_dict() if self._train is not None else None,
+            "plan": plan.to_dict(),
+            "plan_description": f"{plan.describe()} ({how})",
+            "precision": str(trainer.precision),
+            "estimate_source": source,
+            "accelerator": self._probe.kind if self._probe else "cpu",
+            "world_size": trainer.world_size,
+        }
+        from dataclasses import replace
+
+        self.report = replace(self.report, run=run)
+
+    def _run_calibration(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any
+    ) -> Calibration | None:
+        """Fit the batch-dependent terms from traced fake-tensor steps of the real LightningModule with
+        the real optimizer class and the real batch's structure (``model.trace.calibrate``); ``None``
+        and a note saying why when tracing fails."""
+        from lightning_memplan.model.trace import calibrate
+
+        assert self._train is not None
+        b, s = self._train.micro_batch, self._train.seq_len
+        shapes = _calibration_shapes(b, s, self._spec.dim_head if self._spec is not None else None)
+        optimizer: Any = self._train.optimizer
+        if trainer.optimizers:
+            opt = _unwrap(trainer.optimizers[0])
+            optimizer = _optimizer_factory(opt)
+        try:
+            return calibrate(
+                pl_module,
+                shapes,
+                input_fn=batch_factory(batch, b, s),
+                optimizer=optimizer,
+                precision=self._train.precision,
+            )
+        except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to the analytic model
+            self._note(
+                f"calibration with a traced fake-tensor step failed ({type(exc).__name__}: {exc}); using the "
+                "analytic memory model (pass calibrate=False to skip the attempt)"
+            )
+            return None
+
+    # ------------------------------------------------------------------------------------ estimates
+    def _estimate(self, b: int, s: int) -> MemoryEstimate | None:
+        key = (b, s)
+        if key in self._estimates:
+            self._estimates.move_to_end(key)
+            return self._estimates[key]
+        est = None
+        if self._spec is not None and self._train is not None and self._plan_ is not None:
+            from lightning_memplan.model.estimate import estimate_memory
+
+            try:
+                train = self._train.replace(micro_batch=b, seq_len=s)
+                est = estimate_memory(
+                    self._spec, train, self._plan_, rank=self._est_rank, calibration=self._calibration
+                )
+            except (ValueError, TypeError) as exc:
+                self._note(f"the memory model cannot estimate batch {b} x {s}: {exc}")
+        self._estimates[key] = est
+        if len(self._estimates) > _ESTIMATE_CACHE_SIZE:
+            self._estimates.popitem(last=False)
+        return est
+
+    # ------------------------------------------------------------------------------------ per step
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if self._acc is None or self._acc.epoch != epoch or self._acc.rank != self._rank:
+            self._acc = RankAccumulator(rank=self._rank, epoch=epoch, backend=self._backend())
+
+    def _backend(self) -> str:
+        return self._probe.kind if self._probe is not None else "cpu"
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is None:  # fit without setup(stage="fit"): nothing to do
+            return
+        if not self._initialised:
+            self._initialise(trainer, pl_module, batch)
+        shape: tuple[int, int] | None
+        try:
+            shape = batch_shape(batch, seq_len=self.seq_len)
+        except InferenceError as exc:
+            shape = (self._train.micro_batch, self._train.seq_len) if self._train is not None else None
+            self._note(f"{exc} (per-step shape unknown; using train_spec's)" if shape else str(exc))
+        step = self._batches_seen
+        tracked = self._tracking_enabled and (step == 0 or (step + 1) % self.measure_every_n_steps == 0)
+        self._current = {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "shape": shape,
+            "estimate": self._estimate(*shape) if shape is not None else None,
+            "tracked": tracked,
+            "warmup": not self._stepped,
+        }
+        if tracked:
+            self._start_tracker(trainer, pl_module, shape)
+        self._probe.start_step()
+
+    def _start_tracker(
+        self, trainer: Trainer, pl_module: LightningModule, shape: tuple[int, int] | None
+    ) -> None:
+        from lightning_memplan.tracking import TensorTracker
+
+        seq = shape[1] if shape is not None and shape[1] > 1 else None
+        vocab = self.model_spec.vocab_size if self.model_spec is not None else None
+        tracker = TensorTracker(
+            pl_module,
+            [_unwrap(o) for o in trainer.optimizers],
+            seq_len=seq,
+            vocab_size=vocab,
+            device=trainer.strategy.root_device,
+        )
+        tracker.start()
+        tracker.set_phase("forward")
+        self._tracker = tracker
+
+    def _enter_phase(self, phase: str) -> None:
+        if self._probe is not None and self._probe.phase is not None:
+            self._probe.enter_phase(phase)
+        if self._tracker is not None:
+            self._tracker.set_phase(phase)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._enter_phase("backward")
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Closes the backward peak at its end; anything until the optimizer step (clipping) is backward too.
+        self._enter_phase("backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._enter_phase("optimizer")
+        if self._current is not None:
+            self._current["stepped"] = True
+
+    def _stop_tracker(self) -> Any:
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        try:
+            return tracker.report()
+        finally:
+            tracker.stop()
+
+    def _record(self, reading: Any, tracker_report: Any) -> StepRecord:
+        cur = self._current or {}
+        shape = cur.get("shape") or (None, None)
+        est: MemoryEstimate | None = cur.get("estimate")
+        measured_peak = reading.measured_peak if reading is not None else None
+        phase_peaks = dict(reading.phase_peaks) if reading is not None and reading.phase_peaks else None
+        components = None
+        if tracker_report is not None:
+            components = {c: int(tracker_report.peak.get(c, 0)) for c in COMPONENTS}
+            if measured_peak is None:  # CPU: the tracker is the tensor-level measurement
+                measured_peak = tracker_report.total
+                phase_peaks = {
+                    p: tracker_report.phase_total(p) for p in PHASES if p in tracker_report.by_phase
+                }
+        capacity = self.memory_budget or (reading.device_memory if reading is not None else None)
+        headroom = None
+        if capacity is not None and reading is not None:
+            used = reading.reserved if reading.reserved is not None else measured_peak
+            if used is not None:
+                headroom = capacity - used - (reading.unavailable if self.memory_budget is None else 0)
+        return StepRecord(
+            step=int(cur.get("step", self._batches_seen)),
+            epoch=int(cur.get("epoch", 0)),
+            rank=self._rank,
+            micro_batch=shape[0],
+            seq_len=shape[1],
+            estimated_peak=est.total if est is not None else None,
+            estimated_components=est.components() if est is not None else None,
+            estimated_phase_peaks={p: est.phase_total(p) for p in PHASES if p in est.by_phase}
+            if est is not None
+            else None,
+            estimated_peak_phase=est.peak_phase if est is not None else None,
+            measured_peak=measured_peak,
+            measured_components=components,
+            measured_phase_peaks=phase_peaks,
+            reserved=reading.reserved if reading is not None else None,
+            device_memory=capacity,
+            headroom=headroom,
+            tracked=bool(cur.get("tracked")),
+            warmup=bool(cur.get("warmup")),
+            backend=self._backend(),
+        )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is None or self._current is None:
+            return
+        reading = self._probe.end_step()
+        record = self._record(reading, self._stop_tracker())
+        if self._acc is None:
+            self._acc = RankAccumulator(rank=self._rank, epoch=trainer.current_epoch, backend=self._backend())
+        self._acc.add(record)
+        self._check(record)
+        # Trainer(log_every_n_steps=...) is stored on the trainer by its logger connector; same rule as
+        # Lightning's own `should_update_logs`: log when (batch + 1) is a multiple of it.
+        every = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]
+        should_log = (self._batches_seen + 1) % every == 0 or record.tracked
+        if should_log and self._rank == 0:
+            emit.log_metrics(trainer, emit.step_metrics(record, self.units), step=trainer.global_step)
+        self._batches_seen += 1
+        if self._current.get("stepped"):
+            self._stepped = True
+        self._current = None
+
+    def _check(self, record: StepRecord) -> None:
+        """Mismatch, headroom and forecast warnings (each once per run)."""
+        if record.tracked or record.backend == "cuda":
+            text = mismatch_message(record, self.tolerance)
+            if text:
+                self._warn_once("mismatch", text)
+        plan = self._plan_ or ParallelPlan()
+        train = (
+            self._train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
+            if (self._train is not None and record.micro_batch and record.seq_len)
+            else self._train
+        )
+        text = headroom_message(record, self.min_headroom, plan, train)
+        if text:
+            self._warn_once("headroom", text)
+        if record.micro_batch is None or record.seq_len is None or not record.device_memory:
+            return
+        b = max(self._max_shape_seen[0], record.micro_batch)
+        s = max(self._max_shape_seen[1], record.seq_len)
+        grew = (b, s) != self._max_shape_seen
+        self._max_shape_seen = (b, s)
+        if not grew or "forecast" in self._warned:
+            return
+        target = max(self.max_seq_len or 0, s)
+        est = self._estimate(b, target)
+        if est is not None:
+            text = forecast_message(
+                target,
+                est.total,
+                record.device_memory,
+                est.components(),
+                plan,
+                self._train.replace(micro_batch=b, seq_len=target) if self._train is not None else None,
+                rank=self._rank,
+            )
+            if text:
+                self._warn_once("forecast", text)
+
+    # ------------------------------------------------------------------------------------ epoch end
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._probe is None:
+            return
+        acc = self._acc or RankAccumulator(
+            rank=self._rank, epoch=trainer.current_epoch, backend=self._backend()
+        )
+        gathered = gather_objects((acc.summary().to_dict(), list(self._epoch_warnings)))
+        ranks = tuple(sorted((RankSummary.from_dict(s) for s, _ in gathered), key=lambda r: r.rank))
+        warnings = list(dict.fromkeys(text for _, ws in gathered for text in ws))
+        for text in warnings:  # other ranks' warnings surface on rank 0 (rank_zero_warn) once each
+            if text not in self._epoch_warnings:
+                self._warn_once(f"peer:{text[:80]}", text)
+        epoch = EpochReport(epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings))
+        self.report = self.report.with_epoch(epoch)
+        self._acc = None
+        self._epoch_warnings = []
+        if self._rank != 0:
+            return
+        if self.write_files and self._log_dir:
+            write_report(self.report, self._log_dir, units=self.units)
+        if self.print_report:
+            import rich
+
+            rich.get_console().print(render_rich(self.report, epoch=epoch.epoch, units=self.units))
+        emit.log_metrics(trainer, emit.epoch_metrics(epoch, self.units), step=trainer.global_step)
+        emit.log_report_text(trainer, epoch, self.units, step=trainer.global_step)
+
+    # ------------------------------------------------------------------------------------ failures
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Write the report, with the failing step's estimate and the allocator state, before the error
+        propagates. Never raises itself (the original exception must surface)."""
+        try:
+            self._record_incident(exception)
+        except Exception as exc:  # noqa: BLE001 - must not mask the original exception
+            rank_zero_warn(
+                f"MemoryPlanCallback could not write the report after {type(exception).__name__}: {exc!r}"
+            )
+
+    def _record_incident(self, exception: BaseException) -> None:
+        tracker_report = None
+        if self._tracker is not None:
+            tracker_report = self._stop_tracker()
+        reading = None
+        if self._probe is not None and self._probe.phase is not None:
+            reading = self._probe.end_step()
+        record = self._record(reading, tracker_report) if self._current is not None else None
+        allocator: dict[str, Any] = (
+            self._probe.allocator_summary() if self._probe is not None else {"rss": read_rss()}
+        )
+        if tracker_report is not None:
+            allocator["tracker_live_bytes"] = int(sum(tracker_report.current.values()))
+            allocator["tracker_peak_bytes"] = tracker_report.total
+        cur = self._current or {}
+        incident = Incident(
+            kind="oom" if is_out_of_memory(exception) else "exception",
+            error=f"{type(exception).__name__}: {exception}"[:2000],
+            rank=self._rank,
+            epoch=int(cur.get("epoch", self._acc.epoch if self._acc else 0)),
+            step=int(cur.get("step", self._batches_seen)),
+            step_record=record,
+            allocator=allocator,
+            partial_epoch=self._acc.summary() if self._acc is not None and self._acc.steps else None,
+        )
+        self.report = self.report.with_incident(incident)
+        self._current = None
+        if self.write_files and self._log_dir:
+            write_report(
+                self.report,
+                self._log_dir,
+                units=self.units,
+                rank_suffix=None if self._rank == 0 else self._rank,
+            )
+
+    # ------------------------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "report": self.report.to_dict(),
+            "batches_seen": self._batches_seen,
+            "warned": sorted(self._warned),
+            "accumulator": self._acc.to_dict() if self._acc is not None else None,
+            "max_shape_seen": list(self._max_shape_seen),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.report = MemoryReport.from_dict(state_dict["report"])
+        self._batches_seen = int(state_dict.get("batches_seen", 0))
+        self._warned = set(state_dict.get("warned", ()))
+        self._max_shape_seen = tuple(int(x) for x in state_dict.get("max_shape_seen", (0, 0)))  # type: ignore[assignment]
+        acc = state_dict.get("accumulator")
+        # A checkpoint holds rank 0's state; another rank's partial epoch cannot be restored from it.
+        self._acc = RankAccumulator.from_dict(acc) if acc and int(acc["rank"]) == self._rank else None

@@ -1,0 +1,62 @@
+"""``lightning-memplan report PATH``: render a saved ``memory_report.json`` again.
+
+PATH is the JSON file or the log directory holding it. Prints the rich table of the latest epoch (or
+``--epoch N``), or the whole report as Markdown (``--markdown``) or JSON (``--json``); ``--png OUT``
+redraws the chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from lightning_memplan.report.render import UNITS
+
+    parser = subparsers.add_parser(
+        "report",
+        help="render a saved memory_report.json (from MemoryPlanCallback) again",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", help="memory_report.json, or the log directory that holds it")
+    parser.add_argument("--epoch", type=int, default=None, help="epoch to show (default: the latest)")
+    parser.add_argument("--units", default="GiB", choices=list(UNITS), help="display unit (default GiB)")
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument("--markdown", action="store_true", help="print the whole report as Markdown")
+    fmt.add_argument("--json", action="store_true", help="print the (validated) report as JSON")
+    parser.add_argument(
+        "--png", default=None, metavar="OUT", help="also draw the chart to OUT (needs matplotlib)"
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memplan.report.io import load_report
+    from lightning_memplan.report.plot import matplotlib_available, render_png
+    from lightning_memplan.report.render import render_markdown, render_rich
+
+    report = load_report(args.path)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    elif args.markdown:
+        print(render_markdown(report, units=args.units), end="")
+    else:
+        from rich.console import Console
+
+        Console(file=sys.stdout, width=160).print(render_rich(report, epoch=args.epoch, units=args.units))
+        for note in report.notes:
+            print(f"note: {note}")
+        for inc in report.incidents:
+            print(f"incident: rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {inc.kind}: {inc.error}")
+    if args.png:
+        if not matplotlib_available():
+            raise ValueError(f"--png={args.png!r} needs matplotlib; pip install 'lightning-memplan[plot]'")
+        render_png(report, args.png, units=args.units)
+    return 0

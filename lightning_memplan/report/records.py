@@ -1,0 +1,493 @@
+"""The memory report's data model: one :class:`StepRecord` per measured step, one :class:`RankSummary`
+per rank and epoch, one :class:`EpochReport` per epoch (all ranks side by side), one
+:class:`MemoryReport` per run.
+
+Everything is integer bytes (house style 5) and round-trips through plain JSON (``to_dict`` /
+``from_dict``), so a saved ``memory_report.json`` can be rendered again by ``lightning-memplan report``
+and a resumed run can continue it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from lightning_memplan.model.result import COMPONENTS, PHASES
+
+__all__ = [
+    "REPORT_FORMAT_VERSION",
+    "EpochReport",
+    "Incident",
+    "MemoryReport",
+    "RankAccumulator",
+    "RankSummary",
+    "Spread",
+    "StepRecord",
+    "summarize_rank",
+]
+
+#: Bumped when a field changes meaning; ``from_dict`` refuses newer formats.
+REPORT_FORMAT_VERSION = 1
+
+
+def _int_map(data: Mapping[str, Any] | None) -> dict[str, int] | None:
+    if data is None:
+        return None
+    return {str(k): int(v) for k, v in data.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """Estimate and measurement of one training step on one rank.
+
+    Attributes:
+        step: index of the training batch on this rank, counted from the start of the run.
+        epoch: the epoch it belongs to.
+        rank: global rank.
+        micro_batch, seq_len: the batch shape the estimate was made for (``None`` if not inferred).
+        estimated_peak: :attr:`MemoryEstimate.total` for that shape, bytes (``None`` without a model).
+        estimated_components: the estimate's ``{component: bytes}`` at its peak.
+        estimated_phase_peaks: ``{phase: bytes}``, :meth:`MemoryEstimate.phase_total` per phase.
+        estimated_peak_phase: phase in which the estimate peaks.
+        measured_peak: measured peak of allocated tensor bytes in the step: the CUDA allocator's
+            ``max_memory_allocated`` (reset each step), MPS's sampled ``current_allocated_memory``, or
+            the tensor tracker on tracked CPU steps; ``None`` where nothing measured tensors.
+        measured_components: ``{component: bytes}`` at the measured peak (tensor tracker only).
+        measured_phase_peaks: ``{phase: bytes}`` measured peak of each phase.
+        reserved: bytes the process holds for tensors: the CUDA allocator's peak reserved memory, MPS's
+            driver-allocated memory, or on CPU the process's resident set size (RSS).
+        device_memory: the capacity headroom is computed against (``memory_budget`` when given, else
+            the device's total memory, or the machine's RAM on CPU).
+        headroom: ``device_memory`` minus the peak of ``reserved`` (and, on CUDA, minus what other
+            processes and the CUDA context hold), bytes; may be negative.
+        tracked: whether the tensor tracker ran on this step.
+        warmup: the step ran before the first optimizer step finished, so optimizer states did not
+            exist yet; such steps are reported but not compared against the steady-state estimate.
+        backend: ``"cuda"``, ``"mps"`` or ``"cpu"``.
+    """
+
+    step: int
+    epoch: int
+    rank: int
+    micro_batch: int | None = None
+    seq_len: int | None = None
+    estimated_peak: int | None = None
+    estimated_components: dict[str, int] | None = None
+    estimated_phase_peaks: dict[str, int] | None = None
+    estimated_peak_phase: str | None = None
+    measured_peak: int | None = None
+    measured_components: dict[str, int] | None = None
+    measured_phase_peaks: dict[str, int] | None = None
+    reserved: int | None = None
+    device_memory: int | None = None
+    headroom: int | None = None
+    tracked: bool = False
+    warmup: bool = False
+    backend: str = "cpu"
+
+    @property
+    def ratio(self) -> float | None:
+        """measured_peak / estimated_peak (``None`` when either is missing)."""
+        if not self.measured_peak or not self.estimated_peak:
+            return None
+        return self.measured_peak / self.estimated_peak
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
+        kwargs = dict(data)
+        for key in (
+            "estimated_components",
+            "estimated_phase_peaks",
+            "measured_components",
+            "measured_phase_peaks",
+        ):
+            kwargs[key] = _int_map(kwargs.get(key))
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSummary:
+    """One rank's figures over one epoch.
+
+    Attributes:
+        rank, epoch: which rank and epoch.
+        steps: training steps this rank ran in the epoch.
+        backend: measurement backend (see :attr:`StepRecord.backend`).
+        estimated_peak: largest per-step estimate in the epoch, bytes.
+        estimated_components, estimated_phase_peaks: the breakdown of that largest estimate.
+        measured_peak: largest measured peak in the epoch (any backend), bytes.
+        measured_components: breakdown at the largest *tracked* measurement (tensor tracker).
+        measured_phase_peaks: largest measured peak of each phase.
+        reserved: largest ``reserved`` (allocator reserved / RSS), bytes.
+        headroom: smallest headroom in the epoch, bytes.
+        device_memory: capacity used for headroom, bytes.
+        worst_step: step index of the largest measured (else estimated) peak.
+        max_seq_len: largest sequence length seen.
+        shapes: distinct ``(micro_batch, seq_len)`` seen, in order of first appearance (at most 16).
+        tracked: the tracked steps (estimate and tensor-tracker measurement side by side).
+        measured_to_estimated: measured / estimated peak at the steady-state step (not ``warmup``) with
+            the largest measurement; ``None`` without one. Warm-up steps are left out because the
+            estimate is the steady state (optimizer states exist).
+    """
+
+    rank: int
+    epoch: int
+    steps: int = 0
+    backend: str = "cpu"
+    estimated_peak: int | None = None
+    estimated_components: dict[str, int] | None = None
+    estimated_phase_peaks: dict[str, int] | None = None
+    measured_peak: int | None = None
+    measured_components: dict[str, int] | None = None
+    measured_phase_peaks: dict[str, int] | None = None
+    reserved: int | None = None
+    headroom: int | None = None
+    device_memory: int | None = None
+    worst_step: int | None = None
+    max_seq_len: int | None = None
+    shapes: tuple[tuple[int, int], ...] = ()
+    tracked: tuple[StepRecord, ...] = ()
+    measured_to_estimated: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """:attr:`measured_to_estimated` (steady-state measured / estimated peak)."""
+        return self.measured_to_estimated
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["shapes"] = [list(s) for s in self.shapes]
+        data["tracked"] = [r.to_dict() for r in self.tracked]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankSummary:
+        kwargs = dict(data)
+        for key in (
+            "estimated_components",
+            "estimated_phase_peaks",
+            "measured_components",
+            "measured_phase_peaks",
+        ):
+            kwargs[key] = _int_map(kwargs.get(key))
+        kwargs["shapes"] = tuple((int(b), int(s)) for b, s in kwargs.get("shapes", ()))
+        kwargs["tracked"] = tuple(StepRecord.from_dict(r) for r in kwargs.get("tracked", ()))
+        return cls(**kwargs)
+
+
+_MAX_SHAPES = 16
+#: Tracked steps kept per rank and epoch (the most recent ones, plus the worst one always).
+_MAX_TRACKED = 32
+
+
+class RankAccumulator:
+    """Folds one rank's step records of one epoch into a :class:`RankSummary` as they arrive.
+
+    Holds O(1) records (the worst estimated, worst measured and worst tracked step, and a bounded window
+    of tracked steps), so an epoch of any length costs constant memory. Its state round-trips through
+    :meth:`to_dict` so a checkpoint taken mid-epoch resumes the same epoch.
+    """
+
+    def __init__(self, *, rank: int, epoch: int, backend: str) -> None:
+        self.rank, self.epoch, self.backend = rank, epoch, backend
+        self.steps = 0
+        self.worst_est: StepRecord | None = None
+        self.worst_meas: StepRecord | None = None
+        self.worst_tracked: StepRecord | None = None
+        self.worst_steady: StepRecord | None = None
+        self.tracked: list[StepRecord] = []
+        self.phase_peaks: dict[str, int] = {}
+        self.reserved: int | None = None
+        self.headroom: int | None = None
+        self.device_memory: int | None = None
+        self.max_seq_len: int | None = None
+        self.shapes: list[tuple[int, int]] = []
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        if r.estimated_peak is not None and (
+            self.worst_est is None or r.estimated_peak > (self.worst_est.estimated_peak or 0)
+        ):
+            self.worst_est = r
+        if r.measured_peak is not None and (
+            self.worst_meas is None or r.measured_peak > (self.worst_meas.measured_peak or 0)
+        ):
+            self.worst_meas = r
+        if (
+            r.ratio is not None
+            and not r.warmup
+            and (self.worst_steady is None or (r.measured_peak or 0) > (self.worst_steady.measured_peak or 0))
+        ):
+            self.worst_steady = r
+        if r.tracked:
+            if self.worst_tracked is None or (r.measured_peak or 0) > (self.worst_tracked.measured_peak or 0):
+                self.worst_tracked = r
+            self.tracked.append(r)
+            if len(self.tracked) > _MAX_TRACKED:
+                self.tracked.pop(0)
+        for phase, value in (r.measured_phase_peaks or {}).items():
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), value)
+        self.reserved = _max_opt((self.reserved, r.reserved))
+        if r.headroom is not None:
+            self.headroom = r.headroom if self.headroom is None else min(self.headroom, r.headroom)
+        self.device_memory = _max_opt((self.device_memory, r.device_memory))
+        self.max_seq_len = _max_opt((self.max_seq_len, r.seq_len))
+        if r.micro_batch is not None and r.seq_len is not None:
+            shape = (r.micro_batch, r.seq_len)
+            if shape not in self.shapes and len(self.shapes) < _MAX_SHAPES:
+                self.shapes.append(shape)
+
+    def summary(self) -> RankSummary:
+        tracked = list(self.tracked)
+        if self.worst_tracked is not None and self.worst_tracked not in tracked:
+            tracked.insert(0, self.worst_tracked)
+        worst = self.worst_meas or self.worst_est
+        return RankSummary(
+            rank=self.rank,
+            epoch=self.epoch,
+            steps=self.steps,
+            backend=self.backend,
+            estimated_peak=self.worst_est.estimated_peak if self.worst_est else None,
+            estimated_components=self.worst_est.estimated_components if self.worst_est else None,
+            estimated_phase_peaks=self.worst_est.estimated_phase_peaks if self.worst_est else None,
+            measured_peak=self.worst_meas.measured_peak if self.worst_meas else None,
+            measured_components=self.worst_tracked.measured_components if self.worst_tracked else None,
+            measured_phase_peaks=dict(self.phase_peaks) or None,
+            reserved=self.reserved,
+            headroom=self.headroom,
+            device_memory=self.device_memory,
+            worst_step=worst.step if worst else None,
+            max_seq_len=self.max_seq_len,
+            shapes=tuple(self.shapes),
+            tracked=tuple(tracked),
+            measured_to_estimated=self.worst_steady.ratio if self.worst_steady else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = lambda r: r.to_dict() if r is not None else None  # noqa: E731
+        return {
+            "rank": self.rank,
+            "epoch": self.epoch,
+            "backend": self.backend,
+            "steps": self.steps,
+            "worst_est": rec(self.worst_est),
+            "worst_meas": rec(self.worst_meas),
+            "worst_tracked": rec(self.worst_tracked),
+            "worst_steady": rec(self.worst_steady),
+            "tracked": [r.to_dict() for r in self.tracked],
+            "phase_peaks": dict(self.phase_peaks),
+            "reserved": self.reserved,
+            "headroom": self.headroom,
+            "device_memory": self.device_memory,
+            "max_seq_len": self.max_seq_len,
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankAccumulator:
+        acc = cls(rank=int(data["rank"]), epoch=int(data["epoch"]), backend=str(data["backend"]))
+        rec = lambda d: StepRecord.from_dict(d) if d else None  # noqa: E731
+        acc.steps = int(data.get("steps", 0))
+        acc.worst_est, acc.worst_meas = rec(data.get("worst_est")), rec(data.get("worst_meas"))
+        acc.worst_tracked = rec(data.get("worst_tracked"))
+        acc.worst_steady = rec(data.get("worst_steady"))
+        acc.tracked = [StepRecord.from_dict(d) for d in data.get("tracked", ())]
+        acc.phase_peaks = {k: int(v) for k, v in data.get("phase_peaks", {}).items()}
+        acc.reserved, acc.headroom = data.get("reserved"), data.get("headroom")
+        acc.device_memory, acc.max_seq_len = data.get("device_memory"), data.get("max_seq_len")
+        acc.shapes = [(int(b), int(s)) for b, s in data.get("shapes", ())]
+        return acc
+
+
+def _max_opt(values: Iterable[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def summarize_rank(records: Sequence[StepRecord], *, rank: int, epoch: int, backend: str) -> RankSummary:
+    """Fold a list of one rank's step records of one epoch into a :class:`RankSummary`."""
+    acc = RankAccumulator(rank=rank, epoch=epoch, backend=backend)
+    for record in records:
+        acc.add(record)
+    return acc.summary()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread:
+    """One figure across ranks: smallest, largest, and imbalance = max / mean - 1 (0 when balanced)."""
+
+    min: int
+    max: int
+    imbalance: float
+
+    @classmethod
+    def of(cls, values: Iterable[int | None]) -> Spread | None:
+        present = [int(v) for v in values if v is not None]
+        if not present:
+            return None
+        mean = sum(present) / len(present)
+        return cls(min=min(present), max=max(present), imbalance=(max(present) / mean - 1.0) if mean else 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochReport:
+    """Every rank's :class:`RankSummary` for one epoch, and the warnings raised during it."""
+
+    epoch: int
+    ranks: tuple[RankSummary, ...]
+    warnings: tuple[str, ...] = ()
+
+    def spread(self, name: str) -> Spread | None:
+        """:class:`Spread` of a :class:`RankSummary` field (``"measured_peak"``, ``"headroom"``, ...)."""
+        return Spread.of(getattr(r, name) for r in self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        across = {}
+        for name in ("estimated_peak", "measured_peak", "reserved", "headroom"):
+            spread = self.spread(name)
+            across[name] = asdict(spread) if spread else None
+        return {
+            "epoch": self.epoch,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "across_ranks": across,
+            "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EpochReport:
+        return cls(
+            epoch=int(data["epoch"]),
+            ranks=tuple(RankSummary.from_dict(r) for r in data.get("ranks", ())),
+            warnings=tuple(data.get("warnings", ())),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Incident:
+    """An exception that ended the run (out-of-memory or otherwise), recorded before it propagated.
+
+    Attributes:
+        kind: ``"oom"`` or ``"exception"``.
+        error: ``"TypeName: message"`` of the exception.
+        rank, epoch, step: where it happened.
+        step_record: the failing step's estimate and whatever was measured before the error.
+        allocator: a summary of the allocator state (CUDA ``memory_stats`` subset and
+            ``memory_summary``; RSS and the tracker's live bytes on CPU).
+        partial_epoch: this rank's summary of the epoch that was interrupted.
+    """
+
+    kind: str
+    error: str
+    rank: int
+    epoch: int
+    step: int
+    step_record: StepRecord | None = None
+    allocator: dict[str, Any] = field(default_factory=dict)
+    partial_epoch: RankSummary | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "error": self.error,
+            "rank": self.rank,
+            "epoch": self.epoch,
+            "step": self.step,
+            "step_record": self.step_record.to_dict() if self.step_record else None,
+            "allocator": dict(self.allocator),
+            "partial_epoch": self.partial_epoch.to_dict() if self.partial_epoch else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Incident:
+        rec = data.get("step_record")
+        part = data.get("partial_epoch")
+        return cls(
+            kind=data["kind"],
+            error=data["error"],
+            rank=int(data["rank"]),
+            epoch=int(data["epoch"]),
+            step=int(data["step"]),
+            step_record=StepRecord.from_dict(rec) if rec else None,
+            allocator=dict(data.get("allocator", {})),
+            partial_epoch=RankSummary.from_dict(part) if part else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """A run's memory report: what was assumed (``run``), every epoch, and any incident.
+
+    Attributes:
+        run: what the estimate assumed: ``model_spec``, ``train_spec``, ``plan`` (their ``to_dict``),
+            ``estimate_source`` (``"calibrated"`` or ``"analytic"``), ``world_size``, ``accelerator``.
+        notes: what could not be inferred or measured, and which argument supplies it.
+        epochs: one :class:`EpochReport` per finished epoch, in epoch order.
+        incidents: exceptions recorded by ``on_exception``.
+    """
+
+    run: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    epochs: tuple[EpochReport, ...] = ()
+    incidents: tuple[Incident, ...] = ()
+
+    def with_epoch(self, epoch: EpochReport) -> MemoryReport:
+        """A copy with ``epoch`` added (replacing an earlier entry for the same epoch number)."""
+        kept = [e for e in self.epochs if e.epoch != epoch.epoch]
+        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.epoch)))
+
+    def with_incident(self, incident: Incident) -> MemoryReport:
+        return replace(self, incidents=(*self.incidents, incident))
+
+    def merged_with(self, older: MemoryReport) -> MemoryReport:
+        """This report plus every epoch and incident of ``older`` it does not already hold.
+
+        Used when writing over an existing ``memory_report.json``: epochs written earlier (by this run
+        before a restart, or by another run in the same directory) are never lost.
+        """
+        have = {e.epoch for e in self.epochs}
+        epochs = sorted(
+            [*self.epochs, *(e for e in older.epochs if e.epoch not in have)], key=lambda e: e.epoch
+        )
+        seen = {(i.rank, i.epoch, i.step, i.error) for i in self.incidents}
+        incidents = (
+            *(i for i in older.incidents if (i.rank, i.epoch, i.step, i.error) not in seen),
+            *self.incidents,
+        )
+        notes = tuple(dict.fromkeys((*older.notes, *self.notes)))
+        return replace(
+            self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents
+        )
+
+    @property
+    def latest(self) -> EpochReport | None:
+        return self.epochs[-1] if self.epochs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": REPORT_FORMAT_VERSION,
+            "components": list(COMPONENTS),
+            "phases": list(PHASES),
+            "run": dict(self.run),
+            "notes": list(self.notes),
+            "epochs": [e.to_dict() for e in self.epochs],
+            "incidents": [i.to_dict() for i in self.incidents],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > REPORT_FORMAT_VERSION:
+            raise ValueError(
+                f"format_version={version!r} is not a memory report this version can read (it reads <= "
+                f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan or pass a memory_report.json"
+            )
+        return cls(
+            run=dict(data.get("run", {})),
+            notes=tuple(data.get("notes", ())),
+            epochs=tuple(EpochReport.from_dict(e) for e in data.get("epochs", ())),
+            incidents=tuple(Incident.from_dict(i) for i in data.get("incidents", ())),
+        )

@@ -1,0 +1,229 @@
+"""Text renderings of a :class:`~lightning_memplan.report.records.MemoryReport`: a rich table for the
+console, Markdown for ``memory_report.md`` (and loggers that take text), and unit handling.
+
+Bytes stay integers everywhere else; only these renderers convert to a display unit (house style 5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary
+
+__all__ = ["UNITS", "check_units", "format_bytes", "render_markdown", "render_rich", "epoch_markdown"]
+
+#: Display units and their size in bytes (GiB = 2**30, GB = 10**9; docs/DESIGN.md).
+UNITS: dict[str, int] = {
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def check_units(units: Any, *, argument: str = "units") -> str:
+    """Return ``units`` if it is one of :data:`UNITS`, else raise ``ValueError`` naming ``argument``."""
+    if units not in UNITS:
+        raise ValueError(
+            f"{argument}={units!r} is not a known unit; use one of {', '.join(map(repr, UNITS))}"
+        )
+    return units
+
+
+def format_bytes(value: int | None, units: str = "GiB", *, suffix: bool = True) -> str:
+    """``value`` bytes in ``units`` with three decimals (``suffix`` appends the unit); ``"-"`` for ``None``."""
+    if value is None:
+        return "-"
+    text = f"{value:,d}" if units == "B" else f"{value / UNITS[units]:.3f}"
+    return f"{text} {units}" if suffix else text
+
+
+def _ratio(r: RankSummary) -> str:
+    return f"{r.ratio:.3f}" if r.ratio is not None else "-"
+
+
+def _largest(components: dict[str, int] | None) -> str:
+    if not components:
+        return "-"
+    return max(components, key=lambda k: components[k])
+
+
+_RANK_HEADERS = (
+    "rank",
+    "steps",
+    "b x s",
+    "max s",
+    "est. peak",
+    "meas. peak",
+    "meas/est",
+    "reserved",
+    "headroom",
+    "largest",
+)
+_RICH_SHORT = {
+    "rank": "rank",
+    "b x s": "bxs",
+    "est. peak": "est.",
+    "meas. peak": "meas.",
+    "meas/est": "m/e",
+    "reserved": "reserved",
+    "headroom": "headroom",
+    "largest": "largest",
+}
+
+
+def _rank_row(r: RankSummary, units: str) -> list[str]:
+    shape = f"{r.shapes[-1][0]}x{r.shapes[-1][1]}" if r.shapes else "-"
+    return [
+        str(r.rank),
+        str(r.steps),
+        shape,
+        str(r.max_seq_len) if r.max_seq_len is not None else "-",
+        format_bytes(r.estimated_peak, units, suffix=False),
+        format_bytes(r.measured_peak, units, suffix=False),
+        _ratio(r),
+        format_bytes(r.reserved, units, suffix=False),
+        format_bytes(r.headroom, units, suffix=False),
+        _largest(r.measured_components or r.estimated_components),
+    ]
+
+
+def _component_rows(epoch: EpochReport, units: str) -> list[list[str]]:
+    rows = []
+    for name in COMPONENTS:
+        row = [name]
+        for r in epoch.ranks:
+            row.append(format_bytes((r.estimated_components or {}).get(name), units, suffix=False))
+            row.append(format_bytes((r.measured_components or {}).get(name), units, suffix=False))
+        rows.append(row)
+    for phase in PHASES:
+        row = [f"peak in {phase}"]
+        for r in epoch.ranks:
+            row.append(format_bytes((r.estimated_phase_peaks or {}).get(phase), units, suffix=False))
+            row.append(format_bytes((r.measured_phase_peaks or {}).get(phase), units, suffix=False))
+        rows.append(row)
+    return rows
+
+
+def _across_line(epoch: EpochReport, units: str) -> str:
+    parts = []
+    for name in ("estimated_peak", "measured_peak", "headroom"):
+        spread = epoch.spread(name)
+        if spread is not None:
+            parts.append(
+                f"{name}: min {format_bytes(spread.min, units)}, max {format_bytes(spread.max, units)}, "
+                f"imbalance {spread.imbalance:.1%}"
+            )
+    return "; ".join(parts)
+
+
+def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = "GiB") -> Any:
+    """A ``rich`` renderable (a group of two tables) for one epoch (the latest by default)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    chosen = _pick_epoch(report, epoch)
+    if chosen is None:
+        return Text("memory report: no finished epoch yet")
+    source = report.run.get("estimate_source", "no")
+    ranks = Table(title=f"Memory report, epoch {chosen.epoch}, {units} ({source} estimate)")
+    keep = [i for i, h in enumerate(_RANK_HEADERS) if h in _RICH_SHORT]  # fit an 80-column console
+    for i in keep:
+        header = _RANK_HEADERS[i]
+        ranks.add_column(_RICH_SHORT[header], justify="left" if header in ("largest", "b x s") else "right")
+    for r in chosen.ranks:
+        row = _rank_row(r, units)
+        ranks.add_row(*(row[i] for i in keep))
+    comps = Table(title=f"Components at the peak, {units} (estimated / measured by the tensor tracker)")
+    comps.add_column("component")
+    for r in chosen.ranks:
+        comps.add_column(f"rank {r.rank} est.", justify="right")
+        comps.add_column(f"rank {r.rank} meas.", justify="right")
+    for row in _component_rows(chosen, units):
+        comps.add_row(*row)
+    parts: list[Any] = [ranks, comps]
+    across = _across_line(chosen, units)
+    if across:
+        parts.append(Text("across ranks: " + across))
+    for warning in chosen.warnings:
+        parts.append(Text("warning: " + warning, style="yellow"))
+    return Group(*parts)
+
+
+def _pick_epoch(report: MemoryReport, epoch: int | None) -> EpochReport | None:
+    if epoch is None:
+        return report.latest
+    for e in report.epochs:
+        if e.epoch == epoch:
+            return e
+    known = [e.epoch for e in report.epochs]
+    raise ValueError(f"epoch={epoch!r} is not in the report; it holds epochs {known}")
+
+
+def _md_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
+    """Markdown section for one epoch: ranks table, component table, spread, warnings."""
+    out = [
+        f"## Epoch {epoch.epoch}",
+        "",
+        f"Sizes in {units}.",
+        "",
+        _md_table(_RANK_HEADERS, [_rank_row(r, units) for r in epoch.ranks]),
+        "",
+    ]
+    headers = ["component"]
+    for r in epoch.ranks:
+        headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
+    out += [_md_table(headers, _component_rows(epoch, units)), ""]
+    across = _across_line(epoch, units)
+    if across:
+        out += [f"Across ranks: {across}", ""]
+    for warning in epoch.warnings:
+        out.append(f"- **warning:** {warning}")
+    if epoch.warnings:
+        out.append("")
+    return "\n".join(out)
+
+
+def render_markdown(report: MemoryReport, *, units: str = "GiB") -> str:
+    """The whole report as Markdown (what ``memory_report.md`` holds)."""
+    out = ["# Memory report", ""]
+    run = report.run
+    for key in ("estimate_source", "accelerator", "world_size", "precision", "plan_description", "model"):
+        if key in run:
+            out.append(f"- **{key}:** {run[key]}")
+    for note in report.notes:
+        out.append(f"- **note:** {note}")
+    out.append("")
+    for epoch in report.epochs:
+        out.append(epoch_markdown(epoch, units))
+    for inc in report.incidents:
+        out += [
+            f"## Incident on rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {inc.kind}",
+            "",
+            f"`{inc.error}`",
+            "",
+        ]
+        rec = inc.step_record
+        if rec is not None:
+            out.append(
+                f"- batch {rec.micro_batch} x {rec.seq_len}: estimated peak "
+                f"{format_bytes(rec.estimated_peak, units)}, measured so far {format_bytes(rec.measured_peak, units)}"
+            )
+        for key, value in inc.allocator.items():
+            if key != "summary":
+                out.append(f"- {key}: {value}")
+        if "summary" in inc.allocator:
+            out += ["", "```", str(inc.allocator["summary"]), "```"]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,54 @@
+"""The examples run end to end with minimal flags and write the memory report files they promise."""
+
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, out_dir: pathlib.Path, *flags: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / script), "--out-dir", str(out_dir), *flags],
+        cwd=out_dir, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _report(out_dir: pathlib.Path) -> dict:
+    (path,) = glob.glob(str(out_dir / "**" / "memory_report.json"), recursive=True)
+    with open(path, encoding="utf-8") as fh:
+        report = json.load(fh)
+    assert os.path.isfile(os.path.join(os.path.dirname(path), "memory_report.md"))
+    return report
+
+
+@pytest.mark.slow
+def test_gpt_example_trains_and_writes_the_report(tmp_path):
+    out = _run(
+        "examples/gpt/train.py", tmp_path,
+        "--epochs", "2", "--steps-per-epoch", "4", "--corpus-chars", "200000", "--vocab-size", "4096",
+        "--measure-every-n-steps", "2",
+    )
+    assert "Memory report" in out and "memplan_auto" in out
+    report = _report(tmp_path)
+    assert len(report["epochs"]) == 2  # one report per epoch, appended
+    assert "final train loss" in out
+
+
+@pytest.mark.slow
+def test_hf_llama_example_trains_and_writes_the_report(tmp_path):
+    pytest.importorskip("transformers")
+    out = _run(
+        "examples/hf_llama/train.py", tmp_path,
+        "--steps-per-epoch", "3", "--corpus-chars", "200000", "--vocab-size", "4096",
+    )
+    assert "Memory report" in out
+    assert len(_report(tmp_path)["epochs"]) == 1
