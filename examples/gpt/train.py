@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_train_batches=args.steps_per_epoch or 1.0,
         log_every_n_steps=5,
         logger=CSVLogger(args.out_dir, name="gpt"),
-        callbacks=[RichProgressBar(), MemoryPlanCallback(measure_every_n_steps=args.measure_every_n_steps)],
+        callbacks=[RichProgressBar(), MemoryPlanCallback(measure_every_n_steps=args.measure_every_n_steps, units="MiB")],
         enable_checkpointing=False,
     )
     n_params = sum(p.numel() for p in module.parameters())

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_train_batches=args.steps_per_epoch,
         log_every_n_steps=5,
         default_root_dir=args.out_dir,
-        callbacks=[MemoryPlanCallback(measure_every_n_steps=10)],
+        callbacks=[MemoryPlanCallback(measure_every_n_steps=10, units="MiB")],
         enable_checkpointing=False,
     )
     trainer.fit(module, loader)

@@ -83,7 +83,8 @@ class MemoryPlanCallback(Callback):
     estimates memory for that step's real batch shape and measures it: on CUDA the allocator's peak
     allocated/reserved bytes per phase (peaks reset each step); on CPU the process RSS every step and
     live tensor bytes per component (a tensor tracker) on the first step and every
-    ``measure_every_n_steps``; on MPS sampled allocator counters. After each epoch it gathers every rank's
+    ``measure_every_n_steps`` (and on the first step after the first optimizer step, the first one
+    the steady-state estimate describes); on MPS sampled allocator counters. After each epoch it gathers every rank's
     figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically),
     ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
     ``default_root_dir``), prints a rich table on rank 0 and logs to every logger.
@@ -212,6 +213,7 @@ class MemoryPlanCallback(Callback):
         self._estimates: OrderedDict[tuple[int, int], MemoryEstimate | None] = OrderedDict()
         self._initialised = False
         self._stepped = False
+        self._steady_tracked = False  # whether a step after the first optimizer step was tracked
         self._current: dict[str, Any] | None = None
         self._epoch_warnings: list[str] = []
 
@@ -386,7 +388,14 @@ class MemoryPlanCallback(Callback):
             shape = (self._train.micro_batch, self._train.seq_len) if self._train is not None else None
             self._note(f"{exc} (per-step shape unknown; using train_spec's)" if shape else str(exc))
         step = self._batches_seen
-        tracked = self._tracking_enabled and (step == 0 or (step + 1) % self.measure_every_n_steps == 0)
+        # The first step is warm-up (no optimizer states yet), so the first steady-state step is
+        # tracked too: every run gets at least one measurement the estimate is compared with.
+        first_steady = self._stepped and not self._steady_tracked
+        tracked = self._tracking_enabled and (
+            step == 0 or first_steady or (step + 1) % self.measure_every_n_steps == 0
+        )
+        if tracked and self._stepped:
+            self._steady_tracked = True
         self._current = {
             "step": step,
             "epoch": trainer.current_epoch,
