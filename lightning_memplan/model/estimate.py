@@ -319,7 +319,8 @@ def _estimate_stage(
         "backward_end": {**static, "grads": grads, "comm": comm_static + comm_bwd, **dynamic["backward_end"]},
         "optimizer": {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]},
     }
-    points["optimizer"]["workspace"] += opt_ws
+    if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
+        points["optimizer"]["workspace"] += opt_ws
     by_phase = {
         "forward": points["forward"],
         "backward": max(
