@@ -6,7 +6,7 @@ strategy) add theirs the same way, so one run validates everything::
     @section("loss", "chunked loss peak vs naive on the GPU")
     def loss_section(ctx: Context) -> SectionResult: ...
 
-Sections shipped here:
+Sections shipped here (``loss``, ``callback`` and ``strategy`` added by those parts):
 
 - ``estimate``: the model zoo (GPT-2 style, Llama style with GQA + SwiGLU + RMSNorm, tied embeddings)
   x precisions x attention kinds x loss kinds, run for real on the GPU: after two warm-up steps and
@@ -14,6 +14,12 @@ Sections shipped here:
   (forward, backward, optimizer step) is compared with the analytic estimate
   (``estimate_memory``), the traced estimate (``trace_memory(device="cuda")``: fake CUDA tensors) and
   the ``TensorTracker`` measuring the same step on the device.
+- ``loss``: ``LinearCrossEntropy`` against ``F.cross_entropy(logits.float())``: same loss and weight
+  gradient, peak memory above the inputs (target: at most a quarter of the naive peak).
+- ``callback``: ``MemoryPlanCallback`` in a real ``Trainer`` on the device; the report's measured peak
+  (the CUDA allocator's) within the callback's 10% tolerance of the estimate.
+- ``strategy``: ``strategy="memplan_auto"`` on one device plans, applies, trains a few steps and
+  writes ``memplan_plan.json``.
 
 Run: ``python benchmarks/gpu_check.py [--quick] [--sections estimate,...] [--out PATH]``. Without CUDA it
 prints why and exits 0; ``--allow-cpu`` runs the sections on the CPU (peaks from ``TensorTracker``) to
@@ -212,6 +218,139 @@ def estimate_section(ctx: Context) -> SectionResult:
     if skipped:
         result.notes.append(f"{skipped} cases skipped to stay within the time budget")
     result.ok = worst["analytic"] <= 0.10 and worst["traced"] <= 0.02
+    return result
+
+
+@section("loss", "LinearCrossEntropy (chunked) vs naive F.cross_entropy(logits.float()): peak and parity")
+def loss_section(ctx: Context) -> SectionResult:
+    import torch.nn.functional as F
+
+    from lightning_memplan.loss import linear_cross_entropy
+
+    on_gpu = ctx.device.type == "cuda"
+    n, h, v = (8192, 1024, 128256) if on_gpu and not ctx.quick else (2048, 256, 32000)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    result = SectionResult("loss")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hidden0 = (torch.randn(n, h, generator=gen) * 0.5).to(ctx.device, dtype)
+    weight0 = (torch.randn(v, h, generator=gen) * 0.02).to(ctx.device, dtype)
+    target = torch.randint(0, v, (n,), generator=gen).to(ctx.device)
+
+    def run(kind: str) -> tuple[float, int, torch.Tensor]:
+        hidden = hidden0.clone().requires_grad_(True)
+        weight = weight0.clone().requires_grad_(True)
+        sync(ctx.device)
+        tracker = None
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            base = torch.cuda.memory_allocated(ctx.device)
+        else:
+            tracker = TensorTracker(device=ctx.device)
+            tracker.start()
+            base = 0
+        if kind == "naive":
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), target)
+        else:
+            loss = linear_cross_entropy(hidden, weight, target)
+        loss.backward()
+        sync(ctx.device)
+        if tracker is not None:
+            tracker.stop()
+            peak = tracker.report().total
+        else:
+            peak = torch.cuda.max_memory_allocated(ctx.device) - base
+        return float(loss), peak, weight.grad.float()
+
+    naive_loss, naive_peak, naive_grad = run("naive")
+    ours_loss, ours_peak, ours_grad = run("chunked")
+    grad_err = float((ours_grad - naive_grad).abs().max() / naive_grad.abs().max().clamp_min(1e-30))
+    result.table = "\n".join([
+        "| loss | value | peak above inputs (MiB) | ratio |",
+        "|---|---:|---:|---:|",
+        f"| naive | {naive_loss:.5f} | {naive_peak / MiB:.1f} | 1.00 |",
+        f"| LinearCrossEntropy | {ours_loss:.5f} | {ours_peak / MiB:.1f} | {ours_peak / max(naive_peak, 1):.3f} |",
+    ])
+    result.notes.append(f"N={n}, h={h}, V={v}, {dtype}; weight-grad max relative difference {grad_err:.2e}")
+    result.ok = abs(ours_loss - naive_loss) <= 2e-2 * abs(naive_loss) and ours_peak <= 0.25 * naive_peak
+    return result
+
+
+def _tiny_lightning_gpt(vocab: int):  # a LightningModule around the zoo GPT with the chunked loss
+    import lightning as L
+
+    from lightning_memplan import LinearCrossEntropy
+    from lightning_memplan.testing.zoo import GPT, gpt2_style
+
+    class TinyGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(gpt2_style(vocab_size=vocab, n_layers=4, hidden=256, n_heads=4, max_positions=512))
+            self.loss_fn = LinearCrossEntropy(shift=True)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (idx,) = batch
+            return self.loss_fn(self.model(idx), self.model.lm_head.weight, idx)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return TinyGPT()
+
+
+def _fit(ctx: Context, tmp: Path, strategy: Any, callbacks: list[Any], steps: int = 6) -> Any:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    vocab = 8192
+    data = TensorDataset(torch.randint(0, vocab, (steps * 4, 256), generator=torch.Generator().manual_seed(0)))
+    trainer = L.Trainer(
+        accelerator="gpu" if ctx.device.type == "cuda" else "cpu", devices=1, strategy=strategy,
+        precision="bf16-mixed" if ctx.device.type == "cuda" else "32-true", max_epochs=1,
+        limit_train_batches=steps, logger=L.pytorch.loggers.CSVLogger(str(tmp)), callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(_tiny_lightning_gpt(vocab), DataLoader(data, batch_size=4))
+    return trainer
+
+
+@section("callback", "MemoryPlanCallback in a real Trainer: estimate vs the device's measured peak")
+def callback_section(ctx: Context) -> SectionResult:
+    import json
+    import tempfile
+
+    from lightning_memplan import MemoryPlanCallback
+
+    result = SectionResult("callback")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _fit(ctx, Path(tmp), "auto", [MemoryPlanCallback(measure_every_n_steps=2, print_report=False)])
+        with open(Path(trainer.log_dir) / "memory_report.json") as fh:
+            report = json.load(fh)
+    rows = ["| rank | estimated peak (MiB) | measured peak (MiB) | measured / estimated |", "|---|---:|---:|---:|"]
+    ratios = []
+    for rank in report["epochs"][-1]["ranks"]:
+        est, meas = rank.get("estimated_peak"), rank.get("measured_peak")
+        if est and meas:
+            ratios.append(meas / est)
+            rows.append(f"| {rank.get('rank', 0)} | {est / MiB:.1f} | {meas / MiB:.1f} | {meas / est:.3f} |")
+    result.table = "\n".join(rows)
+    result.ok = bool(ratios) and all(abs(r - 1) <= 0.10 for r in ratios)
+    result.notes.append("target: measured within the callback's default tolerance (10%) of the estimate")
+    return result
+
+
+@section("strategy", "memplan_auto on one device: plans, applies, trains and writes memplan_plan.json")
+def strategy_section(ctx: Context) -> SectionResult:
+    import json
+    import tempfile
+
+    result = SectionResult("strategy")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _fit(ctx, Path(tmp), "memplan_auto", [])
+        with open(Path(trainer.log_dir) / "memplan_plan.json") as fh:
+            written = json.load(fh)
+    result.table = "```\n" + json.dumps(written.get("plan"), indent=1) + "\n```"
+    result.notes.append(f"trained {trainer.global_step} steps under the applied plan above")
+    result.ok = trainer.global_step > 0
     return result
 
 

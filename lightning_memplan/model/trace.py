@@ -128,7 +128,10 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
       with the same memory); any other ``x``: the mean of the output.
     """
     if hasattr(module, "training_step") and hasattr(module, "configure_optimizers"):
-        return getattr(module, "training_step")(batch, 0)  # noqa: B009 - nn.Module attributes type as Tensor
+        with warnings.catch_warnings():
+            # The traced copy is not attached to a Trainer, so its self.log() calls only warn; say nothing.
+            warnings.filterwarnings("ignore", message=r".*self\.trainer. reference is not registered.*")
+            return getattr(module, "training_step")(batch, 0)  # noqa: B009 - nn.Module attributes type as Tensor
     x, y = (batch[0], batch[1]) if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
     out = module(**x) if isinstance(x, Mapping) else module(x)
     if getattr(out, "loss", None) is not None:
