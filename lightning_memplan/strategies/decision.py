@@ -187,8 +187,12 @@ def decide(
                 )
                 plan = dataclasses.replace(plan, microbatches=m)
     # Data-parallel replicas are FSDP2's replicate mesh dimension: gradients are reduced in place, no
-    # DDP bucket copy (the estimate's ``grad_buckets``).
+    # DDP bucket copy (the estimate's ``grad_buckets``); the recorded estimate is the applied plan's.
     plan = dataclasses.replace(plan, grad_buckets=False)
+    applied_train = getattr(decision, "train", None) or train
+    refreshed = _estimate_or_none(model_spec, applied_train, plan)
+    if refreshed is not None and dataclasses.is_dataclass(decision) and hasattr(decision, "estimate"):
+        decision = dataclasses.replace(decision, estimate=refreshed)  # type: ignore[arg-type]
     mesh = MeshLayout.from_plan(plan)
     notes += list(mesh.notes)
     return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes))

@@ -4,9 +4,8 @@ splits the per-rank state and every rank's measured peak stays under it; a gener
 Measured: live tensor bytes of each rank over its last training step (optimizer states exist), with the
 project's ``TensorTracker`` (a TorchDispatchMode over storages) entered at ``on_train_batch_start`` and
 read at ``on_train_batch_end``; phases set from ``on_before_backward`` / ``on_before_optimizer_step``.
-The plan's estimate is also checked against the measurement: within ``ESTIMATE_RTOL`` (the estimate of a
-zero=3 run is within 1 % here; DDP applied as FSDP2 replication allocates no DDP gradient buckets, which
-the estimate counts, so it over-estimates).
+The plan's estimate is also checked against the measurement: within ``ESTIMATE_RTOL`` (measured here:
+DDP applied as FSDP2 replication -3.0 %, the 2-stage 1F1B pipeline +7.2 %).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from lightning_memplan.testing import run_distributed
 
 SMALL_BUDGET = 1_000_000  # bytes: plain DDP of this model needs ~1.4 MB per rank
 GENEROUS_BUDGET = 2**30
-ESTIMATE_RTOL = 0.20
+ESTIMATE_RTOL = 0.10
 
 
 class PeakMeter(L.Callback):
@@ -100,6 +99,7 @@ def test_budget_drives_the_layout_and_peaks_stay_under_it(tmp_path):
         assert generous["mesh"] == (1, 2, 1, 1)
         assert generous["measured"] > SMALL_BUDGET  # the small budget really excluded plain DDP
         for case in (small, generous):
+            print(f"rank {rank} {case['plan'].describe()}: estimate {case['estimate']:,} B, measured {case['measured']:,} B")
             assert abs(case["measured"] - case["estimate"]) <= ESTIMATE_RTOL * case["measured"], case
             assert case["json_plan"] == case["plan"].to_dict()
             assert case["plan"].describe() in case["explain"]
