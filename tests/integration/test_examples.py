@@ -19,7 +19,7 @@ def _run(script: str, out_dir: pathlib.Path, *flags: str) -> str:
         cwd=out_dir, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr  # rich and logging may write to either
 
 
 def _report(out_dir: pathlib.Path) -> dict:
