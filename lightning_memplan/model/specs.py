@@ -26,6 +26,7 @@ __all__ = [
     "ModelSpec",
     "ParallelPlan",
     "TrainSpec",
+    "canonical_precision",
 ]
 
 FFN_KINDS = ("gelu", "swiglu", "relu")
@@ -51,6 +52,20 @@ _PRECISION_ALIASES = {
     "16-true": "16-true",
     "bf16-true": "bf16-true",
 }
+
+
+def canonical_precision(value: Any) -> str:
+    """Lightning's canonical precision string for ``value`` (``"bf16"`` -> ``"bf16-mixed"``, ...).
+
+    Raises:
+        ValueError: ``value`` is not one of Lightning's precision strings or aliases.
+    """
+    canonical = _PRECISION_ALIASES.get(str(value))
+    if canonical is None:
+        raise ValueError(
+            f"precision={value!r} is not a Lightning precision; use one of {', '.join(map(repr, PRECISIONS))}"
+        )
+    return canonical
 
 
 def _check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> None:
@@ -281,13 +296,7 @@ class TrainSpec:
         _check_choice("device", self.device, DEVICES)
         _check_int("micro_batch", self.micro_batch)
         _check_int("seq_len", self.seq_len)
-        canonical = _PRECISION_ALIASES.get(str(self.precision))
-        if canonical is None:
-            raise ValueError(
-                f"precision={self.precision!r} is not a Lightning precision; use one of "
-                f"{', '.join(map(repr, PRECISIONS))}"
-            )
-        object.__setattr__(self, "precision", canonical)
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _check_choice("recompute", self.recompute, RECOMPUTE_MODES)

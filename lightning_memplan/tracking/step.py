@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memplan.model.specs import _PRECISION_ALIASES, PRECISIONS
+from lightning_memplan.model.specs import canonical_precision
 
 __all__ = ["PrecisionEmulation", "run_training_step"]
 
@@ -48,13 +48,7 @@ class PrecisionEmulation:
     use_scaler: bool = True
 
     def __post_init__(self) -> None:
-        canonical = _PRECISION_ALIASES.get(str(self.precision))
-        if canonical is None:
-            raise ValueError(
-                f"precision={self.precision!r} is not a Lightning precision; use one of "
-                f"{', '.join(map(repr, PRECISIONS))}"
-            )
-        object.__setattr__(self, "precision", canonical)
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
 
     @property
     def param_dtype(self) -> torch.dtype:
