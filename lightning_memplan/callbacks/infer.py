@@ -203,6 +203,13 @@ def infer_optimizer(optimizer: Any) -> tuple[str, str]:
     return kind, impl
 
 
+def kernel_device(trainer: Any) -> str:
+    """``TrainSpec.device`` for the running fit: ``"cpu"`` on the CPU, else ``"cuda"`` (the CUDA
+    kernels' saving behaviour is the model's default for accelerators)."""
+    root = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    return "cpu" if getattr(root, "type", "cuda") == "cpu" else "cuda"
+
+
 def infer_train_spec(
     trainer: Any, batch: Any, *, seq_len: int | None = None, base: TrainSpec | None = None
 ) -> TrainSpec:
@@ -233,6 +240,7 @@ def infer_train_spec(
         optimizer=optimizer,
         optimizer_impl=impl,
         grad_accumulation=int(trainer.accumulate_grad_batches),
+        device=kernel_device(trainer),
     )
     # strategy="memplan_auto" applies activation checkpointing and picks the loss mode itself; its
     # resolution says which, so the estimate assumes what really runs.

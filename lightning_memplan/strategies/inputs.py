@@ -97,9 +97,15 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
         raise BatchShapeUnknown(
             f"{exc}; for memplan_auto pass MemplanAutoStrategy(train=TrainSpec(micro_batch=..., seq_len=...))"
         ) from exc
+    from lightning_memplan.callbacks.infer import kernel_device
+
+    device = kernel_device(trainer)
     return TrainSpec(
         micro_batch=b,
         seq_len=s,
         precision=str(trainer.precision),
         grad_accumulation=int(trainer.accumulate_grad_batches),
+        device=device,
+        # the optimizer is not built yet; torch.optim defaults to foreach only for CUDA tensors
+        optimizer_impl="for_loop" if device == "cpu" else "foreach",
     )
