@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -190,9 +190,12 @@ def decide(
     # DDP bucket copy (the estimate's ``grad_buckets``); the recorded estimate is the applied plan's.
     plan = dataclasses.replace(plan, grad_buckets=False)
     applied_train = getattr(decision, "train", None) or train
+    if forced is not None and plan.pp > 1:
+        # the schedule splits each dataloader batch into plan.microbatches micro-batches
+        applied_train = applied_train.replace(micro_batch=max(1, applied_train.micro_batch // plan.microbatches))
     refreshed = _estimate_or_none(model_spec, applied_train, plan)
     if refreshed is not None and dataclasses.is_dataclass(decision) and hasattr(decision, "estimate"):
-        decision = dataclasses.replace(decision, estimate=refreshed)  # type: ignore[arg-type]
+        decision = dataclasses.replace(cast(Any, decision), estimate=refreshed)
     mesh = MeshLayout.from_plan(plan)
     notes += list(mesh.notes)
     return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes))
