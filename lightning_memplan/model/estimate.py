@@ -303,9 +303,18 @@ def _estimate_stage(
         head_grads = head_params * pb.grad
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard)
-    accumulating = train.grad_accumulation > 1 or plan.microbatches > 1
-    grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
-    grads_bwd_start = grads if accumulating else 0
+    if plan.pp == 1:
+        accumulating = train.grad_accumulation > 1
+        grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
+        grads_bwd_start = grads if accumulating else 0
+    else:
+        # A pipeline step drops the previous step's gradients before its schedule runs (the optimizer
+        # has consumed them). This stage's gradients then appear at its first backward, so they
+        # coexist with a full in-flight set of micro-batches only when a forward follows a backward
+        # (m > in-flight, the steady 1F1B phase) or when accumulating across steps [N21 2.2].
+        inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
+        overlap = plan.microbatches > inflight or train.grad_accumulation > 1
+        grads_fwd = grads_bwd_start = grads if overlap else 0
     static = {"params": params, "optimizer": optimizer, "master": master}
     points = {
         "forward": {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]},

@@ -5,7 +5,7 @@ Measured: live tensor bytes of each rank over its last training step (optimizer 
 project's ``TensorTracker`` (a TorchDispatchMode over storages) entered at ``on_train_batch_start`` and
 read at ``on_train_batch_end``; phases set from ``on_before_backward`` / ``on_before_optimizer_step``.
 The plan's estimate is also checked against the measurement: within ``ESTIMATE_RTOL`` (measured here:
-DDP applied as FSDP2 replication -3.0 %, the 2-stage 1F1B pipeline +7.2 %).
+DDP applied as FSDP2 replication -3.0 %, the 2-stage 1F1B pipeline +2.6 % on stage 0, +2.4 % on stage 1).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lightning_memplan.testing import run_distributed
 
 SMALL_BUDGET = 1_000_000  # bytes: plain DDP of this model needs ~1.4 MB per rank
 GENEROUS_BUDGET = 2**30
-ESTIMATE_RTOL = 0.10
+ESTIMATE_RTOL = 0.05
 
 
 class PeakMeter(L.Callback):

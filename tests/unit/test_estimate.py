@@ -300,3 +300,19 @@ def test_estimate_cli_reports_bad_input(capsys):
 
 def test_components_constant_is_the_estimate_field_order():
     assert tuple(MemoryEstimate().components()) == COMPONENTS
+
+
+def test_pipeline_gradients_meet_a_full_inflight_set_only_in_steady_1f1b():
+    # Stage 0 of a 2-stage 1F1B pipeline holds 2 micro-batches after its warm-up forwards. With m = 2
+    # its first backward comes before any gradient exists (the step dropped the previous ones), so the
+    # forward peak has no gradients; with m = 4 the steady phase runs forwards after backwards, so it does.
+    model, train = small_llama(), TrainSpec(micro_batch=1, seq_len=32, precision="32-true")
+    m2 = estimate_memory(model, train, ParallelPlan(pp=2, microbatches=2), rank=0)
+    m4 = estimate_memory(model, train, ParallelPlan(pp=2, microbatches=4), rank=0)
+    assert m2.by_phase["forward"]["grads"] == 0
+    assert m4.by_phase["forward"]["grads"] == m4.by_phase["optimizer"]["grads"] > 0
+    layer = terms.layer_activation_bytes(model, train, 1, 32)
+    # end of the first backward: all of the stage's grads, the other micro-batch's 4 layers, one layer
+    end = m2.by_phase["backward"]
+    assert end["grads"] == m2.by_phase["optimizer"]["grads"]
+    assert end["activations"] == 4 * layer + layer
