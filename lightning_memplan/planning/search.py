@@ -105,11 +105,11 @@ class _Search:
         self.evaluations += 1
         est = estimate_memory(self.model, train, plan, rank=0, calibration=self.calibration)
         if plan.pp > 1 and (not quick or est.total <= self.budget(plan).budget):
-            last = estimate_memory(
-                self.model, train, plan, rank=(plan.pp - 1) * plan.dp * plan.cp * plan.tp, calibration=self.calibration
-            )
-            if last.total > est.total:
-                est = last
+            per_stage = plan.dp * plan.cp * plan.tp
+            for stage in _candidate_stages(plan):
+                other = estimate_memory(self.model, train, plan, rank=stage * per_stage, calibration=self.calibration)
+                if other.total > est.total:
+                    est = other
         self._cache[key] = est
         return est
 
@@ -388,3 +388,19 @@ class _Search:
             f"{sample or 'every axis is restricted by allow'}; allow data parallelism (it divides any world "
             "size), change allow=, or use a world size that divides the heads/layers/global batch"
         )
+
+
+def _candidate_stages(plan: ParallelPlan) -> list[int]:
+    """Stages besides 0 that can hold a rank's peak: the last (lm_head and logits) and the first
+    stage whose in-flight micro-batches number fewer than m, where this step's gradients first meet
+    a full in-flight set (the memory model's pipeline timeline). Later middle stages hold fewer
+    micro-batches and no more layers, so they never exceed it."""
+    from lightning_memplan.model.terms import pipeline_inflight_microbatches
+
+    stages = [plan.pp - 1]
+    for stage in range(1, plan.pp - 1):
+        inflight = pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
+        if inflight < plan.microbatches:
+            stages.insert(0, stage)
+            break
+    return stages

@@ -37,6 +37,17 @@ def _int_map(data: Mapping[str, Any] | None) -> dict[str, int] | None:
     return {str(k): int(v) for k, v in data.items()}
 
 
+_MAP_FIELDS = ("estimated_components", "estimated_phase_peaks", "measured_components", "measured_phase_peaks")
+
+
+def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``data`` whose per-component / per-phase maps hold ints (JSON may give floats)."""
+    kwargs = dict(data)
+    for key in _MAP_FIELDS:
+        kwargs[key] = _int_map(kwargs.get(key))
+    return kwargs
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """Estimate and measurement of one training step on one rank.
@@ -98,14 +109,7 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
-        kwargs = dict(data)
-        for key in (
-            "estimated_components",
-            "estimated_phase_peaks",
-            "measured_components",
-            "measured_phase_peaks",
-        ):
-            kwargs[key] = _int_map(kwargs.get(key))
+        kwargs = _with_int_maps(data)
         return cls(**kwargs)
 
 
@@ -166,14 +170,7 @@ class RankSummary:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankSummary:
-        kwargs = dict(data)
-        for key in (
-            "estimated_components",
-            "estimated_phase_peaks",
-            "measured_components",
-            "measured_phase_peaks",
-        ):
-            kwargs[key] = _int_map(kwargs.get(key))
+        kwargs = _with_int_maps(data)
         kwargs["shapes"] = tuple((int(b), int(s)) for b, s in kwargs.get("shapes", ()))
         kwargs["tracked"] = tuple(StepRecord.from_dict(r) for r in kwargs.get("tracked", ()))
         return cls(**kwargs)
