@@ -41,7 +41,7 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             f"heads, use tp in {ok}"
         )
     if model.kv_heads % plan.tp:
-        ok = [t for t in _divisors(model.kv_heads)]
+        ok = _divisors(model.kv_heads)
         raise ValueError(
             f"tp={plan.tp} does not divide n_kv_heads={model.kv_heads}; each rank needs whole key/value "
             f"heads, use tp in {ok}"
@@ -102,7 +102,7 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
     """
     t = plan.tp
     h, v = model.hidden, model.vocab_size
-    norm = 2 * h if model.norm == "layernorm" else h
+    norm = terms.norm_param_count(model)
     layer_matmul = terms.layer_matmul_param_count(model)
     layer_other = terms.layer_param_count(model) - layer_matmul
     norms = 2 * norm
@@ -217,8 +217,9 @@ def _calibrated_dynamic(
     rank without model parallelism; for another plan each component is scaled by the analytic ratio
     plan / single-rank, so the exactness at the traced shapes carries over to the per-layer split."""
     b, s = train.micro_batch, train.seq_len
-    single = _dynamic(model, train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
     trivial = plan.tp == plan.pp == plan.cp == 1
+    # the single-rank analytic terms are only needed to scale the fit to another plan
+    single = None if trivial else _dynamic(model, train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
     out: dict[str, dict[str, int]] = {}
     phase_map = {
         "forward": "forward",
@@ -238,6 +239,7 @@ def _calibrated_dynamic(
             elif trivial:
                 out[key][comp] = fitted
             else:
+                assert single is not None  # not trivial
                 base = single[key][comp]
                 out[key][comp] = round(fitted * comps[comp] / base) if base else comps[comp]
     return out
@@ -247,6 +249,7 @@ def _estimate_stage(
     model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage: int, rank: int, calibration: Calibration | None
 ) -> MemoryEstimate:
     layout = stage_layout(model, plan, stage)
+    inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
     pb = terms.precision_bytes(train)
     local, matmul, largest = _local_params(model, plan, layout)
     shard = plan.dp * plan.cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
@@ -298,8 +301,7 @@ def _estimate_stage(
     # (with tied embeddings the shared matrix's gradient is allocated here too).
     head_grads = 0
     if layout.has_head:
-        norm = 2 * model.hidden if model.norm == "layernorm" else model.hidden
-        head_params = norm + math.ceil(model.vocab_size * model.hidden / plan.tp)
+        head_params = terms.norm_param_count(model) + math.ceil(model.vocab_size * model.hidden / plan.tp)
         head_grads = head_params * pb.grad
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard)
@@ -312,7 +314,6 @@ def _estimate_stage(
         # has consumed them). This stage's gradients then appear at its first backward, so they
         # coexist with a full in-flight set of micro-batches only when a forward follows a backward
         # (m > in-flight, the steady 1F1B phase) or when accumulating across steps [N21 2.2].
-        inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
         overlap = plan.microbatches > inflight or train.grad_accumulation > 1
         grads_fwd = grads_bwd_start = grads if overlap else 0
     static = {"params": params, "optimizer": optimizer, "master": master}
@@ -344,9 +345,7 @@ def _estimate_stage(
         "autocast_weight_copies": terms.autocast_copy_bytes(matmul, train),
         "optimizer_workspace": opt_ws,
         "layers_on_stage": layout.n_layers,
-        "inflight_microbatches_x1000": round(
-            1000 * terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
-        ),
+        "inflight_microbatches_x1000": round(1000 * inflight),
     }
     return MemoryEstimate(
         **by_phase[peak_phase],

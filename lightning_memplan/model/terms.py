@@ -48,6 +48,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_matmul_param_count",
     "layer_param_count",
+    "norm_param_count",
     "norm_saved_bytes",
     "logits_bytes",
     "model_state_bytes",
@@ -76,7 +77,8 @@ SDPA_LSE_BYTES = FP32_BYTES
 # ---------------------------------------------------------------------------------------------
 
 
-def _norm_params(model: ModelSpec) -> int:
+def norm_param_count(model: ModelSpec) -> int:
+    """Parameters of one norm layer: ``2h`` for LayerNorm (weight and bias), ``h`` for RMSNorm."""
     return 2 * model.hidden if model.norm == "layernorm" else model.hidden
 
 
@@ -102,7 +104,7 @@ def _layer_bias_count(model: ModelSpec) -> int:
 
 def layer_param_count(model: ModelSpec) -> int:
     """Parameters of one transformer block: matmul weights + biases + two norms."""
-    return layer_matmul_param_count(model) + _layer_bias_count(model) + 2 * _norm_params(model)
+    return layer_matmul_param_count(model) + _layer_bias_count(model) + 2 * norm_param_count(model)
 
 
 def embedding_param_count(model: ModelSpec) -> int:
@@ -114,7 +116,7 @@ def embedding_param_count(model: ModelSpec) -> int:
 def head_param_count(model: ModelSpec) -> int:
     """Final norm plus an untied lm_head ``V*h`` (tied: the head reuses the embedding)."""
     head = 0 if model.tied_embeddings else model.vocab_size * model.hidden
-    return _norm_params(model) + head
+    return norm_param_count(model) + head
 
 
 def param_count(model: ModelSpec) -> int:
