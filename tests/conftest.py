@@ -5,6 +5,17 @@ import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
+# Property tests draw fixed examples by default, so CI is reproducible. MEMPLAN_HYPOTHESIS=explore draws
+# new ones each run; MEMPLAN_HYPOTHESIS_SCALE=N (read by each test) runs N times as many.
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+    _hyp_settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
+    _hyp_settings.load_profile(os.environ.get("MEMPLAN_HYPOTHESIS", "ci"))
+except ImportError:  # hypothesis is a dev extra; the tests that need it skip without it
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

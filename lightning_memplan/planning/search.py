@@ -68,7 +68,7 @@ class _Search:
         self.allow, self.global_batch = allow, global_batch
         self.headroom, self.explicit_budget = headroom, explicit_budget
         self.calibration, self.top_k = calibration, top_k
-        self._cache: dict[tuple, MemoryEstimate] = {}
+        self._cache: dict[tuple, tuple[MemoryEstimate, bool]] = {}
         self._plans: dict[tuple, ParallelPlan] = {}
         self._trains: dict[tuple, TrainSpec] = {}
         self.evaluations = 0
@@ -100,17 +100,22 @@ class _Search:
         (enough to prove a miss; its ``stage`` says which rank was checked)."""
         key = (plan, train)
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        self.evaluations += 1
-        est = estimate_memory(self.model, train, plan, rank=0, calibration=self.calibration)
-        if plan.pp > 1 and (not quick or est.total <= self.budget(plan).budget):
+        # A quick (stage-0-only) answer is reused only by another quick call; a full call finishes it.
+        if hit is not None and (quick or hit[1]):
+            return hit[0]
+        if hit is None:
+            self.evaluations += 1
+            est = estimate_memory(self.model, train, plan, rank=0, calibration=self.calibration)
+        else:
+            est = hit[0]
+        full = plan.pp == 1 or not quick or est.total <= self.budget(plan).budget
+        if plan.pp > 1 and full:
             per_stage = plan.dp * plan.cp * plan.tp
             for stage in _candidate_stages(plan):
                 other = estimate_memory(self.model, train, plan, rank=stage * per_stage, calibration=self.calibration)
                 if other.total > est.total:
                     est = other
-        self._cache[key] = est
+        self._cache[key] = (est, full)
         return est
 
     def budget(self, plan: ParallelPlan) -> Budget:
@@ -165,7 +170,7 @@ class _Search:
         self._bounds_done: set[tuple] = set()
         done: set[int] = set()
         candidates: list[Candidate] = []
-        closest: Candidate | None = None
+        self._closest: tuple | None = None
         while heap and len(candidates) < self.top_k:
             score, i, k = heapq.heappop(heap)
             if i in done:
@@ -198,8 +203,6 @@ class _Search:
                     rejected.append(Rejection(layout=lc.describe(), kind=verdict[3], reason=verdict[2],
                                               peak_bytes=verdict[0].total if verdict[0] else None,
                                               budget_bytes=verdict[1].budget if verdict[1] else None))
-                    if verdict[0] is not None:
-                        closest = self._closer(closest, lc, lt, verdict[0], verdict[1], *self._max_saving_opts(lc, recomputes))
                     continue
                 base = _layout_cost(lc, train.micro_batch)
                 opts = [
@@ -231,8 +234,7 @@ class _Search:
                                                 change_cost=cost, score=sc, notes=lt.notes))
                     done.add(i)
                     continue
-                self._record_failure(lc, rc, z, lm, sp)
-                closest = self._closer(closest, lc, lt, est, bud, rc, z, lm, sp)
+                self._record_miss(lc, rc, z, lm, sp, est, bud)
                 rejected.append(Rejection(
                     layout=f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", kind="memory",
                     reason=self.miss_reason(est, bud), peak_bytes=est.total, budget_bytes=bud.budget))
@@ -262,6 +264,15 @@ class _Search:
             if notes:
                 why += "; " + "; ".join(notes)
             rejected.append(Rejection(layout=f"dp={lc.dp} tp={lc.tp} pp={lc.pp} cp={lc.cp}", kind="slower", reason=why))
+        closest = None
+        if self._closest is not None:  # price the closest miss (its layout may never have been priced)
+            _, est, bud, lc, rc, z, lm, sp = self._closest
+            key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
+            lt = times.get(key) or tm.layout(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
+            plan, tr = self.materialise(lc, rc, z, lm, sp)
+            closest = Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
+                                change_cost=_layout_cost(lc, train.micro_batch) + _option_cost(z, sp, rc, lm, train.loss),
+                                notes=lt.notes)
         return {
             "candidates": candidates, "rejected": rejected, "closest": closest, "best": best,
             "stats": {
@@ -297,8 +308,9 @@ class _Search:
                     est = self.worst(plan, tr, quick=True)
                 except ValueError:
                     continue
-                if est.total > self.budget(plan).budget:
-                    self._record_failure(target, *level)
+                bud = self.budget(plan)
+                if est.total > bud.budget:
+                    self._record_miss(target, *level, est, bud)
                     dom = self._dominated(lc, rc, z, lm, sp)
                     if dom is not None:
                         return dom
@@ -358,20 +370,24 @@ class _Search:
         bud = self.budget(plan)
         if est.total <= bud.budget:
             return None
-        self._record_failure(lc, rc, z, lm, sp)
+        self._record_miss(lc, rc, z, lm, sp, est, bud)
         if -(-self.model.n_layers // lc.pp) <= 2:
             return None  # full recompute's rebuilt block may exceed selective here: not a bound
         opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
         return est, bud, f"even with {', '.join(o for o in opts if o)}: " + self.miss_reason(est, bud), "memory"
 
-    def _closer(self, closest, lc, lt, est, bud, rc, z, lm, sp) -> Candidate:
-        ratio = est.total / bud.budget
-        if closest is not None and closest.estimate.total / closest.budget.budget <= ratio:
-            return closest
+    def _record_miss(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, est: MemoryEstimate, bud: Budget) -> None:
+        """Record a combination that does not fit (for :meth:`_dominated`) and keep the closest miss:
+        the smallest worst-rank peak / budget ratio, which the decision reports when nothing fits."""
+        self._record_failure(lc, rc, z, lm, sp)
+        best = self._closest
+        if best is not None and best[0] <= est.total / bud.budget:
+            return  # ``est`` may be a stage-0 lower bound; the full worst rank is only larger
         plan, tr = self.materialise(lc, rc, z, lm, sp)
-        return Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
-                         change_cost=_layout_cost(lc, self.train.micro_batch) + _option_cost(z, sp, rc, lm, self.train.loss),
-                         notes=lt.notes)
+        est = self.worst(plan, tr)
+        ratio = est.total / bud.budget
+        if best is None or ratio < best[0]:
+            self._closest = (ratio, est, bud, lc, rc, z, lm, sp)
 
     def _raise_no_layout(self, world: int, early: list[tuple[str, str, str]]) -> None:
         kinds = {k for _, k, _ in early}

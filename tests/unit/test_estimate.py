@@ -1,6 +1,7 @@
 """estimate_memory: phases, ranks, plans, validation and monotonicity."""
 
 import json
+import os
 import time
 
 import pytest
@@ -252,16 +253,19 @@ _models = st.builds(
     st.booleans(),
 )
 _trains = st.builds(
-    lambda b, s, prec, rec, attn, loss, acc: TrainSpec(
-        micro_batch=b, seq_len=s, precision=prec, recompute=rec, attention=attn, loss=loss, grad_accumulation=acc
+    # A fixed chunk size for the chunked loss: ``"auto"`` switches chunking on once N > max(h, 64)
+    # tokens, so one more sequence can legitimately lower the peak there (the rule's break-even).
+    lambda b, s, prec, rec, attn, loss, acc, chunk: TrainSpec(
+        micro_batch=b, seq_len=s, precision=prec, recompute=rec, attention=attn, loss=loss, grad_accumulation=acc,
+        loss_chunk_size=chunk if loss == "chunked" else None,
     ),
     st.integers(1, 8), st.integers(1, 4096), st.sampled_from(["32-true", "bf16-mixed", "16-mixed", "bf16-true"]),
     st.sampled_from(["none", "selective", "full"]), st.sampled_from(["sdpa", "eager"]),
-    st.sampled_from(["naive", "fp32_upcast", "chunked"]), st.integers(1, 4),
+    st.sampled_from(["naive", "fp32_upcast", "chunked"]), st.integers(1, 4), st.sampled_from([64, 1024, 8192]),
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150 * int(os.environ.get("MEMPLAN_HYPOTHESIS_SCALE", "1")))
 @given(_models, _trains, st.sampled_from([0, 1, 2, 3]), st.sampled_from([1, 2, 4]))
 def test_random_valid_specs_never_raise_and_grow_monotonically(model, train, zero, dp):
     plan = ParallelPlan(dp=dp, zero=zero)
@@ -316,3 +320,15 @@ def test_pipeline_gradients_meet_a_full_inflight_set_only_in_steady_1f1b():
     end = m2.by_phase["backward"]
     assert end["grads"] == m2.by_phase["optimizer"]["grads"]
     assert end["activations"] == 4 * layer + layer
+
+
+def test_auto_chunk_break_even_can_lower_the_peak_when_the_batch_grows():
+    """Why the property test pins the chunk size: with ``loss_chunk_size=None`` ("auto"), N <= h tokens
+    run as one chunk, while 2N > h tokens are chunked, so the logits working set shrinks (terms'
+    ``auto_loss_chunk_tokens``; the same rule the loss module uses)."""
+    model = ModelSpec(1, 512, 8, 4104)
+    train = TrainSpec(micro_batch=1, seq_len=473, precision="bf16-true", recompute="full", loss="chunked")
+    one, two = estimate_memory(model, train), estimate_memory(model, train.replace(micro_batch=2))
+    assert terms.auto_loss_chunk_tokens(473, 512, 4104) == 473
+    assert terms.auto_loss_chunk_tokens(946, 512, 4104) == 64
+    assert two.logits < one.logits

@@ -4,6 +4,7 @@ nothing-fits path, JSON round trip, rendering, and the pruned search against bru
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -355,7 +356,7 @@ hyp = pytest.importorskip("hypothesis")
 st = hyp.strategies
 
 
-@hyp.settings(max_examples=25, deadline=None)
+@hyp.settings(max_examples=25 * int(os.environ.get("MEMPLAN_HYPOTHESIS_SCALE", "1")))
 @hyp.given(
     layers=st.integers(1, 12), heads=st.sampled_from([1, 2, 4, 8, 12]), head_dim=st.sampled_from([16, 64]),
     vocab=st.integers(50, 60000), seq=st.sampled_from([64, 256, 1024, 4096]), gpn=st.sampled_from([1, 2, 4, 8]),
