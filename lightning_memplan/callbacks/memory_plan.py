@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Any
 
@@ -24,13 +23,20 @@ from lightning_memplan.callbacks.infer import (
     infer_train_spec,
 )
 from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
-from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.callbacks.options import (
+    check_fraction,
+    check_measure_every,
+    check_optional_int,
+    check_tolerance,
+    check_type,
+)
+from lightning_memplan.callbacks.step_record import build_incident, build_step_record
+from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.io import write_report
 from lightning_memplan.report.records import (
     EpochReport,
-    Incident,
     MemoryReport,
     RankAccumulator,
     RankSummary,
@@ -38,38 +44,10 @@ from lightning_memplan.report.records import (
 )
 from lightning_memplan.report.render import check_units, render_rich
 
-__all__ = ["MemoryPlanCallback", "is_out_of_memory"]
+__all__ = ["MemoryPlanCallback"]
 
 #: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
 _ESTIMATE_CACHE_SIZE = 256
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """``torch.OutOfMemoryError`` (CUDA/MPS/XPU allocators), or a ``RuntimeError`` saying "out of memory"
-    (CPU allocations and older PyTorch raise that)."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-    )
-
-
-def _check_fraction(name: str, value: Any, *, upper: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < upper:
-        raise ValueError(f"{name}={value!r} must be a number in [0, {upper:g}); e.g. {name}=0.1 for 10%")
-    return float(value)
-
-
-def _check_optional_int(name: str, value: Any, hint: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int or None; {hint}")
-    return value
-
-
-def _check_type(name: str, value: Any, cls: type) -> Any:
-    if value is not None and not isinstance(value, cls):
-        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or None")
-    return value
 
 
 class MemoryPlanCallback(Callback):
@@ -158,34 +136,17 @@ class MemoryPlanCallback(Callback):
         write_files: bool = True,
         print_report: bool = True,
     ) -> None:
-        if (
-            isinstance(measure_every_n_steps, bool)
-            or not isinstance(measure_every_n_steps, int)
-            or measure_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"measure_every_n_steps={measure_every_n_steps!r} must be an int >= 1 (the tensor tracker runs "
-                "on the first step and every this many steps); e.g. measure_every_n_steps=100"
-            )
-        if (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, (int, float))
-            or not (tolerance >= 0 and math.isfinite(tolerance))
-        ):
-            raise ValueError(
-                f"tolerance={tolerance!r} must be a finite fraction >= 0; e.g. tolerance=0.1 for 10%"
-            )
-        self.measure_every_n_steps = measure_every_n_steps
-        self.tolerance = float(tolerance)
-        self.min_headroom = _check_fraction("min_headroom", min_headroom, upper=1.0)
+        self.measure_every_n_steps = check_measure_every(measure_every_n_steps)
+        self.tolerance = check_tolerance(tolerance)
+        self.min_headroom = check_fraction("min_headroom", min_headroom, upper=1.0)
         self.units = check_units(units)
         self.calibrate = bool(calibrate)
-        self.seq_len = _check_optional_int("seq_len", seq_len, "the tokens per sequence, e.g. seq_len=2048")
-        self.max_seq_len = _check_optional_int("max_seq_len", max_seq_len, "e.g. max_seq_len=8192")
-        self.memory_budget = _check_optional_int("memory_budget", memory_budget, "bytes, e.g. 80 * 2**30")
-        self.model_spec = _check_type("model_spec", model_spec, ModelSpec)
-        self.train_spec = _check_type("train_spec", train_spec, TrainSpec)
-        self.plan = _check_type("plan", plan, ParallelPlan)
+        self.seq_len = check_optional_int("seq_len", seq_len, "the tokens per sequence, e.g. seq_len=2048")
+        self.max_seq_len = check_optional_int("max_seq_len", max_seq_len, "e.g. max_seq_len=8192")
+        self.memory_budget = check_optional_int("memory_budget", memory_budget, "bytes, e.g. 80 * 2**30")
+        self.model_spec = check_type("model_spec", model_spec, ModelSpec)
+        self.train_spec = check_type("train_spec", train_spec, TrainSpec)
+        self.plan = check_type("plan", plan, ParallelPlan)
         if track_tensors not in (None, True, False):
             raise ValueError(f"track_tensors={track_tensors!r} must be None (CPU/MPS only), True or False")
         self.track_tensors = track_tensors
@@ -457,46 +418,9 @@ class MemoryPlanCallback(Callback):
             tracker.stop()
 
     def _record(self, reading: Any, tracker_report: Any) -> StepRecord:
-        cur = self._current or {}
-        shape = cur.get("shape") or (None, None)
-        est: MemoryEstimate | None = cur.get("estimate")
-        measured_peak = reading.measured_peak if reading is not None else None
-        phase_peaks = dict(reading.phase_peaks) if reading is not None and reading.phase_peaks else None
-        components = None
-        if tracker_report is not None:
-            components = {c: int(tracker_report.peak.get(c, 0)) for c in COMPONENTS}
-            if measured_peak is None:  # CPU: the tracker is the tensor-level measurement
-                measured_peak = tracker_report.total
-                phase_peaks = {
-                    p: tracker_report.phase_total(p) for p in PHASES if p in tracker_report.by_phase
-                }
-        capacity = self.memory_budget or (reading.device_memory if reading is not None else None)
-        headroom = None
-        if capacity is not None and reading is not None:
-            used = reading.reserved if reading.reserved is not None else measured_peak
-            if used is not None:
-                headroom = capacity - used - (reading.unavailable if self.memory_budget is None else 0)
-        return StepRecord(
-            step=int(cur.get("step", self._batches_seen)),
-            epoch=int(cur.get("epoch", 0)),
-            rank=self._rank,
-            micro_batch=shape[0],
-            seq_len=shape[1],
-            estimated_peak=est.total if est is not None else None,
-            estimated_components=est.components() if est is not None else None,
-            estimated_phase_peaks={p: est.phase_total(p) for p in PHASES if p in est.by_phase}
-            if est is not None
-            else None,
-            estimated_peak_phase=est.peak_phase if est is not None else None,
-            measured_peak=measured_peak,
-            measured_components=components,
-            measured_phase_peaks=phase_peaks,
-            reserved=reading.reserved if reading is not None else None,
-            device_memory=capacity,
-            headroom=headroom,
-            tracked=bool(cur.get("tracked")),
-            warmup=bool(cur.get("warmup")),
-            backend=self._backend(),
+        return build_step_record(
+            self._current or {}, reading, tracker_report, rank=self._rank, default_step=self._batches_seen,
+            memory_budget=self.memory_budget, backend=self._backend(),
         )
 
     @override
@@ -609,22 +533,10 @@ class MemoryPlanCallback(Callback):
         if self._probe is not None and self._probe.phase is not None:
             reading = self._probe.end_step()
         record = self._record(reading, tracker_report) if self._current is not None else None
-        allocator: dict[str, Any] = (
-            self._probe.allocator_summary() if self._probe is not None else {"rss": read_rss()}
-        )
-        if tracker_report is not None:
-            allocator["tracker_live_bytes"] = int(sum(tracker_report.current.values()))
-            allocator["tracker_peak_bytes"] = tracker_report.total
-        cur = self._current or {}
-        incident = Incident(
-            kind="oom" if is_out_of_memory(exception) else "exception",
-            error=f"{type(exception).__name__}: {exception}"[:2000],
-            rank=self._rank,
-            epoch=int(cur.get("epoch", self._acc.epoch if self._acc else 0)),
-            step=int(cur.get("step", self._batches_seen)),
-            step_record=record,
-            allocator=allocator,
-            partial_epoch=self._acc.summary() if self._acc is not None and self._acc.steps else None,
+        allocator = self._probe.allocator_summary() if self._probe is not None else {"rss": read_rss()}
+        incident = build_incident(
+            exception, record, allocator, tracker_report, current=self._current or {}, rank=self._rank,
+            accumulator=self._acc, default_step=self._batches_seen,
         )
         self.report = self.report.with_incident(incident)
         self._current = None

@@ -50,16 +50,18 @@ def _worker(
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
+    stage = "init"
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        stage = "error"
         result = fn(rank, world_size, *args)
         with open(path, "wb") as fh:
             pickle.dump(("ok", result), fh)
     except BaseException as exc:  # noqa: BLE001 - re-raised in the parent with the traceback
         with open(path, "wb") as fh:
-            pickle.dump(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), fh)
+            pickle.dump((stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), fh)
         raise
     finally:
         if dist.is_initialized():
@@ -90,7 +92,29 @@ def run_distributed(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2")
-    port = find_free_port()
+    # The port is free when picked but another process may take it before rank 0's store binds it:
+    # such a run is retried on a new port (a few times), any other failure is raised at once.
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _spawn(fn, world_size, args, backend, timeout_s, find_free_port())
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise RuntimeError(
+                    f"distributed run of {getattr(fn, '__name__', fn)!r}: the rendezvous port was taken "
+                    f"{_PORT_ATTEMPTS} times in a row"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], backend: str, timeout_s: float,
+           port: int) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="memplan_dist_") as out_dir:
         ctx = mp.start_processes(
             _worker,
@@ -107,6 +131,7 @@ def run_distributed(
             failure = exc
         results: list[Any] = []
         errors: list[str] = []
+        port_taken = False
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
@@ -120,6 +145,9 @@ def run_distributed(
             else:
                 errors.append(f"rank {rank}: {payload}")
                 results.append(None)
+                port_taken |= status == "init" and ("address already in use" in payload.lower() or "eaddrinuse" in payload.lower())
+        if port_taken:
+            raise _PortTaken(port)
         if errors or failure is not None:
             detail = "\n".join(errors) or repr(failure)
             raise RuntimeError(f"distributed run of {getattr(fn, '__name__', fn)!r} failed:\n{detail}")
