@@ -370,6 +370,10 @@ def test_decisions_are_self_consistent(layers, heads, head_dim, vocab, seq, gpn,
     gb = world * per_gpu
     budget = None if budget_gib is None else int(budget_gib * GiB)
     d = plan(model, TrainSpec(micro_batch=1, seq_len=seq), hw, global_batch=gb, memory_budget=budget)
+    _check_decision(d, model, world, gb)
+
+
+def _check_decision(d: PlanDecision, model: ModelSpec, world: int, gb: int) -> None:
     assert d.plan.world_size == world
     m = d.plan.microbatches if d.plan.pp > 1 else d.train.grad_accumulation
     assert d.plan.dp * d.train.micro_batch * m == gb
@@ -382,3 +386,31 @@ def test_decisions_are_self_consistent(layers, heads, head_dim, vocab, seq, gpn,
     else:
         assert d.shortfall_bytes > 0 and not d.candidates and d.suggestions
     assert PlanDecision.from_dict(json.loads(json.dumps(d.to_dict()))).to_dict() == d.to_dict()
+
+
+@hyp.settings(max_examples=25 * int(os.environ.get("MEMPLAN_HYPOTHESIS_SCALE", "1")))
+@hyp.given(
+    layers=st.integers(1, 16), kv=st.sampled_from([1, 2, 4, 8]), vocab=st.integers(1000, 130000),
+    seq=st.sampled_from([128, 2048, 32768]), gpn=st.sampled_from([2, 4, 8]), nodes=st.integers(1, 2),
+    precision=st.sampled_from(["bf16-mixed", "bf16-true", "32-true", "16-mixed"]),
+    attention=st.sampled_from(["sdpa", "eager"]), user_loss=st.sampled_from(["naive", "fp32_upcast", "chunked"]),
+    zero=st.sets(st.sampled_from([0, 1, 2, 3]), min_size=1), recompute=st.sets(st.sampled_from(["none", "selective", "full"]), min_size=1),
+    sp=st.sets(st.booleans(), min_size=1), schedule=st.sets(st.sampled_from(["gpipe", "1f1b", "interleaved"]), min_size=1),
+    budget_gib=st.sampled_from([None, 2, 16]),
+)
+def test_decisions_respect_allow_and_stay_consistent(
+    layers, kv, vocab, seq, gpn, nodes, precision, attention, user_loss, zero, recompute, sp, schedule, budget_gib
+):
+    model = ModelSpec(layers, 1024, 8, vocab, n_kv_heads=kv, ffn_kind="swiglu", norm="rmsnorm")
+    hw = HardwareSpec.preset("h100-sxm", gpus_per_node=gpn, num_nodes=nodes)
+    world = hw.world_size
+    train = TrainSpec(micro_batch=1, seq_len=seq, precision=precision, attention=attention, loss=user_loss)
+    allow = {"zero": sorted(zero), "recompute": sorted(recompute), "sp": sorted(sp), "schedule": sorted(schedule)}
+    budget = None if budget_gib is None else budget_gib * GiB
+    d = plan(model, train, hw, global_batch=2 * world, memory_budget=budget, allow=allow)
+    _check_decision(d, model, world, 2 * world)
+    for chosen in (d.plan, *(c.plan for c in d.candidates)):
+        assert chosen.sp in sp or chosen.tp == 1
+        assert chosen.zero in zero or chosen.dp == 1
+        assert chosen.schedule in schedule or chosen.pp == 1
+    assert d.train.recompute in recompute and d.train.precision == train.precision
