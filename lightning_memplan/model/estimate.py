@@ -144,8 +144,8 @@ def _dynamic(
     else:
         saved_layer, rebuild = full_layer, 0
     head_acts = 0
-    if layout.has_head:  # the final norm and the lm_head's input
-        head_acts = terms.norm_saved_bytes(model, train, tokens) + tokens * model.hidden * pb.compute
+    if layout.has_head:  # the final norm (a 1/t sequence slice under SP) and the lm_head's (gathered) input
+        head_acts = terms.norm_saved_bytes(model, train, tokens, split=t if sp else 1) + tokens * model.hidden * pb.compute
     per_mb_acts = layout.n_layers * saved_layer + head_acts
     per_mb_attn = layout.n_layers * attn_layer
 

@@ -19,7 +19,7 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.strategies.layouts import TransformerLayout
 from lightning_memplan.strategies.mesh import MeshLayout
 from lightning_memplan.strategies.pipeline import pipeline_blocker
-from lightning_memplan.strategies.tensor_parallel import tensor_parallel_blocker
+from lightning_memplan.strategies.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 
 __all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked"]
 
@@ -97,6 +97,8 @@ def applicability(
     if self_parallel:
         if plan.pp > 1:
             out["pp"] = "the module overrides configure_model (it parallelises itself), and memplan_auto only sets mesh sizes for it"
+        if plan.sp:
+            out["sp"] = "the module overrides configure_model (it parallelises itself), so it decides on sequence parallelism"
         return out
     reason = tensor_parallel_blocker(layout, module, plan.tp)
     if reason:
@@ -104,11 +106,16 @@ def applicability(
     reason = pipeline_blocker(layout, plan.pp, plan.virtual_stages)
     if reason:
         out["pp"] = reason
+    if plan.sp and "tp" not in out:
+        reason = sequence_parallel_blocker(layout, plan.tp, 1 if "pp" in out else plan.pp)
+        if reason:
+            out["sp"] = reason
     return out
 
 
 def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelPlan, list[str]]:
-    """Turn blocked tp/pp ranks into data-parallel ranks (same world size); returns the plan and notes."""
+    """Turn blocked tp/pp ranks into data-parallel ranks (same world size) and drop blocked sequence
+    parallelism; returns the plan and notes."""
     notes = []
     changes: dict[str, Any] = {}
     dp = plan.dp
@@ -120,6 +127,9 @@ def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelP
         dp *= plan.pp
         changes.update(pp=1, microbatches=1, schedule="1f1b", virtual_stages=1)
         notes.append(f"pp={plan.pp} not applied: {blocked['pp']}; its ranks became data-parallel ranks")
+    if "sp" in blocked and plan.sp and "tp" not in blocked:
+        changes["sp"] = False
+        notes.append(f"sp not applied: {blocked['sp']}; tensor parallelism runs without it")
     if not changes:
         return plan, notes
     return dataclasses.replace(plan, dp=dp, **changes), notes

@@ -29,6 +29,12 @@ from torch import nn
 __all__ = ["TransformerLayout", "find_layout", "get_submodule_or_none"]
 
 
+_SP_ONLY_ZOO = (
+    "sequence parallelism is applied to this project's GPT layout only: other layouts derive attention "
+    "masks or positions from the embedding output's sequence length, which SP shards"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransformerLayout:
     """Where the parts of one transformer live, relative to :attr:`root`.
@@ -45,10 +51,14 @@ class TransformerLayout:
         colwise: block-relative paths of projections split on their output features (Megatron's
             column-parallel: q, k, v, MLP up/gate).
         rowwise: block-relative paths split on their input features (attention out, MLP down).
+        norms: block-relative paths of the block's norms (split on the sequence under SP).
+        mlp: block-relative path of the MLP module.
         head_count_attrs: attention attributes holding head counts that must become per-rank counts
             under TP (the zoo reshapes with ``view(b, s, self.n_heads, d)``).
         tp_blocker: why no tensor-parallel plan exists for this layout, or ``None``.
         tp_note: what the tensor-parallel plan leaves replicated, or ``None``.
+        sp_blocker: why sequence parallelism (norms and the residual stream split on the sequence
+            over the TP group) cannot be applied to this layout, or ``None``.
     """
 
     family: str
@@ -62,8 +72,11 @@ class TransformerLayout:
     colwise: tuple[str, ...] = ()
     rowwise: tuple[str, ...] = ()
     head_count_attrs: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
+    mlp: str | None = None
     tp_blocker: str | None = None
     tp_note: str | None = field(default=None)
+    sp_blocker: str | None = field(default=_SP_ONLY_ZOO)
 
     @property
     def block_list(self) -> list[nn.Module]:
@@ -127,6 +140,13 @@ def _zoo_gpt(module: nn.Module, path: str) -> TransformerLayout | None:
         colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj", *mlp_col),
         rowwise=("attn.o_proj", *mlp_row),
         head_count_attrs=("n_heads", "kv_heads"),
+        norms=("norm1", "norm2"),
+        mlp="mlp",
+        sp_blocker=(
+            "learned position embeddings are added to the token embeddings over the whole sequence; "
+            "sequence parallelism needs rotary positions (position_embedding='rope')"
+            if "pos_emb" in embeddings else None
+        ),
     )
 
 

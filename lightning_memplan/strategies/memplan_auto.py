@@ -221,8 +221,11 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             rank_zero_warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
             train = TrainSpec(micro_batch=1, seq_len=1, precision=str(trainer.precision))
 
+        sp_reason = None if layout is None else layout.sp_blocker
+        never = {"sp": sp_reason or "no recognised layout"} if (self_parallel or layout is None or sp_reason) else {}
+
         def planner(blocked: dict[str, str]) -> Any:
-            return self._call_planner(model_spec, train, blocked, self_parallel)
+            return self._call_planner(model_spec, train, {**never, **blocked}, self_parallel)
 
         return decide(
             model_spec=model_spec,
@@ -321,7 +324,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
                 virtual_stages=res.plan.virtual_stages,
             )
         if sizes.tp > 1:
-            notes += apply_tensor_parallel(lm, layout, mesh[str(MeshAxis.TP)])
+            notes += apply_tensor_parallel(lm, layout, mesh[str(MeshAxis.TP)], sequence_parallel=res.plan.sp)
         if res.recompute != "none":
             if layout is None:
                 notes.append(f"recompute={res.recompute!r} not applied: no list of repeated blocks found")

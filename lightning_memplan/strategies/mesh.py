@@ -103,11 +103,6 @@ class MeshLayout:
                 f"cp={plan.cp} is not applied by memplan_auto (no ring attention for arbitrary modules); "
                 f"its ranks are used as data-parallel ranks instead (dp={dp})"
             )
-        if plan.sp:
-            notes.append(
-                "sp=True is not applied by memplan_auto (sequence-parallel norms need model-specific input "
-                "layouts); tensor parallelism runs without it, so norm/dropout activations are not split by tp"
-            )
         if plan.zero == 1 and dp > 1:
             notes.append(
                 "zero=1 (optimizer states only) has no FSDP2 form; applied as zero=2 (gradients sharded too), "

@@ -3,7 +3,8 @@
 The planner searches a larger space than a running Trainer can change. Before it is called, the
 search is narrowed (``Allow``) to what memplan_auto applies:
 
-* context parallelism and sequence parallelism are not applied (``cp=1``, ``sp=False``);
+* context parallelism is not applied (``cp=1``); sequence parallelism only where the layout takes it
+  (``exclude`` holds ``"sp"`` otherwise, see ``tensor_parallel.sequence_parallel_blocker``);
 * ZeRO-1 has no FSDP2 form (``zero`` in 0, 2, 3);
 * the dataloader fixes the per-rank batch B: without PP the micro-batch must be B (Lightning's
   ``accumulate_grad_batches`` stays the user's); with PP the schedule splits B into micro-batches, so
@@ -66,7 +67,8 @@ def narrow_allow(allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bo
             )
         return out
 
-    changes: dict[str, Any] = {"cp": keep("cp", (1,)), "sp": keep("sp", (False,)), "zero": keep("zero", (0, 2, 3))}
+    sp_values = (False,) if {"sp", "tp"} & exclude else (False, True)
+    changes: dict[str, Any] = {"cp": keep("cp", (1,)), "sp": keep("sp", sp_values), "zero": keep("zero", (0, 2, 3))}
     for dim in ("tp", "pp"):
         if dim in exclude:
             changes[dim] = keep(dim, (1,))

@@ -30,6 +30,7 @@ __all__ = [
     "apply_tensor_parallel",
     "find_linear_cross_entropy",
     "module_tp_plan",
+    "sequence_parallel_blocker",
     "tensor_parallel_blocker",
 ]
 
@@ -123,14 +124,43 @@ def find_linear_cross_entropy(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if type(m).__name__ == "LinearCrossEntropy"]
 
 
-def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, tp_mesh: DeviceMesh) -> list[str]:
+def sequence_parallel_blocker(layout: TransformerLayout | None, tp: int, pp: int) -> str | None:
+    """Why sequence parallelism cannot be applied on top of ``tp``-way TP (``None`` when it can)."""
+    if layout is None:
+        return "no recognised transformer layout"
+    if layout.sp_blocker is not None:
+        return layout.sp_blocker
+    if pp > 1:
+        return "with pipeline parallelism the stages exchange whole-sequence activations; SP is applied with pp=1 only"
+    if tp == 1:
+        return "sequence parallelism splits over the tensor-parallel group, and tp=1"
+    return None
+
+
+def apply_tensor_parallel(
+    module: nn.Module, layout: TransformerLayout | None, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> list[str]:
     """Shard ``module`` over ``tp_mesh`` in place; returns notes about what stayed replicated.
 
-    The caller has checked :func:`tensor_parallel_blocker`. Parameters are distributed from rank 0
-    (``src_data_rank=0``), so every TP rank starts from the same weights.
+    The caller has checked :func:`tensor_parallel_blocker` (and :func:`sequence_parallel_blocker` for
+    ``sequence_parallel``). Parameters are distributed from rank 0 (``src_data_rank=0``), so every TP
+    rank starts from the same weights.
+
+    ``sequence_parallel``: Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2) with PyTorch's
+    styles, as torchtitan's Llama plan does: the residual stream, the norms and dropouts hold a
+    ``1/tp`` slice of the sequence (``SequenceParallel``); the attention and MLP inputs are
+    all-gathered (``PrepareModuleInput`` Shard(1) -> Replicate) and their row-parallel outputs
+    reduce-scattered back (``RowwiseParallel(output_layouts=Shard(1))``). The final norm returns a
+    sequence-sharded DTensor: ``LinearCrossEntropy`` consumes it as is, an ``lm_head`` call gathers it.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
     notes: list[str] = []
@@ -150,18 +180,31 @@ def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, t
         and layout.embeddings
         and root.get_submodule(head).weight is root.get_submodule(layout.embeddings[0]).weight
     )
+    sp = sequence_parallel
     top: dict[str, Any] = {}
     if layout.embeddings:
-        # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce.
-        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate())
+        # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce
+        # (under SP reduce-scattered onto sequence slices).
+        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if sp and layout.norm is not None:
+        top[layout.norm] = SequenceParallel()
     if layout.head is not None:
         # Vocab-sharded weight; gathered logits for plain callers (LinearCrossEntropy reads the weight).
-        top[layout.head] = ColwiseParallel(output_layouts=Replicate())
+        top[layout.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
     parallelize_module(root, tp_mesh, top)
     if tied and head is not None:  # tied implies a head
         # Both styles shard the shared [V, h] matrix on dim 0, so one DTensor serves both modules again.
         root.get_submodule(head).weight = root.get_submodule(layout.embeddings[0]).weight
-    block_plan = {**{p: ColwiseParallel() for p in layout.colwise}, **{p: RowwiseParallel() for p in layout.rowwise}}
+    block_plan: dict[str, Any] = {
+        **{p: ColwiseParallel() for p in layout.colwise},
+        **{p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for p in layout.rowwise},
+    }
+    if sp:
+        block_plan.update({p: SequenceParallel() for p in layout.norms})
+        if layout.attn is not None:  # (hidden, rope): gather the hidden states, leave rope alone
+            block_plan[layout.attn] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        if layout.mlp is not None:
+            block_plan[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in layout.block_list:
         parallelize_module(block, tp_mesh, block_plan)
         if layout.attn is not None:
@@ -171,6 +214,8 @@ def apply_tensor_parallel(module: nn.Module, layout: TransformerLayout | None, t
                     setattr(attn, name, getattr(attn, name) // tp)
     if layout.tp_note:
         notes.append(layout.tp_note)
+    if sp:
+        notes.append(f"sequence parallel: norms and the residual stream hold 1/{tp} of the sequence per rank")
     lces = find_linear_cross_entropy(module)
     if lces:
         notes.append(

@@ -1,5 +1,5 @@
-"""memplan_auto applies forced plans -- DDP, FSDP (ZeRO-2/3), TP, TP+FSDP, PP (1F1B, GPipe, interleaved),
-PP+FSDP, activation checkpointing, ``LinearCrossEntropy`` switched to vocab-parallel under TP -- and
+"""memplan_auto applies forced plans -- DDP, FSDP (ZeRO-2/3), TP, TP+SP, TP+SP+FSDP, TP+FSDP, PP (1F1B,
+GPipe, interleaved), PP+FSDP, activation checkpointing, ``LinearCrossEntropy`` switched to vocab-parallel under TP -- and
 training matches one process.
 
 Reference: the same GPT (same seed), the same samples in the same order, a plain PyTorch loop on one
@@ -206,11 +206,17 @@ WORLD2_CASES = [
     (ParallelPlan(pp=2, microbatches=2), {}, None),
     (ParallelPlan(pp=2, microbatches=4, schedule="gpipe"), {}, None),
     (ParallelPlan(pp=2, microbatches=2, schedule="interleaved", virtual_stages=2), {}, None),
+    # sequence parallelism (needs rotary positions): naive loss through the gathering lm_head, and the
+    # vocab-parallel loss consuming the sequence-sharded hidden states; with selective recompute
+    (ParallelPlan(tp=2, sp=True), {"position_embedding": "rope"}, RECOMPUTE_SELECTIVE),
+    (ParallelPlan(tp=2, sp=True), {"ffn_kind": "swiglu", "n_kv_heads": 2, "norm": "rmsnorm", "position_embedding": "rope",
+                                   "bias": False, "lce": True}, None),
 ]
 
 WORLD4_CASES = [
     (ParallelPlan(dp=2, tp=2, zero=3), {"tied_embeddings": True}, None),
     (ParallelPlan(dp=2, pp=2, zero=3, microbatches=2), {}, RECOMPUTE_FULL),
+    (ParallelPlan(dp=2, tp=2, sp=True, zero=3), {"position_embedding": "rope", "lce": True}, None),
 ]
 
 
@@ -226,6 +232,7 @@ def test_forced_plans_match_single_process_world2():
     # LinearCrossEntropy: switched to vocab-parallel under TP, left in its own mode under FSDP
     assert [r[4]["lce_mode"] for r in results] == ["vocab_parallel"] * 2
     assert [r[5]["lce_mode"] for r in results] == ["auto"] * 2
+    assert [r[-1]["lce_mode"] for r in results] == ["vocab_parallel"] * 2  # TP + SP
 
 
 @pytest.mark.distributed

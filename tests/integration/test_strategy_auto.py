@@ -26,7 +26,7 @@ from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_l
 from lightning_memplan.strategies.decision import decide
 from lightning_memplan.strategies.pipeline import pipeline_blocker, split_blocks, stage_indices
 from lightning_memplan.strategies.planner_bridge import applicable, narrow_allow
-from lightning_memplan.strategies.tensor_parallel import tensor_parallel_blocker
+from lightning_memplan.strategies.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, MLPNet, causal_lm_loss, llama_style
 
@@ -177,6 +177,21 @@ def test_forced_plan_the_module_cannot_take_is_folded_with_a_note():
     assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and "tied embeddings" in res.notes[0]
 
 
+def test_sequence_parallel_applies_to_rope_zoo_models_without_pipelines():
+    rope = GPT(llama_style())
+    learned = GPT(GPTConfig(64, 2, 32, 4))
+    assert sequence_parallel_blocker(find_layout(rope), tp=2, pp=1) is None
+    assert "rotary" in sequence_parallel_blocker(find_layout(learned), tp=2, pp=1)
+    assert "pp=1 only" in sequence_parallel_blocker(find_layout(rope), tp=2, pp=2)
+    res = _decide(rope, forced=ParallelPlan(tp=2, sp=True))
+    assert res.plan == ParallelPlan(tp=2, sp=True, grad_buckets=False) and not res.notes
+    res = _decide(learned, forced=ParallelPlan(tp=2, sp=True))
+    assert res.plan == ParallelPlan(tp=2, grad_buckets=False)
+    assert len(res.notes) == 1 and res.notes[0].startswith("sp not applied: learned position embeddings")
+    res = _decide(rope, forced=ParallelPlan(pp=2, tp=2, sp=True, microbatches=2), world=4)
+    assert res.plan.sp is False and res.plan.pp == 2 and "sp not applied" in res.notes[0]
+
+
 def test_forced_plan_with_the_wrong_world_size_is_an_error():
     with pytest.raises(ValueError, match=r"needs 4 processes .* the Trainer runs 2 \(devices x num_nodes\)"):
         _decide(GPT(llama_style()), forced=ParallelPlan(dp=2, tp=2))
@@ -235,6 +250,10 @@ def test_only_candidates_the_dataloader_batch_allows():
     assert allow.micro_batch == (1, 2, 4)
     with pytest.raises(ValueError, match="allow restricts tp"):
         narrow_allow({"tp": [2]}, train, {"tp"}, has_lce=False, pipeline=True)
+    assert narrow_allow(None, train, set(), has_lce=False, pipeline=True).sp == (False, True)
+    assert narrow_allow(None, train, {"sp"}, has_lce=False, pipeline=True).sp == (False,)
+    with pytest.raises(ValueError, match=r"allow restricts sp to \(True,\)"):
+        narrow_allow({"sp": [True]}, train, {"sp"}, has_lce=False, pipeline=True)
 
 
 # -------------------------------------------------------------------------------- single-device fit
