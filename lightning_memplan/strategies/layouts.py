@@ -29,9 +29,9 @@ from torch import nn
 __all__ = ["TransformerLayout", "find_layout", "get_submodule_or_none"]
 
 
-_SP_ONLY_ZOO = (
-    "sequence parallelism is applied to this project's GPT layout only: other layouts derive attention "
-    "masks or positions from the embedding output's sequence length, which SP shards"
+_SP_BLOCKER = (
+    "sequence parallelism is applied to the zoo GPT and Hugging Face Llama/Mistral/Qwen2 layouts only "
+    "(it needs per-block norms, attention and MLP entry points it can re-layout)"
 )
 
 
@@ -53,6 +53,9 @@ class TransformerLayout:
         rowwise: block-relative paths split on their input features (attention out, MLP down).
         norms: block-relative paths of the block's norms (split on the sequence under SP).
         mlp: block-relative path of the MLP module.
+        block_args: positional arguments a block is called with (the hidden states first).
+        attn_kwarg: the keyword the block passes the hidden states to its attention with, or ``None``
+            when it passes them positionally.
         head_count_attrs: attention attributes holding head counts that must become per-rank counts
             under TP (the zoo reshapes with ``view(b, s, self.n_heads, d)``).
         tp_blocker: why no tensor-parallel plan exists for this layout, or ``None``.
@@ -74,9 +77,11 @@ class TransformerLayout:
     head_count_attrs: tuple[str, ...] = ()
     norms: tuple[str, ...] = ()
     mlp: str | None = None
+    block_args: int = 1
+    attn_kwarg: str | None = None
     tp_blocker: str | None = None
     tp_note: str | None = field(default=None)
-    sp_blocker: str | None = field(default=_SP_ONLY_ZOO)
+    sp_blocker: str | None = field(default=_SP_BLOCKER)
 
     @property
     def block_list(self) -> list[nn.Module]:
@@ -142,11 +147,8 @@ def _zoo_gpt(module: nn.Module, path: str) -> TransformerLayout | None:
         head_count_attrs=("n_heads", "kv_heads"),
         norms=("norm1", "norm2"),
         mlp="mlp",
-        sp_blocker=(
-            "learned position embeddings are added to the token embeddings over the whole sequence; "
-            "sequence parallelism needs rotary positions (position_embedding='rope')"
-            if "pos_emb" in embeddings else None
-        ),
+        block_args=2,  # block(x, rope)
+        sp_blocker=None,
     )
 
 
@@ -169,6 +171,10 @@ def _hf_llama(module: nn.Module, path: str) -> TransformerLayout | None:
         attn="self_attn",
         colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         rowwise=("self_attn.o_proj", "mlp.down_proj"),
+        norms=("input_layernorm", "post_attention_layernorm"),
+        mlp="mlp",
+        attn_kwarg="hidden_states",  # self.self_attn(hidden_states=..., position_embeddings=..., ...)
+        sp_blocker=None,
     )
 
 

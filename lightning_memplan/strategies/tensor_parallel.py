@@ -147,10 +147,13 @@ def apply_tensor_parallel(
     rank starts from the same weights.
 
     ``sequence_parallel``: Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2.2) with PyTorch's
-    styles, as torchtitan's Llama plan does: the residual stream, the norms and dropouts hold a
-    ``1/tp`` slice of the sequence (``SequenceParallel``); the attention and MLP inputs are
-    all-gathered (``PrepareModuleInput`` Shard(1) -> Replicate) and their row-parallel outputs
-    reduce-scattered back (``RowwiseParallel(output_layouts=Shard(1))``). The final norm returns a
+    styles, after torchtitan's Llama plan: the residual stream, the norms and dropouts hold a ``1/tp``
+    slice of the sequence (``SequenceParallel``); the attention and MLP inputs are all-gathered
+    (``PrepareModuleInput`` Shard(1) -> Replicate) and their row-parallel outputs reduce-scattered
+    back (``RowwiseParallel(output_layouts=Shard(1))``). Unlike torchtitan, the embedding output stays
+    whole and the first block takes its slice (Replicate -> Shard(1), no communication): models that
+    derive positions, masks or learned position embeddings from the embedding output's length (Hugging
+    Face Llama, GPT-2-style tables) then see the whole sequence. The final norm returns a
     sequence-sharded DTensor: ``LinearCrossEntropy`` consumes it as is, an ``lm_head`` call gathers it.
     """
     from torch.distributed.tensor import Replicate, Shard
@@ -183,9 +186,8 @@ def apply_tensor_parallel(
     sp = sequence_parallel
     top: dict[str, Any] = {}
     if layout.embeddings:
-        # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce
-        # (under SP reduce-scattered onto sequence slices).
-        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+        # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce.
+        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate())
     if sp and layout.norm is not None:
         top[layout.norm] = SequenceParallel()
     if layout.head is not None:
@@ -201,12 +203,25 @@ def apply_tensor_parallel(
     }
     if sp:
         block_plan.update({p: SequenceParallel() for p in layout.norms})
-        if layout.attn is not None:  # (hidden, rope): gather the hidden states, leave rope alone
-            block_plan[layout.attn] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        if layout.attn is not None:  # gather the hidden states; other arguments (rope, masks) pass through
+            if layout.attn_kwarg is not None:
+                block_plan[layout.attn] = PrepareModuleInput(
+                    input_kwarg_layouts={layout.attn_kwarg: Shard(1)},
+                    desired_input_kwarg_layouts={layout.attn_kwarg: Replicate()},
+                )
+            else:
+                block_plan[layout.attn] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                )
         if layout.mlp is not None:
             block_plan[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for block in layout.block_list:
+    for i, block in enumerate(layout.block_list):
         parallelize_module(block, tp_mesh, block_plan)
+        if sp and i == 0:  # the whole sequence enters; keep this rank's slice of it (a local slice, no comm)
+            rest = (None,) * (layout.block_args - 1)
+            parallelize_module(block, tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
+            ))
         if layout.attn is not None:
             attn = block.get_submodule(layout.attn)
             for name in layout.head_count_attrs:

@@ -1,5 +1,6 @@
 """A Hugging Face ``LlamaForCausalLM`` from a tiny config (no download) trains under memplan_auto with
-tensor parallelism on CPU, and its losses equal single-process training.
+tensor parallelism on CPU, with and without sequence parallelism, and its losses equal single-process
+training.
 
 The plan is searched, not forced: ``allow=("tp",)`` leaves the planner only tensor parallelism, so on
 two processes it must pick tp=2, and the strategy must recognise the Llama layout
@@ -76,7 +77,15 @@ class Recorder(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def hf_tp_worker(rank: int, world: int, root: str) -> dict:
+def hf_tp_worker(rank: int, world: int, root: str) -> list[dict]:
+    from lightning_memplan.model.specs import ParallelPlan
+
+    # searched (only TP allowed), then forced tensor + sequence parallelism
+    return [fit_hf(world, root, {"allow": ("tp",), "memory_budget": 2**30}),
+            fit_hf(world, root, {"plan": ParallelPlan(tp=2, sp=True)})]
+
+
+def fit_hf(world: int, root: str, strategy_kwargs: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     import lightning_memplan.strategies  # noqa: F401 - registers "memplan_auto"
@@ -84,7 +93,7 @@ def hf_tp_worker(rank: int, world: int, root: str) -> dict:
 
     module = HFLlamaLM()
     recorder = Recorder()
-    strategy = MemplanAutoStrategy(allow=("tp",), memory_budget=2**30)
+    strategy = MemplanAutoStrategy(**strategy_kwargs)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False, default_root_dir=root,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
@@ -106,10 +115,11 @@ def hf_tp_worker(rank: int, world: int, root: str) -> dict:
 @pytest.mark.slow
 def test_hf_llama_trains_with_tensor_parallel(tmp_path):
     results = run_distributed(hf_tp_worker, 2, str(tmp_path))
-    for r in results:
+    assert [runs[1]["plan"].sp for runs in results] == [True, True]  # the forced TP + SP plan was applied
+    for r in (run for runs in results for run in runs):
         assert r["plan"].tp == 2 and r["plan"].dp == 1, r["plan"]
         assert r["family"] == "hf-llama"
         assert r["q_local"] == (16, 32)  # 4 heads x 8 -> 2 heads per rank
         assert r["head_local"] == (32, 32)  # vocab 64 sharded on rows
         torch.testing.assert_close(r["losses"], r["ref"], atol=LOSS_ATOL, rtol=0)
-    assert results[0]["ref"][-1] != results[0]["ref"][0]  # the steps changed the model
+    assert results[0][0]["ref"][-1] != results[0][0]["ref"][0]  # the steps changed the model

@@ -177,17 +177,24 @@ def test_forced_plan_the_module_cannot_take_is_folded_with_a_note():
     assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and "tied embeddings" in res.notes[0]
 
 
-def test_sequence_parallel_applies_to_rope_zoo_models_without_pipelines():
-    rope = GPT(llama_style())
-    learned = GPT(GPTConfig(64, 2, 32, 4))
+def test_sequence_parallel_applies_to_recognised_layouts_without_pipelines():
+    rope, learned = GPT(llama_style()), GPT(GPTConfig(64, 2, 32, 4))
     assert sequence_parallel_blocker(find_layout(rope), tp=2, pp=1) is None
-    assert "rotary" in sequence_parallel_blocker(find_layout(learned), tp=2, pp=1)
+    assert sequence_parallel_blocker(find_layout(learned), tp=2, pp=1) is None
     assert "pp=1 only" in sequence_parallel_blocker(find_layout(rope), tp=2, pp=2)
+
+    class Stack(nn.Module):  # a generic layout: a module-provided tp_plan, but no SP entry points
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.tp_plan = {"layers.*": "colwise"}
+
+    assert "zoo GPT and Hugging Face Llama" in sequence_parallel_blocker(find_layout(Stack()), tp=2, pp=1)
     res = _decide(rope, forced=ParallelPlan(tp=2, sp=True))
     assert res.plan == ParallelPlan(tp=2, sp=True, grad_buckets=False) and not res.notes
-    res = _decide(learned, forced=ParallelPlan(tp=2, sp=True))
+    res = _decide(Stack(), forced=ParallelPlan(tp=2, sp=True))
     assert res.plan == ParallelPlan(tp=2, grad_buckets=False)
-    assert len(res.notes) == 1 and res.notes[0].startswith("sp not applied: learned position embeddings")
+    assert len(res.notes) == 1 and res.notes[0].startswith("sp not applied: sequence parallelism is applied to")
     res = _decide(rope, forced=ParallelPlan(pp=2, tp=2, sp=True, microbatches=2), world=4)
     assert res.plan.sp is False and res.plan.pp == 2 and "sp not applied" in res.notes[0]
 
