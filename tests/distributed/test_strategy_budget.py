@@ -30,37 +30,41 @@ GENEROUS_BUDGET = 2**30
 ESTIMATE_RTOL = 0.05
 
 
-class PeakMeter(L.Callback):
-    """Peak live tensor bytes per training step on this rank."""
+class SteadyStepMeter(L.Callback):
+    """Live tensor bytes per component at the peak of each steady-state step (from step 1, when the
+    optimizer states exist) on this rank; ``report`` is the step with the smallest peak (see above)."""
 
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-        self._tracker = None
+    def __init__(self, seq_len: int = SEQ, vocab_size: int = VOCAB) -> None:
+        self.seq_len, self.vocab_size = seq_len, vocab_size
+        self.tracker = None
+        self.reports: list = []
+
+    @property
+    def report(self):
+        return min(self.reports, key=lambda r: r.total)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         from lightning_memplan.tracking import TensorTracker
 
-        if trainer.global_step == 0:  # steady-state steps only (optimizer states exist from step 1)
-            self._tracker = None
-            return
-
-        self._tracker = TensorTracker(pl_module, trainer.optimizers, seq_len=SEQ, vocab_size=VOCAB)
-        self._tracker.start()
-        self._tracker.track(batch, "other")
+        self.tracker = None
+        if trainer.global_step >= 1:
+            self.tracker = TensorTracker(pl_module, trainer.optimizers, seq_len=self.seq_len, vocab_size=self.vocab_size)
+            self.tracker.start()
+            self.tracker.track(batch, "other")
 
     def on_before_backward(self, trainer, pl_module, loss):
-        if self._tracker is not None:
-            self._tracker.set_phase("backward")
+        if self.tracker is not None:
+            self.tracker.set_phase("backward")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self._tracker is not None:
-            self._tracker.set_phase("optimizer")
+        if self.tracker is not None:
+            self.tracker.set_phase("optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._tracker is None:
-            return
-        self._tracker.stop()
-        self.peaks.append(sum(self._tracker.report().peak.values()))
+        if self.tracker is not None:
+            self.tracker.stop()
+            self.reports.append(self.tracker.report())
+            self.tracker = None
 
 
 def budget_worker(rank: int, world: int, root: str) -> list[dict]:
@@ -69,7 +73,7 @@ def budget_worker(rank: int, world: int, root: str) -> list[dict]:
     out = []
     for name, budget in (("small", SMALL_BUDGET), ("generous", GENEROUS_BUDGET)):
         x, y = token_data()
-        meter = PeakMeter()
+        meter = SteadyStepMeter()
         strategy = MemplanAutoStrategy(memory_budget=budget)
         log_dir = os.path.join(root, name)
         make_trainer(strategy, callbacks=[meter], default_root_dir=log_dir).fit(
@@ -80,7 +84,7 @@ def budget_worker(rank: int, world: int, root: str) -> list[dict]:
         out.append({
             "plan": strategy.applied_plan,
             "estimate": strategy.decision.estimate.total,
-            "measured": min(meter.peaks),
+            "measured": meter.report.total,
             "mesh": strategy.resolution.mesh.shape,
             "json_plan": written["plan"],
             "explain": strategy.decision.explain(),

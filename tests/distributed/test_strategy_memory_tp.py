@@ -15,7 +15,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from test_strategy_budget import ESTIMATE_RTOL  # noqa: I001
+from test_strategy_budget import ESTIMATE_RTOL, SteadyStepMeter  # noqa: I001
 from test_strategy_parity import make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -46,42 +46,6 @@ class RopeLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class SteadyStepMeter(L.Callback):
-    """Live tensor bytes per component at the peak of each steady-state step (from step 1); ``report``
-    is the step with the smallest peak (see ``test_strategy_budget`` on gloo's buffer release timing)."""
-
-    def __init__(self) -> None:
-        self.tracker = None
-        self.reports: list = []
-
-    @property
-    def report(self):
-        return min(self.reports, key=lambda r: r.total)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_memplan.tracking import TensorTracker
-
-        self.tracker = None
-        if trainer.global_step >= 1:
-            self.tracker = TensorTracker(pl_module, trainer.optimizers, seq_len=SEQ, vocab_size=VOCAB)
-            self.tracker.start()
-            self.tracker.track(batch, "other")
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        if self.tracker is not None:
-            self.tracker.set_phase("backward")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.tracker is not None:
-            self.tracker.set_phase("optimizer")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.tracker is not None:
-            self.tracker.stop()
-            self.reports.append(self.tracker.report())
-            self.tracker = None
-
-
 class HFLlamaLM(L.LightningModule):
     """Hugging Face ``LlamaForCausalLM`` (tiny config, no download) with its own loss (``labels=``)."""
 
@@ -107,7 +71,7 @@ def memory_worker(rank: int, world: int, cases: list) -> list[dict]:
     out = []
     for plan, kind in cases:
         tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-        meter = SteadyStepMeter()
+        meter = SteadyStepMeter(SEQ, VOCAB)
         if kind == "hf":  # the strategy infers the TrainSpec from the Trainer, the module and the batch
             strategy, module = MemplanAutoStrategy(plan=plan), HFLlamaLM()
             loader = DataLoader(TensorDataset(tokens[:, :-1]), batch_size=BATCH)
