@@ -133,13 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {n_params / 1e6:.2f}M parameters, logits per step would be "
           f"{args.batch_size * args.seq_len * tokenizer.vocab_size * 4 / 2**20:.0f} MiB in fp32")
     trainer.fit(module, loader)
+    log_dir = trainer.log_dir or args.out_dir  # a collective (broadcast from rank 0): every rank calls it
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("train/loss")
         if loss is not None:
             print(f"final train loss {float(loss):.3f} (perplexity {math.exp(float(loss)):.1f}); "
                   f"uniform guess would be {math.log(tokenizer.vocab_size):.3f}")
-        print(f"memory report files: {os.path.join(trainer.log_dir or args.out_dir, 'memory_report.*')}")
+        print(f"memory report files: {os.path.join(log_dir, 'memory_report.*')}")
         print(f"total wall time {time.perf_counter() - t0:.0f} s")
+    if torch.distributed.is_initialized():
+        # Multi-process runs: close the process group before the interpreter exits, or gloo's threads
+        # can still be joinable at shutdown ("terminate called without an active exception", SIGABRT).
+        torch.distributed.destroy_process_group()
     return 0
 
 

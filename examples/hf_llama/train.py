@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_checkpointing=False,
     )
     trainer.fit(module, loader)
+    if torch.distributed.is_initialized():  # multi-process: close the group before exit (see examples/gpt)
+        torch.distributed.destroy_process_group()
     return 0
 
 

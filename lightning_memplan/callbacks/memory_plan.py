@@ -281,6 +281,13 @@ class MemoryPlanCallback(Callback):
         from lightning_memplan.model.trace import calibrate
 
         assert self._train is not None
+        sharded = _sharded_by(pl_module)
+        if sharded is not None:
+            self._note(
+                f"calibration skipped: the LightningModule is already parallelised ({sharded}), and a "
+                "fake-tensor trace needs a plain copy of it; the analytic memory model is used"
+            )
+            return None
         b, s = self._train.micro_batch, self._train.seq_len
         shapes = _calibration_shapes(b, s, self._spec.dim_head if self._spec is not None else None)
         optimizer: Any = self._train.optimizer
@@ -568,3 +575,18 @@ class MemoryPlanCallback(Callback):
         acc = state_dict.get("accumulator")
         # A checkpoint holds rank 0's state; another rank's partial epoch cannot be restored from it.
         self._acc = RankAccumulator.from_dict(acc) if acc and int(acc["rank"]) == self._rank else None
+
+
+def _sharded_by(module: torch.nn.Module) -> str | None:
+    """What parallelises ``module`` in place (FSDP2 units, DTensor parameters), or ``None``."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return "FSDP2 fully_shard"
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return "DTensor parameters (tensor parallel)"
+    return None

@@ -272,7 +272,10 @@ def _estimate_stage(
         # SHARD_GRAD_OP keeps every unit unsharded (in the 16-bit compute dtype under mixed
         # precision: FSDP's MixedPrecisionPolicy) from its forward until its backward.
         comm_fwd = comm_bwd = local * gathered
-    elif shard > 1 and plan.zero == 3:
+    elif shard > 1 and (plan.zero == 3 or (plan.zero == 0 and not plan.grad_buckets)):
+        # ZeRO-3, and replication without DDP buckets: FSDP2 over a replicate mesh (shard size 1) still
+        # copies each unit into its unsharded buffer for its forward and backward
+        # (``FSDPParamGroup.wait_for_unshard``, world size 1 branch) [PT fully_shard].
         unit = math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
         root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * gathered
         # forward: the root unit (embedding/head) and one block; backward: current + prefetched block

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COMPONENTS", "DYNAMIC_COMPONENTS", "PHASES", "Calibration", "MemoryEstimate"]
+__all__ = ["COMPONENTS", "DYNAMIC_COMPONENTS", "PHASES", "Calibration", "MemoryEstimate", "readable_bytes"]
 
 #: Every component, in report order.
 COMPONENTS: tuple[str, ...] = (
@@ -176,3 +176,12 @@ class Calibration:
             precision=data.get("precision", "32-true"),
             n_params=int(data.get("n_params", 0)),
         )
+
+
+def readable_bytes(n: int | float) -> str:
+    """``n`` bytes for a sentence: GiB from 1 GiB up, else MiB, KiB or bytes, one decimal (so a 50 MiB
+    budget does not read "0.0 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.model.specs import ParallelPlan
 
 __all__ = [
@@ -57,7 +58,7 @@ class Budget:
 
     def describe(self) -> str:
         if self.explicit:
-            return f"{self.budget / 2**30:.1f} GiB (memory_budget given)"
+            return f"{readable_bytes(self.budget)} (memory_budget given)"
         gib = 2**30
         return (
             f"{self.budget / gib:.1f} GiB = {self.device / gib:.1f} GiB device - {self.headroom / gib:.1f} headroom "

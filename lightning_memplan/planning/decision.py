@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
-from lightning_memplan.model.result import MemoryEstimate
+from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget
 from lightning_memplan.planning.timing import StepTime
@@ -231,8 +231,8 @@ class PlanDecision:
         raise PlanDoesNotFitError(
             f"no parallel plan fits {self.model.name or 'the model'} on {self.hardware.world_size} x "
             f"{self.hardware.name}: the closest, {self.plan.describe()}, needs "
-            f"{self.estimate.total / GiB:.1f} GiB > {self.budget.budget / GiB:.1f} GiB budget (short by "
-            f"{self.shortfall_bytes / GiB:.1f} GiB); changes that fit: {hints}",
+            f"{readable_bytes(self.estimate.total)} > {readable_bytes(self.budget.budget)} budget (short by "
+            f"{readable_bytes(self.shortfall_bytes)}); changes that fit: {hints}",
             self,
         )
 

@@ -15,7 +15,9 @@ GiB = 2**30
 
 
 def _gib(n: int | float | None) -> str:
-    return "-" if n is None else f"{n / GiB:.1f}"
+    if n is None:
+        return "-"
+    return f"{n / GiB:.1f}" if abs(n) >= 0.1 * GiB or n == 0 else f"{n / GiB:.2g}"  # 50 MiB: 0.049, not 0.0
 
 
 def _fmt_s(x: float) -> str:

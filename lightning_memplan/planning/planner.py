@@ -32,7 +32,7 @@ from typing import Any
 
 from lightning_memplan.hardware.presets import CHIP_TABLE
 from lightning_memplan.hardware.spec import HardwareSpec
-from lightning_memplan.model.result import Calibration
+from lightning_memplan.model.result import Calibration, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.decision import Candidate, PlanDecision, Suggestion
 from lightning_memplan.planning.search import CHANGE_COST, CHANGE_PENALTY, DEFAULT_TOP_K, _Search
@@ -168,7 +168,7 @@ def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
     bud = search.budget(base_plan)
     if est.total > bud.budget:
         return [f"plain data parallelism (dp={world}, your settings): {search.miss_reason(est, bud)}"]
-    return [f"plain data parallelism (dp={world}, your settings) would fit ({est.total / GiB:.1f} GiB) but is "
+    return [f"plain data parallelism (dp={world}, your settings) would fit ({readable_bytes(est.total)}) but is "
             "predicted slower than the choice"]
 
 

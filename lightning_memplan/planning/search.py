@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from lightning_memplan.model.estimate import estimate_memory
-from lightning_memplan.model.result import MemoryEstimate
+from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget, memory_budget
 from lightning_memplan.planning.decision import Candidate, Rejection
@@ -125,8 +125,8 @@ class _Search:
     def miss_reason(est: MemoryEstimate, budget: Budget) -> str:
         largest = est.largest_component()
         return (
-            f"stage {est.stage} needs {est.total / GiB:.1f} GiB > {budget.budget / GiB:.1f} GiB budget "
-            f"(largest: {largest} {getattr(est, largest) / GiB:.1f} GiB, {est.peak_phase} peak)"
+            f"stage {est.stage} needs {readable_bytes(est.total)} > {readable_bytes(budget.budget)} budget "
+            f"(largest: {largest} {readable_bytes(getattr(est, largest))}, {est.peak_phase} peak)"
         )
 
     # -- search ------------------------------------------------------------------------------------

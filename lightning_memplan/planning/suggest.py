@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_memplan.hardware.presets import CHIP_TABLE
 from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.planning.decision import Candidate, Suggestion
 
 __all__ = ["suggest"]
@@ -26,7 +27,7 @@ GROWTH_FACTORS = (2, 4, 8)
 
 def _fit_text(peak: int, budget: int) -> str:
     rel = "<=" if peak <= budget else ">"
-    return f"peak {peak / GiB:.1f} GiB {rel} {budget / GiB:.1f} GiB budget"
+    return f"peak {readable_bytes(peak)} {rel} {readable_bytes(budget)} budget"
 
 
 def _train_changes(search: Any, closest: Candidate) -> list[Suggestion]:

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.strategies.layouts import TransformerLayout
 
-__all__ = ["BatchShapeUnknown", "model_spec_for", "peek_batch", "train_spec_for"]
+__all__ = ["BatchShapeUnknown", "lce_loss_mode", "model_spec_for", "peek_batch", "train_spec_for"]
 
 
 class BatchShapeUnknown(ValueError):
@@ -100,6 +100,7 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
     from lightning_memplan.callbacks.infer import kernel_device
 
     device = kernel_device(trainer)
+    loss, chunk = lce_loss_mode(lightning_module)
     return TrainSpec(
         micro_batch=b,
         seq_len=s,
@@ -108,4 +109,19 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
         device=device,
         # the optimizer is not built yet; torch.optim defaults to foreach only for CUDA tensors
         optimizer_impl="for_loop" if device == "cpu" else "foreach",
+        loss=loss,
+        loss_chunk_size=chunk,
     )
+
+
+def lce_loss_mode(module: Any) -> tuple[str, int | None]:
+    """The memory model's loss mode for ``module``: ``"chunked"`` (with its chunk size, ``None`` for
+    "auto") when it computes its loss with ``LinearCrossEntropy``, which memplan_auto runs chunked or
+    vocab-parallel (the latter decided by the plan's tp); ``"naive"`` otherwise (logits in full)."""
+    from lightning_memplan.strategies.tensor_parallel import find_linear_cross_entropy
+
+    losses = find_linear_cross_entropy(module)
+    if not losses:
+        return "naive", None
+    chunk = getattr(losses[0], "chunk_size", None)
+    return "chunked", chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None

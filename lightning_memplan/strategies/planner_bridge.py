@@ -9,7 +9,8 @@ search is narrowed (``Allow``) to what memplan_auto applies:
 * the dataloader fixes the per-rank batch B: without PP the micro-batch must be B (Lightning's
   ``accumulate_grad_batches`` stays the user's); with PP the schedule splits B into micro-batches, so
   the micro-batch must divide B;
-* the loss mode can change only when the model computes its loss with ``LinearCrossEntropy``;
+* the loss mode can change only when the model computes its loss with ``LinearCrossEntropy``, which
+  then runs chunked or vocab-parallel;
 * dimensions the module cannot be split along (``exclude``) are pinned to 1.
 """
 
@@ -74,8 +75,9 @@ def narrow_allow(allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bo
             changes[dim] = keep(dim, (1,))
     b = train.micro_batch
     changes["micro_batch"] = keep("micro_batch", _divisors(b) if pipeline and "pp" not in exclude else (b,))
-    if not has_lce:
-        changes["loss"] = (train.loss,)
+    # LinearCrossEntropy runs chunked or vocab-parallel under memplan_auto (never full logits);
+    # a module without it materialises its logits whatever the plan says.
+    changes["loss"] = keep("loss", ("chunked", "vocab_parallel")) if has_lce else (train.loss,)
     return dataclasses.replace(spec, **changes)
 
 
@@ -171,10 +173,13 @@ def _nothing_evaluated(model: ModelSpec, train: TrainSpec, world: int, budget: i
 
     sharded = ParallelPlan(dp=world, zero=3 if world > 1 else 0)
     need = estimate_memory(model, train, sharded).total
-    where = f"budget {budget} bytes" if budget is not None else "the device budget"
+    from lightning_memplan.model.result import readable_bytes
+
+    where = f"budget {budget:,} B ({readable_bytes(budget)})" if budget is not None else "the device budget"
     return (
         f"no parallel plan fits {world} rank(s) within {where}: the closest data-parallel layout, "
-        f"{sharded.describe()}, needs {need} bytes per rank (short by {need - (budget or 0)} bytes); raise "
+        f"{sharded.describe()}, needs {need:,} B ({readable_bytes(need)}) per rank (short by "
+        f"{readable_bytes(need - (budget or 0))}); raise "
         f"memory_budget, use more devices, or shrink the micro-batch ({train.micro_batch}) or sequence "
         f"({train.seq_len}). Planner: {exc}"
     )

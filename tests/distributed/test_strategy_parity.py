@@ -229,9 +229,9 @@ def test_forced_plans_match_single_process_world2():
     # DDP keeps full replicas (mesh dp_replicate=2), FSDP shards (dp_shard=2)
     assert results[0][0]["mesh"] == (1, 2, 1, 1)
     assert results[0][1]["mesh"] == (1, 1, 2, 1)
-    # LinearCrossEntropy: switched to vocab-parallel under TP, left in its own mode under FSDP
+    # LinearCrossEntropy: switched to vocab-parallel under TP, chunked under FSDP (what the estimate assumes)
     assert [r[4]["lce_mode"] for r in results] == ["vocab_parallel"] * 2
-    assert [r[5]["lce_mode"] for r in results] == ["auto"] * 2
+    assert [r[5]["lce_mode"] for r in results] == ["chunked"] * 2
     assert [r[-1]["lce_mode"] for r in results] == ["vocab_parallel"] * 2  # TP + SP
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
     CHANGE_COST,
@@ -264,7 +265,7 @@ def test_rejections_carry_reasons_in_words():
     assert "n_heads=40 not divisible by tp=16" in reasons
     mem = [r for r in d.rejected if r.kind == "memory" and r.peak_bytes is not None]
     for r in mem:
-        assert r.peak_bytes > r.budget_bytes and f"> {r.budget_bytes / GiB:.1f} GiB budget" in r.reason
+        assert r.peak_bytes > r.budget_bytes and f"> {readable_bytes(r.budget_bytes)} budget" in r.reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,3 +415,12 @@ def test_decisions_respect_allow_and_stay_consistent(
         assert chosen.zero in zero or chosen.dp == 1
         assert chosen.schedule in schedule or chosen.pp == 1
     assert d.train.recompute in recompute and d.train.precision == train.precision
+
+
+def test_sentences_use_a_readable_unit_for_small_budgets():
+    assert [readable_bytes(n) for n in (512, 50 * 2**20, 3 * 2**30 // 2, -2048)] == ["512 B", "50.0 MiB", "1.5 GiB", "-2.0 KiB"]
+    d = plan(ModelSpec(4, 256, 4, 8000), TrainSpec(micro_batch=8, seq_len=512), HardwareSpec.preset("l4"),
+             memory_budget=20 * 2**20)
+    assert not d.fits
+    msg = str(pytest.raises(PlanDoesNotFitError, d.require_fit).value)
+    assert "MiB > 20.0 MiB budget (short by " in msg and "0.0 GiB" not in msg
