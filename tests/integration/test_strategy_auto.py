@@ -199,6 +199,16 @@ def test_sequence_parallel_applies_to_recognised_layouts_without_pipelines():
     assert res.plan.sp is False and res.plan.pp == 2 and "sp not applied" in res.notes[0]
 
 
+def test_the_plan_assumes_the_loss_a_linear_cross_entropy_module_runs():
+    from lightning_memplan.loss import LinearCrossEntropy
+    from lightning_memplan.strategies.inputs import lce_loss_mode
+
+    plain = nn.Sequential(nn.Linear(4, 4))
+    assert lce_loss_mode(plain) == ("naive", None)
+    assert lce_loss_mode(nn.ModuleDict({"lm": plain, "loss": LinearCrossEntropy()})) == ("chunked", None)
+    assert lce_loss_mode(nn.ModuleDict({"loss": LinearCrossEntropy(chunk_size=256)})) == ("chunked", 256)
+
+
 def test_forced_plan_with_the_wrong_world_size_is_an_error():
     with pytest.raises(ValueError, match=r"needs 4 processes .* the Trainer runs 2 \(devices x num_nodes\)"):
         _decide(GPT(llama_style()), forced=ParallelPlan(dp=2, tp=2))
@@ -258,6 +268,10 @@ def test_only_candidates_the_dataloader_batch_allows():
     with pytest.raises(ValueError, match="allow restricts tp"):
         narrow_allow({"tp": [2]}, train, {"tp"}, has_lce=False, pipeline=True)
     assert narrow_allow(None, train, set(), has_lce=False, pipeline=True).sp == (False, True)
+    # a LinearCrossEntropy module runs chunked or vocab-parallel under memplan_auto, never full logits
+    assert narrow_allow(None, train, set(), has_lce=True, pipeline=True).loss == ("chunked", "vocab_parallel")
+    with pytest.raises(ValueError, match=r"allow restricts loss to \('naive',\)"):
+        narrow_allow({"loss": ["naive"]}, train, set(), has_lce=True, pipeline=True)
     assert narrow_allow(None, train, {"sp"}, has_lce=False, pipeline=True).sp == (False,)
     with pytest.raises(ValueError, match=r"allow restricts sp to \(True,\)"):
         narrow_allow({"sp": [True]}, train, {"sp"}, has_lce=False, pipeline=True)

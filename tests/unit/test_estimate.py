@@ -332,3 +332,27 @@ def test_auto_chunk_break_even_can_lower_the_peak_when_the_batch_grows():
     assert terms.auto_loss_chunk_tokens(473, 512, 4104) == 473
     assert terms.auto_loss_chunk_tokens(946, 512, 4104) == 64
     assert two.logits < one.logits
+
+
+def test_fsdp2_replication_counts_the_unsharded_unit_copies_by_hand():
+    """Data parallelism applied as FSDP2 replication (``grad_buckets=False``): no DDP bucket, but FSDP2
+    copies each unit into its unsharded buffer even with a shard size of 1. Worked by hand, fp32:
+    a block holds 4h^2 + 8h^2 (gelu MLP, f = 4h) weights, biases 4h + f + h, two LayerNorms 4h."""
+    model = ModelSpec(4, 64, 4, 1000, ffn_kind="gelu", norm="layernorm", bias=True, tied_embeddings=False,
+                      position_embedding="rope")
+    train = TrainSpec(micro_batch=2, seq_len=32, precision="32-true")
+    h, f, v = 64, 256, 1000
+    block = 4 * h * h + 2 * h * f + (4 * h + f + h) + 2 * 2 * h
+    assert terms.layer_param_count(model) == block
+    root = v * h + 2 * h + v * h  # embedding, final LayerNorm, untied head
+    assert model.num_params == 4 * block + root
+    ddp = estimate_memory(model, train, ParallelPlan(dp=2))
+    fsdp2 = estimate_memory(model, train, ParallelPlan(dp=2, grad_buckets=False))
+    single = estimate_memory(model, train, ParallelPlan())
+    assert single.by_phase["forward"]["comm"] == 0
+    # DDP holds its gradient buckets all step long; FSDP2 replication none, only transient unit copies
+    assert ddp.by_phase["optimizer"]["comm"] == terms.ddp_bucket_bytes(model.num_params * 4) > 0
+    assert fsdp2.by_phase["optimizer"]["comm"] == 0
+    assert fsdp2.by_phase["forward"]["comm"] == (root + block) * 4  # the root unit and one block
+    assert fsdp2.by_phase["backward"]["comm"] == (root + 2 * block) * 4 + block * 4  # + prefetch + a grad
+    assert fsdp2.params == ddp.params == single.params  # replication: nothing is sharded
