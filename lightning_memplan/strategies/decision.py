@@ -90,9 +90,16 @@ class Resolution:
 
 
 def applicability(
-    plan: ParallelPlan, layout: TransformerLayout | None, module: nn.Module, *, self_parallel: bool
+    plan: ParallelPlan,
+    layout: TransformerLayout | None,
+    module: nn.Module,
+    *,
+    self_parallel: bool,
+    seq_len: int | None = None,
 ) -> dict[str, str]:
-    """Why each of the plan's dimensions cannot be applied to ``module``: ``{"tp": reason, ...}``."""
+    """Why each of the plan's dimensions cannot be applied to ``module``: ``{"tp": reason, ...}``.
+
+    ``seq_len``: the planned sequence length; sequence parallelism needs it divisible by tp."""
     out: dict[str, str] = {}
     if self_parallel:
         if plan.pp > 1:
@@ -108,6 +115,11 @@ def applicability(
         out["pp"] = reason
     if plan.sp and "tp" not in out:
         reason = sequence_parallel_blocker(layout, plan.tp, 1 if "pp" in out else plan.pp)
+        if reason is None and seq_len is not None and seq_len % plan.tp:
+            reason = (
+                f"seq_len={seq_len} is not divisible by tp={plan.tp} (SP splits the sequence in equal slices); "
+                f"pad sequences to a multiple of {plan.tp}"
+            )
         if reason:
             out["sp"] = reason
     return out
@@ -163,7 +175,7 @@ def decide(
                 f"{world_size} (devices x num_nodes); change the plan or Trainer(devices=..., num_nodes=...)"
             )
         plan = forced
-        blocked = applicability(plan, layout, module, self_parallel=self_parallel)
+        blocked = applicability(plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
         plan, fold_notes = fold_blocked(plan, blocked)
         notes += fold_notes
         estimate = _estimate_or_none(model_spec, train, dataclasses.replace(plan, grad_buckets=False))
@@ -171,12 +183,12 @@ def decide(
         recompute, loss = train.recompute, train.loss
     else:
         decision = planner({})
-        blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel)
+        blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
         if blocked:
             notes += [f"planner chose {decision.plan.describe()}, but {dim}: {why}" for dim, why in blocked.items()]
             decision = planner(blocked)
             notes.append(f"re-planned without {', '.join(sorted(blocked))}: {decision.plan.describe()}")
-            still = applicability(decision.plan, layout, module, self_parallel=self_parallel)
+            still = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
             if still:  # the planner ignored the exclusion: fold rather than fail
                 plan, fold_notes = fold_blocked(decision.plan, still)
                 notes += fold_notes

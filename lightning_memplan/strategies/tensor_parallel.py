@@ -222,6 +222,9 @@ def apply_tensor_parallel(
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
             ))
+            # Runs first: a batch whose length tp does not divide would give ranks unequal slices, and
+            # gloo/NCCL then abort the process on a size mismatch instead of raising.
+            block.register_forward_pre_hook(_sequence_divisible_by(tp), prepend=True)
         if layout.attn is not None:
             attn = block.get_submodule(layout.attn)
             for name in layout.head_count_attrs:
@@ -238,3 +241,19 @@ def apply_tensor_parallel(
             "loss vocab-parallel"
         )
     return notes
+
+
+def _sequence_divisible_by(tp: int) -> Any:
+    """A forward pre-hook raising ``ValueError`` when the hidden states' sequence length (dim 1) is not
+    a multiple of ``tp``. Every TP rank sees the same batch, so every rank raises."""
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        hidden: Any = args[0] if args else None
+        if getattr(hidden, "ndim", 0) >= 2 and hidden.shape[1] % tp:
+            raise ValueError(
+                f"sequence parallelism over tp={tp} needs a sequence length divisible by {tp}, but this batch "
+                f"has {hidden.shape[1]} (hidden states {tuple(hidden.shape)}); pad sequences to a multiple of "
+                f"{tp} (e.g. pad_to_multiple_of={tp} in the collator) or plan with sp=False"
+            )
+
+    return check

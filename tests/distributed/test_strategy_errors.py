@@ -6,7 +6,8 @@ conflicts with the forced plan (FSDP only, plan wants tp=2: error; plan wants pp
 cannot do to such a module: it applies dp=2 instead and warns why); a
 memory budget no layout of this world size fits (the planner's closest plan, its shortfall and the
 changes that would fit are in the message); ranks that built different models (the fingerprint
-all-gather catches it before any collective of the training step).
+all-gather catches it before any collective of the training step); a sequence-parallel model fed a
+sequence length tp does not divide.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ class SelfShardedLM(TinyLM):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+class OddLengthStepLM(TinyLM):
+    """Planned from 8-token batches, but its training step drops the last token: 7 tokens reach a
+    sequence-parallel model over tp=2."""
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        return super().training_step((idx[:, :-1], targets[:, :-1]), batch_idx)
 
 
 def _error_of(fn) -> str:
@@ -61,6 +71,11 @@ def errors_worker(rank: int, world: int) -> dict:
     out["ranks_disagree"] = _error_of(
         lambda: fit(TinyLM(n_layers=2 + rank), MemplanAutoStrategy(plan=ParallelPlan(dp=2)))
     )
+    # Sequence parallelism and a step whose sequence tp does not divide: a ValueError on every rank
+    # before any collective (gloo would abort the process on the size mismatch).
+    out["sp_odd_length"] = _error_of(
+        lambda: fit(OddLengthStepLM(position_embedding="rope"), MemplanAutoStrategy(plan=ParallelPlan(tp=2, sp=True)))
+    )
     # The same self-sharding module with a plan it does satisfy trains.
     out["self_parallel_ok"] = _error_of(lambda: fit(SelfShardedLM(), MemplanAutoStrategy(plan=ParallelPlan(dp=2, zero=3))))
     return out
@@ -81,5 +96,8 @@ def test_bad_input_errors_on_every_rank():
         assert "closest" in msg and "budget" in msg and "short by" in msg
         assert out["ranks_disagree"].startswith("RuntimeError") and "disagree" in out["ranks_disagree"]
         assert out["self_parallel_ok"] == "no error"
+        assert out["sp_odd_length"].startswith(
+            "ValueError: sequence parallelism over tp=2 needs a sequence length divisible by 2, but this batch has 7"
+        ), out["sp_odd_length"]
     assert results[0]["ranks_disagree"] == results[1]["ranks_disagree"]
     assert results[0]["self_parallel_pp_warned"]  # rank_zero_warn: rank 0 says what it changed and why

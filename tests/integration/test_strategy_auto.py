@@ -159,9 +159,9 @@ def test_hf_models_recognised():
     assert "does not implement the pipeline contract" in pipeline_blocker(layout, pp=2)
 
 
-def _decide(module, forced=None, planner=None, world=2):
+def _decide(module, forced=None, planner=None, world=2, seq=8):
     return decide(
-        model_spec=ModelSpec(2, 32, 4, 64), train=TrainSpec(micro_batch=4, seq_len=8), world_size=world,
+        model_spec=ModelSpec(2, 32, 4, 64), train=TrainSpec(micro_batch=4, seq_len=seq), world_size=world,
         layout=find_layout(module), module=module, self_parallel=False, forced=forced, forced_source="forced",
         planner=planner,
     )
@@ -197,6 +197,9 @@ def test_sequence_parallel_applies_to_recognised_layouts_without_pipelines():
     assert len(res.notes) == 1 and res.notes[0].startswith("sp not applied: sequence parallelism is applied to")
     res = _decide(rope, forced=ParallelPlan(pp=2, tp=2, sp=True, microbatches=2), world=4)
     assert res.plan.sp is False and res.plan.pp == 2 and "sp not applied" in res.notes[0]
+    res = _decide(rope, forced=ParallelPlan(tp=2, sp=True), seq=7)  # equal sequence slices impossible
+    assert res.plan == ParallelPlan(tp=2, grad_buckets=False)
+    assert res.notes[0].startswith("sp not applied: seq_len=7 is not divisible by tp=2")
 
 
 def test_the_plan_assumes_the_loss_a_linear_cross_entropy_module_runs():
