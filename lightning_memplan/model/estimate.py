@@ -265,6 +265,7 @@ def _estimate_stage(
     b, s = train.micro_batch, train.seq_len // plan.cp
     comm_static = 0
     comm_fwd = comm_bwd = 0
+    comm_bwd_start = None  # the loss's backward, before any block's: as comm_bwd unless set below
     gathered = pb.compute if pb.autocast_copy else pb.param  # all-gather dtype of FSDP units
     if shard > 1 and plan.zero <= 1 and plan.grad_buckets:
         comm_static = terms.ddp_bucket_bytes(states["grads"])
@@ -282,17 +283,19 @@ def _estimate_stage(
         # and the unsharded gradient of one block waiting for reduce-scatter.
         comm_fwd = root + unit
         comm_bwd = root + 2 * unit + unit // gathered * pb.grad
+        # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet:
+        # FSDP2 unshards a block in its pre-backward hook [PT fully_shard].
+        comm_bwd_start = root
+    extra = 0
     if plan.tp > 1:
-        comm_fwd += b * s * model.hidden * pb.compute
-        comm_bwd += b * s * model.hidden * pb.compute
+        extra += b * s * model.hidden * pb.compute
     if plan.pp > 1:
-        p2p = 2 * b * s * model.hidden * pb.residual
-        comm_fwd += p2p
-        comm_bwd += p2p
+        extra += 2 * b * s * model.hidden * pb.residual  # p2p send/receive buffers
     if plan.cp > 1:
-        kv = 2 * 2 * b * s * model.kv_heads // plan.tp * model.dim_head * pb.compute
-        comm_fwd += kv
-        comm_bwd += kv
+        extra += 2 * 2 * b * s * model.kv_heads // plan.tp * model.dim_head * pb.compute  # ring k/v
+    comm_fwd += extra
+    comm_bwd += extra
+    comm_bwd_start = comm_bwd if comm_bwd_start is None else comm_bwd_start + extra
 
     dynamic = _dynamic(model, train, plan, layout)
     source = "analytic"
@@ -322,7 +325,7 @@ def _estimate_stage(
     static = {"params": params, "optimizer": optimizer, "master": master}
     points = {
         "forward": {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]},
-        "backward_start": {**static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd, **dynamic["backward_start"]},
+        "backward_start": {**static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd_start, **dynamic["backward_start"]},
         "backward_layer": {
             **static,
             "grads": max(grads_bwd_start, head_grads),
