@@ -21,6 +21,11 @@ _TRIGGER = "lightning.pytorch"
 
 
 def _register() -> None:
+    package = sys.modules.get("lightning_memplan.strategies")
+    if package is not None and not hasattr(package, "register_strategies"):
+        # ``lightning_memplan.strategies`` itself is importing Lightning right now (it was imported
+        # first); it registers the strategy when its own import finishes.
+        return
     from lightning_memplan.strategies import register_strategies
 
     register_strategies()

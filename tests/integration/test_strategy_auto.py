@@ -43,6 +43,23 @@ def test_registered_and_resolved_by_name():
 
 
 @pytest.mark.parametrize(
+    "first_import",
+    [
+        "from lightning_memplan import MemplanAutoStrategy",  # the lazy export, before Lightning is loaded
+        "from lightning_memplan.strategies import MemplanAutoStrategy",
+        "import lightning_memplan; import lightning",
+        "import lightning; import lightning_memplan",
+    ],
+)
+def test_registered_whatever_is_imported_first(first_import):
+    # A fresh interpreter each: importing the strategies package first used to fail with a circular
+    # import (Lightning's import fired the registration hook while the package was half-initialised).
+    code = f"{first_import}\nfrom lightning.pytorch.strategies import StrategyRegistry\nprint('memplan_auto' in StrategyRegistry)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
     ("kwargs", "exc", "words"),
     [
         ({"memory_budget": 0}, ValueError, "memory_budget=0"),
