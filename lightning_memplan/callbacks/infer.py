@@ -23,6 +23,8 @@ __all__ = [
     "infer_optimizer",
     "infer_plan",
     "infer_train_spec",
+    "has_fsdp2",
+    "parallelised_by",
 ]
 
 #: Mapping keys that hold the token ids of a language-model batch, in order of preference (Hugging Face
@@ -263,13 +265,25 @@ def _fsdp_zero(sharding_strategy: Any) -> int:
     return 3
 
 
-def _has_fsdp2(module: Any) -> bool:
+def has_fsdp2(module: Any) -> bool:
     """Whether ``fully_shard`` (FSDP2) was applied anywhere in ``module``."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return module is not None and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def parallelised_by(module: Any) -> str | None:
+    """What parallelises ``module`` in place, or ``None``: FSDP2 units or DTensor parameters (tensor
+    parallelism), the two forms a LightningModule's ``configure_model`` or memplan_auto leave behind."""
+    if has_fsdp2(module):
+        return "FSDP2 fully_shard"
+    from torch.distributed.tensor import DTensor
+
+    if module is not None and any(isinstance(p, DTensor) for p in module.parameters()):
+        return "DTensor parameters (tensor parallel)"
+    return None
 
 
 def infer_plan(trainer: Any, pl_module: Any = None) -> tuple[ParallelPlan, str]:
@@ -298,7 +312,7 @@ def infer_plan(trainer: Any, pl_module: Any = None) -> tuple[ParallelPlan, str]:
         names = tuple(mesh.mesh_dim_names or ())
         dp = mesh["data_parallel"].size() if "data_parallel" in names else 1
         tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
-        zero = 3 if _has_fsdp2(pl_module) else 0
+        zero = 3 if has_fsdp2(pl_module) else 0
         return ParallelPlan(
             dp=dp, tp=tp, zero=zero
         ), f"{name} mesh {dict(zip(names, mesh.mesh.shape, strict=True))}"

@@ -21,6 +21,7 @@ from lightning_memplan.callbacks.infer import (
     batch_shape,
     infer_plan,
     infer_train_spec,
+    parallelised_by,
 )
 from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.callbacks.options import (
@@ -281,7 +282,7 @@ class MemoryPlanCallback(Callback):
         from lightning_memplan.model.trace import calibrate
 
         assert self._train is not None
-        sharded = _sharded_by(pl_module)
+        sharded = parallelised_by(pl_module)
         if sharded is not None:
             self._note(
                 f"calibration skipped: the LightningModule is already parallelised ({sharded}), and a "
@@ -576,17 +577,3 @@ class MemoryPlanCallback(Callback):
         # A checkpoint holds rank 0's state; another rank's partial epoch cannot be restored from it.
         self._acc = RankAccumulator.from_dict(acc) if acc and int(acc["rank"]) == self._rank else None
 
-
-def _sharded_by(module: torch.nn.Module) -> str | None:
-    """What parallelises ``module`` in place (FSDP2 units, DTensor parameters), or ``None``."""
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return None
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        return "FSDP2 fully_shard"
-    if any(isinstance(p, DTensor) for p in module.parameters()):
-        return "DTensor parameters (tensor parallel)"
-    return None

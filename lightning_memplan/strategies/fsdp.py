@@ -24,7 +24,7 @@ from lightning_memplan.strategies.mesh import MeshAxis, MeshLayout
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_activation_checkpointing", "apply_data_parallel", "data_parallel_mesh", "is_fsdp_managed"]
+__all__ = ["apply_activation_checkpointing", "apply_data_parallel", "data_parallel_mesh"]
 
 
 def data_parallel_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
@@ -32,13 +32,6 @@ def data_parallel_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
     if layout.dp_replicate > 1:
         return mesh[(str(MeshAxis.DP_REPLICATE), str(MeshAxis.DP_SHARD))]
     return mesh[str(MeshAxis.DP_SHARD)]
-
-
-def is_fsdp_managed(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied anywhere inside ``module``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def apply_data_parallel(

@@ -39,13 +39,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_memplan.callbacks.infer import has_fsdp2, parallelised_by
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.strategies.decision import Resolution, decide
 from lightning_memplan.strategies.fsdp import (
     apply_activation_checkpointing,
     apply_data_parallel,
     data_parallel_mesh,
-    is_fsdp_managed,
 )
 from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for, train_spec_for
 from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
@@ -389,7 +389,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
                 "configure_model so memplan_auto applies it, or force plan=ParallelPlan(dp=world_size, ...)"
             )
         dp = self.resolution.mesh.dp  # type: ignore[union-attr]
-        if dp > 1 and not is_fsdp_managed(lm):
+        if dp > 1 and not has_fsdp2(lm):
             raise ValueError(
                 f"the plan has {dp} data-parallel ranks but configure_model applied no fully_shard over "
                 "self.device_mesh['data_parallel'], so gradients would never be synchronised; call "
@@ -533,4 +533,4 @@ def _is_self_parallel(module: torch.nn.Module) -> bool:
     """Whether ``configure_model`` already parallelised the module (FSDP2 units or DTensor parameters)."""
     if not is_overridden("configure_model", module):
         return False
-    return is_fsdp_managed(module) or _has_dtensor_modules(module)
+    return parallelised_by(module) is not None
