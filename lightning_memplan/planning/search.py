@@ -143,11 +143,19 @@ class _Search:
         losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
         tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
         times: dict[tuple, LayoutTimes] = {}
+
+        def price(lc: LayoutChoice) -> LayoutTimes:
+            key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
+            lt = times.get(key)
+            if lt is None:  # GPipe and 1F1B share every time term
+                lt = times[key] = tm.layout(_layout(lc))
+            return lt
+
         lts: list[LayoutTimes | None] = [None] * len(layouts)
         # Cheap compute-only bounds first (k = -2); a layout is priced when it reaches the top of the
         # heap and re-queued with its full bound (k = -1), so most layouts are never priced.
         heap = [
-            (tm.compute_lower_bound(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
+            (tm.compute_lower_bound(_layout(lc))
              / (lc.dp * lc.m * lc.b * train.seq_len) * (1 + CHANGE_PENALTY * _layout_cost(lc, train.micro_batch)), i, -2)
             for i, lc in enumerate(layouts)
         ]
@@ -178,11 +186,7 @@ class _Search:
             lc, lt = layouts[i], lts[i]
             fam = (lc.dp, lc.tp, lc.pp, lc.cp)
             if k == -2:  # price it, re-queue with the full bound
-                key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
-                lt = times.get(key)
-                if lt is None:  # GPipe and 1F1B share every time term
-                    lt = times[key] = tm.layout(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
-                lts[i] = lt
+                lt = lts[i] = price(lc)
                 slot = min(lt.compute_mb[r] + lt.tp_mb[r] for r in recomputes) + lt.cp_mb + lt.pp_mb
                 slot += min(lt.loss_mb[lm] for lm in lc.losses)
                 bound = lt.slots * slot + min(lt.dp_exposed[(z, r)] for z in lc.zeros for r in recomputes)
@@ -228,10 +232,7 @@ class _Search:
                     continue
                 bud = self.budget(plan)
                 if est.total <= bud.budget:
-                    step = lt.step_time(rc, z, lm)
-                    cost = _layout_cost(lc, train.micro_batch) + _option_cost(z, sp, rc, lm, train.loss)
-                    candidates.append(Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=step,
-                                                change_cost=cost, score=sc, notes=lt.notes))
+                    candidates.append(self._candidate(lc, lt, rc, z, lm, sp, est, bud, score=sc))
                     done.add(i)
                     continue
                 self._record_miss(lc, rc, z, lm, sp, est, bud)
@@ -264,22 +265,22 @@ class _Search:
             if notes:
                 why += "; " + "; ".join(notes)
             rejected.append(Rejection(layout=f"dp={lc.dp} tp={lc.tp} pp={lc.pp} cp={lc.cp}", kind="slower", reason=why))
+        stats = {
+            "world_size": world, "layouts": len(layouts), "layouts_priced": len(times),
+            "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
+        }
         closest = None
         if self._closest is not None:  # price the closest miss (its layout may never have been priced)
             _, est, bud, lc, rc, z, lm, sp = self._closest
-            key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
-            lt = times.get(key) or tm.layout(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
-            plan, tr = self.materialise(lc, rc, z, lm, sp)
-            closest = Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
-                                change_cost=_layout_cost(lc, train.micro_batch) + _option_cost(z, sp, rc, lm, train.loss),
-                                notes=lt.notes)
-        return {
-            "candidates": candidates, "rejected": rejected, "closest": closest, "best": best,
-            "stats": {
-                "world_size": world, "layouts": len(layouts), "layouts_priced": len(times),
-                "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
-            },
-        }
+            closest = self._candidate(lc, price(lc), rc, z, lm, sp, est, bud)
+        return {"candidates": candidates, "rejected": rejected, "closest": closest, "best": best, "stats": stats}
+
+    def _candidate(self, lc: LayoutChoice, lt: LayoutTimes, rc: str, z: int, lm: str, sp: bool,
+                   est: MemoryEstimate, bud: Budget, *, score: float = 0.0) -> Candidate:
+        plan, tr = self.materialise(lc, rc, z, lm, sp)  # cached
+        cost = _layout_cost(lc, self.train.micro_batch) + _option_cost(z, sp, rc, lm, self.train.loss)
+        return Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
+                         change_cost=cost, score=score, notes=lt.notes)
 
     def _bounded_out(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, family_first: LayoutChoice) -> tuple | None:
         """Prove ``(lc, options)`` infeasible without estimating it, when possible.
@@ -404,6 +405,11 @@ class _Search:
             f"{sample or 'every axis is restricted by allow'}; allow data parallelism (it divides any world "
             "size), change allow=, or use a world size that divides the heads/layers/global batch"
         )
+
+
+def _layout(lc: LayoutChoice) -> Layout:
+    """The time model's view of a layout choice."""
+    return Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
 
 
 def _candidate_stages(plan: ParallelPlan) -> list[int]:
