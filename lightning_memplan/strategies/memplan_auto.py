@@ -221,11 +221,15 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             rank_zero_warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
             train = TrainSpec(micro_batch=1, seq_len=1, precision=str(trainer.precision))
 
-        sp_reason = None if layout is None else layout.sp_blocker
-        never = {"sp": sp_reason or "no recognised layout"} if (self_parallel or layout is None or sp_reason) else {}
+        # Dimensions never planned: what a self-parallelising module decides itself, and SP where the
+        # layout cannot take it (the rest is found by ``decide`` and re-planned without).
+        never = {"pp", "sp"} if self_parallel else set()
+        if layout is None or layout.sp_blocker is not None:
+            never.add("sp")
+        has_lce = bool(find_linear_cross_entropy(lm))
 
         def planner(blocked: dict[str, str]) -> Any:
-            return self._call_planner(model_spec, train, {**never, **blocked}, self_parallel)
+            return self._call_planner(model_spec, train, never | set(blocked), has_lce)
 
         return decide(
             model_spec=model_spec,
@@ -239,7 +243,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             planner=planner,
         )
 
-    def _call_planner(self, model_spec: Any, train: TrainSpec, blocked: dict[str, str], self_parallel: bool) -> Any:
+    def _call_planner(self, model_spec: Any, train: TrainSpec, exclude: set[str], has_lce: bool) -> Any:
         from lightning_memplan.strategies.planner_bridge import run_planner
 
         return run_planner(
@@ -251,8 +255,8 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             memory_budget=self._memory_budget,
             headroom=self._headroom,
             allow=self._allow,
-            exclude=set(blocked) | ({"pp"} if self_parallel else set()),
-            has_lce=bool(find_linear_cross_entropy(self._require_lightning_module())),
+            exclude=exclude,
+            has_lce=has_lce,
         )
 
     def _check_agreement(self, resolution: Resolution) -> None:
