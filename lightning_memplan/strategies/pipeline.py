@@ -40,13 +40,8 @@ def _zoo_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, fi
     # Mirrors zoo.GPT.forward + GPT.logits, one slice at a time. ``model`` is a zoo.GPT (duck-typed:
     # its submodules are read by name).
     if first:
-        s = x.shape[1]
-        x = model.tok_emb(x)
-        if model.pos_emb is not None:
-            x = x + model.pos_emb(torch.arange(s, device=x.device))
-        if model.emb_drop is not None:
-            x = model.emb_drop(x)
-    rope = (model.rope_cos, model.rope_sin) if model.rope_cos is not None else None
+        x = model.embed(x)
+    rope = model.rope()
     for block in blocks:
         x = block(x, rope)
     if last:

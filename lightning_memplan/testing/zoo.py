@@ -311,15 +311,21 @@ class GPT(nn.Module):
         b, s = idx.shape
         if s > self.config.max_positions:
             raise ValueError(f"sequence length {s} exceeds max_positions={self.config.max_positions}")
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(s, device=idx.device))
-        if self.emb_drop is not None:
-            x = self.emb_drop(x)
-        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        x, rope = self.embed(idx), self.rope()
         for block in self.blocks:
             x = block(x, rope)
         return self.norm_f(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings, then embedding dropout: the blocks' input [b, s, h]."""
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        return self.emb_drop(x) if self.emb_drop is not None else x
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary (cos, sin) tables every block takes, or ``None`` with learned positions."""
+        return (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``: [b, s, V]."""
