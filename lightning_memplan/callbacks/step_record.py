@@ -30,6 +30,7 @@ def build_step_record(
     default_step: int,
     memory_budget: int | None,
     backend: str,
+    measurement: str | None = None,
 ) -> StepRecord:
     """One step's record.
 
@@ -38,7 +39,8 @@ def build_step_record(
     ``None``; ``tracker_report`` the tensor tracker's report on sampled steps or ``None``. On CPU, where
     no allocator counts bytes, the tracker's total is the measured peak. Headroom is the capacity
     (``memory_budget`` or the device's memory) less what the allocator reserved (or the peak) and,
-    against the device, less what other processes and the context hold."""
+    against the device, less what other processes and the context hold. ``measurement`` names how the
+    peak was taken (:attr:`StepRecord.measurement`)."""
     shape = current.get("shape") or (None, None)
     est: MemoryEstimate | None = current.get("estimate")
     measured_peak = reading.measured_peak if reading is not None else None
@@ -74,6 +76,9 @@ def build_step_record(
         tracked=bool(current.get("tracked")),
         warmup=bool(current.get("warmup")),
         backend=backend,
+        estimated_by_phase={p: dict(c) for p, c in est.by_phase.items()} if est is not None else None,
+        timeline=tracker_report.timeline if tracker_report is not None else None,
+        measurement=measurement,
     )
 
 

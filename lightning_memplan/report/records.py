@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
 __all__ = [
     "REPORT_FORMAT_VERSION",
@@ -27,8 +28,9 @@ __all__ = [
     "summarize_rank",
 ]
 
-#: Bumped when a field changes meaning; ``from_dict`` refuses newer formats.
-REPORT_FORMAT_VERSION = 1
+#: Bumped when a field changes meaning or is added; ``from_dict`` refuses newer formats and reads every
+#: older one (version 1 had no step timelines, per-phase estimate breakdowns nor per-step series).
+REPORT_FORMAT_VERSION = 2
 
 
 def _int_map(data: Mapping[str, Any] | None) -> dict[str, int] | None:
@@ -45,6 +47,9 @@ def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = dict(data)
     for key in _MAP_FIELDS:
         kwargs[key] = _int_map(kwargs.get(key))
+    by_phase = kwargs.get("estimated_by_phase")
+    if by_phase is not None:
+        kwargs["estimated_by_phase"] = {str(p): _int_map(c) for p, c in by_phase.items()}
     return kwargs
 
 
@@ -61,6 +66,8 @@ class StepRecord:
         estimated_components: the estimate's ``{component: bytes}`` at its peak.
         estimated_phase_peaks: ``{phase: bytes}``, :meth:`MemoryEstimate.phase_total` per phase.
         estimated_peak_phase: phase in which the estimate peaks.
+        estimated_by_phase: ``{phase: {component: bytes}}``, the estimate at each phase's own peak
+            (:attr:`MemoryEstimate.by_phase`); drawn as steps under the measured step timeline.
         measured_peak: measured peak of allocated tensor bytes in the step: the CUDA allocator's
             ``max_memory_allocated`` (reset each step), MPS's sampled ``current_allocated_memory``, or
             the tensor tracker on tracked CPU steps; ``None`` where nothing measured tensors.
@@ -76,6 +83,12 @@ class StepRecord:
         warmup: the step ran before the first optimizer step finished, so optimizer states did not
             exist yet; such steps are reported but not compared against the steady-state estimate.
         backend: ``"cuda"``, ``"mps"`` or ``"cpu"``.
+        timeline: live bytes per component over the step (:class:`StepTimeline`), on tracked steps.
+        measurement: how ``measured_peak`` was taken: ``"tensor_tracker"`` (live storages, tracked CPU/MPS
+            steps), ``"cuda_allocator"`` (the caching allocator's peak counters), ``"mps_sampled"``,
+            ``"compiled:profiler"`` (a ``torch.compile`` step on the CPU: the profiler's allocator
+            events, no dispatch mode), ``"rss"`` (untracked CPU step: only ``reserved``); ``None`` in
+            older reports.
     """
 
     step: int
@@ -96,6 +109,9 @@ class StepRecord:
     tracked: bool = False
     warmup: bool = False
     backend: str = "cpu"
+    estimated_by_phase: dict[str, dict[str, int]] | None = None
+    timeline: StepTimeline | None = None
+    measurement: str | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -105,11 +121,15 @@ class StepRecord:
         return self.measured_peak / self.estimated_peak
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(replace(self, timeline=None))
+        data["timeline"] = self.timeline.to_dict() if self.timeline is not None else None
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
         kwargs = _with_int_maps(data)
+        timeline = kwargs.get("timeline")
+        kwargs["timeline"] = StepTimeline.from_dict(timeline) if timeline else None
         return cls(**kwargs)
 
 
@@ -136,6 +156,8 @@ class RankSummary:
         measured_to_estimated: measured / estimated peak at the steady-state step (not ``warmup``) with
             the largest measurement; ``None`` without one. Warm-up steps are left out because the
             estimate is the steady state (optimizer states exist).
+        series: the per-step estimated and measured peak, reserved and sequence length over the epoch
+            (:class:`StepSeries`, bounded); ``None`` in reports of format version 1.
     """
 
     rank: int
@@ -156,6 +178,7 @@ class RankSummary:
     shapes: tuple[tuple[int, int], ...] = ()
     tracked: tuple[StepRecord, ...] = ()
     measured_to_estimated: float | None = None
+    series: StepSeries | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -163,9 +186,10 @@ class RankSummary:
         return self.measured_to_estimated
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, tracked=(), series=None))
         data["shapes"] = [list(s) for s in self.shapes]
         data["tracked"] = [r.to_dict() for r in self.tracked]
+        data["series"] = self.series.to_dict() if self.series is not None else None
         return data
 
     @classmethod
@@ -173,6 +197,8 @@ class RankSummary:
         kwargs = _with_int_maps(data)
         kwargs["shapes"] = tuple((int(b), int(s)) for b, s in kwargs.get("shapes", ()))
         kwargs["tracked"] = tuple(StepRecord.from_dict(r) for r in kwargs.get("tracked", ()))
+        series = kwargs.get("series")
+        kwargs["series"] = StepSeries.from_dict(series) if series else None
         return cls(**kwargs)
 
 
@@ -185,12 +211,15 @@ class RankAccumulator:
     """Folds one rank's step records of one epoch into a :class:`RankSummary` as they arrive.
 
     Holds O(1) records (the worst estimated, worst measured and worst tracked step, and a bounded window
-    of tracked steps), so an epoch of any length costs constant memory. Its state round-trips through
+    of tracked steps, of which only the worst and the latest keep their step timeline, and a
+    :class:`SeriesBuilder` of at most ``series_points`` points), so an epoch of any length costs constant
+    memory. Its state round-trips through
     :meth:`to_dict` so a checkpoint taken mid-epoch resumes the same epoch.
     """
 
-    def __init__(self, *, rank: int, epoch: int, backend: str) -> None:
+    def __init__(self, *, rank: int, epoch: int, backend: str, series_points: int = DEFAULT_SERIES_POINTS) -> None:
         self.rank, self.epoch, self.backend = rank, epoch, backend
+        self.series = SeriesBuilder(series_points)
         self.steps = 0
         self.worst_est: StepRecord | None = None
         self.worst_meas: StepRecord | None = None
@@ -223,9 +252,14 @@ class RankAccumulator:
         if r.tracked:
             if self.worst_tracked is None or (r.measured_peak or 0) > (self.worst_tracked.measured_peak or 0):
                 self.worst_tracked = r
+            # Only the worst and the latest tracked step keep their timeline (bounded report size).
+            self.tracked = [
+                t if t.timeline is None or t is self.worst_tracked else replace(t, timeline=None) for t in self.tracked
+            ]
             self.tracked.append(r)
             if len(self.tracked) > _MAX_TRACKED:
                 self.tracked.pop(0)
+        self.series.add(r.step, (r.estimated_peak, r.measured_peak, r.reserved, r.seq_len))
         for phase, value in (r.measured_phase_peaks or {}).items():
             self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), value)
         self.reserved = _max_opt((self.reserved, r.reserved))
@@ -239,9 +273,10 @@ class RankAccumulator:
                 self.shapes.append(shape)
 
     def summary(self) -> RankSummary:
-        tracked = list(self.tracked)
-        if self.worst_tracked is not None and self.worst_tracked not in tracked:
-            tracked.insert(0, self.worst_tracked)
+        worst = self.worst_tracked
+        tracked = [worst if worst is not None and t.step == worst.step else t for t in self.tracked]
+        if worst is not None and worst not in tracked:
+            tracked.insert(0, worst)
         worst = self.worst_meas or self.worst_est
         return RankSummary(
             rank=self.rank,
@@ -262,6 +297,7 @@ class RankAccumulator:
             shapes=tuple(self.shapes),
             tracked=tuple(tracked),
             measured_to_estimated=self.worst_steady.ratio if self.worst_steady else None,
+            series=self.series.series() if self.series.rows else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -282,6 +318,7 @@ class RankAccumulator:
             "device_memory": self.device_memory,
             "max_seq_len": self.max_seq_len,
             "shapes": [list(s) for s in self.shapes],
+            "series": self.series.to_dict(),
         }
 
     @classmethod
@@ -297,6 +334,8 @@ class RankAccumulator:
         acc.reserved, acc.headroom = data.get("reserved"), data.get("headroom")
         acc.device_memory, acc.max_seq_len = data.get("device_memory"), data.get("max_seq_len")
         acc.shapes = [(int(b), int(s)) for b, s in data.get("shapes", ())]
+        if data.get("series"):
+            acc.series = SeriesBuilder.from_dict(data["series"])
         return acc
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
+from lightning_memplan.report.timeline import StepTimeline
 
 __all__ = ["TrackerReport"]
 
@@ -36,6 +37,7 @@ class TrackerReport:
         pinned: ``{phase: {component: bytes}}`` at the moments requested with ``TensorTracker(pin=)``.
         n_ops: tensor operations observed.
         device: the device type whose storages were counted (``"cpu"``, ``"cuda"``, ...).
+        timeline: live bytes per component over the step (bounded samples), ``None`` when off.
     """
 
     peak: Mapping[str, int] = field(default_factory=_zero)
@@ -46,6 +48,7 @@ class TrackerReport:
     pinned: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     n_ops: int = 0
     device: str = "cpu"
+    timeline: StepTimeline | None = None
 
     def __post_init__(self) -> None:
         if self.peak_phase not in PHASES:
@@ -87,6 +90,7 @@ class TrackerReport:
             "pinned": {p: dict(c) for p, c in self.pinned.items()},
             "n_ops": self.n_ops,
             "device": self.device,
+            "timeline": self.timeline.to_dict() if self.timeline is not None else None,
         }
 
     @classmethod
@@ -100,6 +104,7 @@ class TrackerReport:
             pinned={p: {k: int(v) for k, v in c.items()} for p, c in data.get("pinned", {}).items()},
             n_ops=int(data.get("n_ops", 0)),
             device=data.get("device", "cpu"),
+            timeline=StepTimeline.from_dict(data["timeline"]) if data.get("timeline") else None,
         )
 
     def format_table(self, unit: int = 1) -> str:

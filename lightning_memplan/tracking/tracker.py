@@ -62,6 +62,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 from lightning_memplan.tracking.report import TrackerReport
 
 __all__ = ["TensorTracker"]
@@ -150,6 +151,9 @@ class TensorTracker(TorchDispatchMode):
             of that operator in the phase, as :attr:`TrackerReport.peak_ops` names the peaks. Used to
             compare batch shapes at the same point of the step (counting calls of one operator is robust
             to the few view ops whose presence depends on the shape, e.g. matmul folding for b == 1).
+        timeline_points: keep live bytes per component over the step as at most this many samples
+            (:attr:`TrackerReport.timeline`, max-preserving decimation, O(1) per operator); ``None``
+            turns the timeline off.
 
     Raises:
         ValueError: ``seq_len``/``vocab_size`` not a positive int, or a phase name not in ``PHASES``.
@@ -164,8 +168,10 @@ class TensorTracker(TorchDispatchMode):
         vocab_size: int | None = None,
         device: str | torch.device | None = None,
         pin: Mapping[str, str] | None = None,
+        timeline_points: int | None = DEFAULT_TIMELINE_POINTS,
     ) -> None:
         super().__init__()
+        self._timeline = TimelineBuilder(timeline_points) if timeline_points is not None else None
         self.module = module
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         self.seq_len = seq_len
@@ -263,6 +269,7 @@ class TensorTracker(TorchDispatchMode):
             current=dict(self._cur),
             n_ops=self.n_ops,
             device=self.device_type or "any",
+            timeline=self._timeline.timeline(self.n_ops) if self._timeline is not None else None,
         )
 
     @property
@@ -447,6 +454,8 @@ class TensorTracker(TorchDispatchMode):
                     component = self._classify_new(t, func, args, phase)
                     self._add(st, component, fresh=phase != "forward")
         self._check_peak(phase)
+        if self._timeline is not None:
+            self._timeline.sample(self.n_ops, phase, self._total, self._cur.values())
         if self._pin and self._pin.get(phase) == _moment_name(self._moment[phase]):
             self._pinned[phase] = self._snapshot()
         return out
