@@ -28,7 +28,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         help="a preset (e.g. llama3-8b, gpt2), a Hugging Face config.json path, or pkg.module:Class "
-        "(an nn.Module constructed with --model-kwargs)",
+        "(an nn.Module constructed with --model-kwargs). SECURITY: pkg.module:Class imports that module and "
+        "calls that class, i.e. runs its code with your permissions; only name code you trust. A config.json "
+        "is only parsed as JSON, never executed",
     )
     group.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for pkg.module:Class")
 

@@ -519,7 +519,10 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             optim_state = {key: get_optimizer_state_dict(module, optimizer, options=options)}
             _distributed_checkpoint_load(optim_state, path)
             set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
-        return torch.load(path / _METADATA_FILENAME, weights_only=bool(weights_only))
+        # As Lightning's ModelParallelStrategy (fabric ``_load_checkpoint``): ``weights_only`` is passed as
+        # given, so None means torch's default (True since torch 2.6) and only an explicit
+        # ``fit(weights_only=False)`` unpickles arbitrary objects.
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
 def _picklable(exc: BaseException) -> bool:

@@ -4,11 +4,13 @@ directory, the ``"memplan"`` entry of checkpoints), the console text, and readin
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memplan.model.specs import ParallelPlan
 from lightning_memplan.strategies.decision import Resolution
@@ -47,13 +49,33 @@ def explain(res: Resolution) -> str:
 
 
 def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
-    """The plan stored in a memplan_auto checkpoint (file or distributed-checkpoint folder), if any."""
+    """The plan stored in a memplan_auto checkpoint (file or distributed-checkpoint folder), if any.
+
+    Read before Lightning's own load (the plan decides the mesh the checkpoint is loaded into), so it is
+    read with ``torch.load(weights_only=True)`` always, whatever ``fit(weights_only=...)`` says: the
+    record is plain JSON-like data, and nothing in the file is ever executed here. A file that only
+    loads with ``weights_only=False`` (custom pickled objects) gives a warning and no stored plan; the
+    user's own ``fit(weights_only=False)`` then decides whether Lightning loads it.
+    """
     if ckpt_path is None:
         return None
     path = Path(ckpt_path)
     meta = path / _METADATA_FILENAME if path.is_dir() else path
     if not meta.is_file():
         return None
-    checkpoint = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=False)
+    try:
+        checkpoint = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        rank_zero_warn(
+            f"memplan_auto: {str(meta)!r} does not load with torch.load(weights_only=True) ({_first_line(exc)}); "
+            "its stored plan is not read (memplan never unpickles arbitrary objects) and a plan is made afresh. "
+            "Pass MemplanAutoStrategy(plan=...) to force the checkpoint's plan"
+        )
+        return None
     stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan") if isinstance(checkpoint, dict) else None
     return ParallelPlan.from_dict(stored) if stored else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
