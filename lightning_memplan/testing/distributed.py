@@ -36,6 +36,7 @@ def _worker(
     args: tuple[Any, ...],
     backend: str,
     timeout_s: float,
+    num_nodes: int = 1,
 ) -> None:
     import datetime
 
@@ -45,9 +46,14 @@ def _worker(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
-    os.environ["LOCAL_RANK"] = str(rank)
+    per_node = world_size // num_nodes
+    # Lightning's LightningEnvironment reads LOCAL_RANK and NODE_RANK (global rank = node x devices +
+    # local), torchelastic-style code LOCAL_WORLD_SIZE / GROUP_RANK: each simulated node is a block of
+    # ``per_node`` consecutive ranks on this host.
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["NODE_RANK"] = os.environ["GROUP_RANK"] = str(rank // per_node)
     os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     stage = "init"
@@ -74,6 +80,7 @@ def run_distributed(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    num_nodes: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return each rank's result.
 
@@ -83,6 +90,9 @@ def run_distributed(
         *args: extra picklable arguments passed to every rank.
         backend: ``torch.distributed`` backend; ``"gloo"`` runs on CPU.
         timeout_s: collective timeout, so a mismatch on one rank fails instead of hanging.
+        num_nodes: simulated nodes on this host: ranks ``n * (world_size // num_nodes) + i`` form node
+            ``n`` (``NODE_RANK=n``, ``LOCAL_RANK=i``), as Lightning's multi-node environment numbers
+            them, so ``Trainer(devices=world_size // num_nodes, num_nodes=num_nodes)`` runs in each.
 
     Returns:
         ``[result_rank0, result_rank1, ...]``.
@@ -92,11 +102,15 @@ def run_distributed(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2")
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(
+            f"num_nodes={num_nodes!r} must be a positive int dividing world_size={world_size}, e.g. num_nodes=2"
+        )
     # The port is free when picked but another process may take it before rank 0's store binds it:
     # such a run is retried on a new port (a few times), any other failure is raised at once.
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _spawn(fn, world_size, args, backend, timeout_s, find_free_port())
+            return _spawn(fn, world_size, args, backend, timeout_s, find_free_port(), num_nodes)
         except _PortTaken:
             if attempt == _PORT_ATTEMPTS - 1:
                 raise RuntimeError(
@@ -114,11 +128,11 @@ class _PortTaken(RuntimeError):
 
 
 def _spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], backend: str, timeout_s: float,
-           port: int) -> list[Any]:
+           port: int, num_nodes: int = 1) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="memplan_dist_") as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, port, out_dir, fn, args, backend, timeout_s),
+            args=(world_size, port, out_dir, fn, args, backend, timeout_s, num_nodes),
             nprocs=world_size,
             join=False,
             start_method="spawn",
