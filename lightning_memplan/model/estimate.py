@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from lightning_memplan.model import terms
+from lightning_memplan.model import checkpointing, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 
@@ -53,13 +53,11 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
         )
     if plan.schedule == "interleaved" and plan.pp > 1:
         chunks = plan.pp * plan.virtual_stages
-        if model.n_layers % chunks:
-            per_stage = model.n_layers / plan.pp
-            ok = [v for v in range(1, model.n_layers // plan.pp + 1) if model.n_layers % (plan.pp * v) == 0]
+        if model.n_layers < chunks:  # uneven chunks are fine (the first L mod (p v) take one more)
             raise ValueError(
-                f"virtual_stages={plan.virtual_stages} does not divide the {per_stage:g} layers per stage "
-                f"(n_layers={model.n_layers}, pp={plan.pp}); the interleaved schedule needs n_layers "
-                f"divisible by pp * virtual_stages, use virtual_stages in {ok}"
+                f"virtual_stages={plan.virtual_stages} x pp={plan.pp} = {chunks} stages exceed "
+                f"n_layers={model.n_layers}; every stage needs a block, use virtual_stages <= "
+                f"{model.n_layers // plan.pp}"
             )
     if train.seq_len % plan.cp:
         raise ValueError(
@@ -141,6 +139,10 @@ def _dynamic(
     if train.recompute == "full":
         saved_layer = terms.full_recompute_layer_bytes(model, train, b, s, t=t, sp=sp)
         rebuild = full_layer + terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
+    elif train.recompute == "selective_op":
+        # torchtitan's op-level policy: the kept outputs per block; the recompute rebuilds the rest
+        saved_layer = checkpointing.selective_op_layer_bytes(model, train, b, s, t=t, sp=sp)
+        rebuild = checkpointing.selective_op_rebuild_bytes(model, train, b, s, t=t, sp=sp)
     else:
         saved_layer, rebuild = full_layer, 0
     head_acts = 0
@@ -161,7 +163,12 @@ def _dynamic(
     # micro-batch inside the step's region, so the copies exist once. FSDP (zero >= 2 with d > 1)
     # all-gathers 16-bit parameters itself (MixedPrecisionPolicy), so autocast has nothing to cast.
     fsdp_mixed = plan.zero >= 2 and plan.dp * plan.cp > 1
-    copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(matmul, train)
+    if train.recompute in ("full", "selective_op"):
+        # Casts inside a non-reentrant ``checkpoint`` region are not kept in autocast's cache (measured on
+        # torch 2.13 with the tracker: the blocks' 16-bit weight copies are gone after the forward);
+        # only the head's copy remains.
+        matmul -= layout.n_layers * math.ceil(terms.layer_matmul_param_count(model) / t)
+    copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
 
     acts_fwd = round(inflight * per_mb_acts)
     attn_fwd = round(inflight * per_mb_attn)
@@ -185,7 +192,7 @@ def _dynamic(
             "workspace": 0,
             "other": copies,
         },
-        # the last block's backward: the loss buffers are gone, the block is rebuilt (full recompute)
+        # the last block's backward: the loss buffers are gone, the block is rebuilt (full/selective-op)
         # and eager attention's softmax backward makes its [b, a, s, s] temporaries.
         "backward_layer": {
             "activations": acts_fwd,
@@ -400,6 +407,13 @@ def estimate_memory(
     if calibration is not None and not isinstance(calibration, Calibration):
         raise TypeError(f"calibration={calibration!r} must be a Calibration from trace.calibrate()")
     check_compatible(model, train, plan)
+    if calibration is None and model.hf_config is not None:
+        # a spec read from a Hugging Face config: trace the real model class when transformers is there
+        from lightning_memplan.model.hf_trace import hf_trace_estimate
+
+        traced = hf_trace_estimate(model, train, plan, rank=rank)
+        if traced is not None:
+            return traced
     if rank is not None:
         return _estimate_stage(model, train, plan, plan.stage_of_rank(rank), rank, calibration)
     ranks_per_stage = plan.dp * plan.cp * plan.tp

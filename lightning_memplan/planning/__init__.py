@@ -18,7 +18,7 @@ from lightning_memplan.planning.decision import (
 from lightning_memplan.planning.planner import CHANGE_COST, CHANGE_PENALTY, plan
 from lightning_memplan.planning.space import ALLOW_NAMES, Allow
 from lightning_memplan.planning.timing import (
-    ACHIEVABLE_FLOPS_FRACTION,
+    TIME_MODEL_OFF,
     Layout,
     StepTime,
     StepTimeModel,
@@ -28,7 +28,6 @@ from lightning_memplan.planning.timing import (
 )
 
 __all__ = [
-    "ACHIEVABLE_FLOPS_FRACTION",
     "ALLOCATOR_FRAGMENTATION_FRACTION",
     "ALLOW_NAMES",
     "Allow",
@@ -45,6 +44,7 @@ __all__ = [
     "StepTime",
     "StepTimeModel",
     "Suggestion",
+    "TIME_MODEL_OFF",
     "bubble_fraction",
     "bubble_overhead",
     "memory_budget",

@@ -13,6 +13,10 @@ Sources:
          6N + 12 L h s, and MFU = achieved model FLOPs / peak (recomputation excluded).
   [K22]  Korthikanti et al. 2022, arXiv 2205.05198, section 5: selective recomputation recomputes only
          the attention core (Q K^T, softmax, dropout, attention over V).
+  [TT-AC] torchtitan ``torchtitan/models/llama3/infra/parallelize.py`` (``_apply_ac_to_transformer_block``,
+         op-level selective AC): the outputs of matmuls, attention and reductions are saved "except every
+         second mm" (counted per block in forward order), so the backward re-runs every second matmul
+         and the element-wise ops between them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "model_flops_per_token",
     "param_scale",
     "recompute_flops_per_token",
+    "selective_op_recompute_params",
 ]
 
 #: FLOPs per multiply-accumulate.
@@ -76,11 +81,23 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return model.n_layers * per_layer + head_flops_per_token(model)
 
 
+def selective_op_recompute_params(model: ModelSpec) -> int:
+    """Weights of the matmuls op-level selective AC re-runs in one block: the 2nd, 4th, ... of the
+    forward order q, k, v, o, then the MLP's (w1, w3, w2 for SwiGLU as ``w2(silu(w1 x) * w3 x)``;
+    up, down for GELU/ReLU) [TT-AC]: k, o and w3 (SwiGLU) or k, o and down (GELU)."""
+    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
+    shapes = [h * a * dh, h * k * dh, h * k * dh, a * dh * h]
+    shapes += [h * f, h * f, f * h] if model.ffn_kind == "swiglu" else [h * f, f * h]
+    return sum(n for i, n in enumerate(shapes, 1) if i % 2 == 0)
+
+
 def recompute_flops_per_token(model: ModelSpec, seq_len: int, mode: str, *, layers: int | None = None) -> float:
     """Extra FLOPs per token that activation recomputation adds (one more forward of what is dropped).
 
     - ``"none"``: 0.
     - ``"selective"``: the attention core's forward ``4 s a d_h`` per layer [K22 section 5].
+    - ``"selective_op"``: every second matmul's forward, ``2 P_op`` per layer with ``P_op`` from
+      :func:`selective_op_recompute_params` (attention outputs are saved) [TT-AC].
     - ``"full"``: each block's whole forward ``2 P_layer + 4 s a d_h`` per layer (the 96 vs 72 of
       [N21] eq. (3)); the lm_head is not recomputed.
     """
@@ -90,6 +107,8 @@ def recompute_flops_per_token(model: ModelSpec, seq_len: int, mode: str, *, laye
         return 0.0
     if mode == "selective":
         return n * attn_fwd
+    if mode == "selective_op":
+        return n * FLOPS_PER_MAC * selective_op_recompute_params(model) * param_scale(model)
     if mode == "full":
         return n * (layer_matmul_flops_per_token(model) / (1 + BACKWARD_TO_FORWARD) + attn_fwd)
-    raise ValueError(f"recompute={mode!r} must be 'none', 'selective' or 'full'")
+    raise ValueError(f"recompute={mode!r} must be 'none', 'selective', 'selective_op' or 'full'")

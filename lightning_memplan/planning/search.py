@@ -317,7 +317,9 @@ class _Search:
                         return dom
         return None
 
-    _RC_RANK = {"none": 0, "selective": 1, "full": 2}
+    #: Recompute modes by memory saved: "full" saves the most, "none" the least; "selective" (attention
+    #: core) and "selective_op" (every second matmul) share a rank and are not compared with each other.
+    _RC_RANK = {"none": 0, "selective": 1, "selective_op": 1, "full": 2}
     _LOSS_RANK = {"fp32_upcast": 0, "naive": 1, "vocab_parallel": 2}
 
     def _record_failure(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool) -> None:
@@ -346,7 +348,7 @@ class _Search:
                 continue
             if flm != lm and not (flm in self._LOSS_RANK and lm in self._LOSS_RANK and self._LOSS_RANK[flm] >= self._LOSS_RANK[lm]):
                 continue
-            if frc != rc and not (rc_ordered and self._RC_RANK[frc] >= self._RC_RANK[rc]):
+            if frc != rc and not (rc_ordered and self._RC_RANK[frc] > self._RC_RANK[rc]):
                 continue
             return (f, frc, fz, flm, fsp)
         return None

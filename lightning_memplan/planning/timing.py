@@ -1,4 +1,4 @@
-"""Step-time model: compute at an achievable fraction of peak, communication per parallel axis
+"""Step-time model: compute per GEMM shape and GPU generation (:mod:`.efficiency`), communication per parallel axis
 (exposed vs overlapped), the pipeline bubble, and the optimizer step.
 
 ``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (seed 003, section "step time").
@@ -25,6 +25,14 @@ Sources (besides those of :mod:`.flops` and :mod:`.comm`):
          around the ring, c-1 steps overlapped with the blockwise attention compute.
   [LK24] Hsu et al. 2024 (Liger Kernel), arXiv 2410.10989, section 3.3: a chunked linear cross-entropy
          computes the gradient in the forward, the same GEMM FLOPs as the naive loss.
+  [TT-FSDP] torchtitan ``torchtitan/models/llama3/infra/parallelize.py`` ``apply_fsdp``:
+         ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; FSDP2 prefetches the
+         next unit's all-gather during the current unit's compute.
+  [TT-AC] torchtitan op-level selective AC (see :mod:`.flops`).
+  [L3]   Dubey et al. 2024 (Llama 3), arXiv 2407.21783, section 3.3.2: 126 layers on 16 pipeline
+         stages, the first and last stage one layer lighter; Table 4: 38-43 % BF16 MFU.
+  [FA2]  Dao 2023, arXiv 2307.08691, section 3.1.1: causal masking skips the blocks above the diagonal.
+  [P22]  Chowdhery et al. 2022 (PaLM), arXiv 2204.02311, Appendix B: MFU counts 12 L h s per token.
   [MFU]  Narayanan et al. 2021 Table 1: 44-52 % of A100 peak end to end (bubble and communication
          included); Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4: 38-43 % BF16 MFU on H100;
          Jiang et al. 2024 (MegaScale), arXiv 2402.15627: 55.2 % MFU.
@@ -40,6 +48,7 @@ from typing import Any
 from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model import terms
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.planning import efficiency as E
 from lightning_memplan.planning import flops as F
 from lightning_memplan.planning.comm import (
     all_gather_time,
@@ -50,11 +59,11 @@ from lightning_memplan.planning.comm import (
 )
 
 __all__ = [
-    "ACHIEVABLE_FLOPS_FRACTION",
+    "CAUSAL_KERNEL_SHARE",
     "CHUNK_OVERHEAD_S",
     "FSDP_UNIT_OVERHEAD_S",
-    "MEMORY_BW_EFFICIENCY",
     "OVERLAP_EFFICIENCY",
+    "TIME_MODEL_OFF",
     "Layout",
     "LayoutTimes",
     "StepTime",
@@ -63,18 +72,18 @@ __all__ = [
     "bubble_overhead",
     "planned_chunk_size",
     "predict_step_time",
+    "time_model_applies",
     "topology_notes",
 ]
 
-#: Fraction of dense peak FLOP/s that a transformer's GEMM-dominated compute sustains [MFU]. Applied to
-#: all FLOPs including recomputation. End-to-end MFU comes out lower once the bubble and exposed
-#: communication are added.
-ACHIEVABLE_FLOPS_FRACTION = 0.55
 #: Fraction of a compute window that can hide concurrent communication (the rest is lost to SM
 #: contention and the last bucket/unit that has nothing left to overlap with) [L20, Z23].
-OVERLAP_EFFICIENCY = 0.8
-#: Fraction of rated device-memory bandwidth a fused/foreach optimizer step achieves (STREAM-like).
-MEMORY_BW_EFFICIENCY = 0.8
+OVERLAP_EFFICIENCY = 0.9
+#: Share of the s x s score square a causal fused attention kernel computes (FlashAttention skips the
+#: blocks above the diagonal [FA2 section 3.1.1]); FLOP counts (and MFU) count the full square [P22].
+CAUSAL_KERNEL_SHARE = 0.5
+#: The one line the explanation prints instead of times when the step is not modelled.
+TIME_MODEL_OFF = "step time not modelled on CPU (no accelerator figures); layouts ranked by memory and fewest changes"
 #: Fixed critical-path cost per FSDP unit per collective: the copy-in before an all-gather, the
 #: copy-out after it and the stream synchronisation [Z23 section 4.2 and 7.2, where FSDP trails DDP on
 #: small models]; one unit per block plus the root (embedding/head).
@@ -160,11 +169,11 @@ class StepTime:
         return cls(**{**data, "exposed_s": dict(data.get("exposed_s", {})), "overlapped_s": dict(data.get("overlapped_s", {}))})
 
 
-def _stage_shape(model: ModelSpec, pp: int) -> tuple[int, int]:
-    """(layers on stage 0, layers on the last stage) under torch.distributed.pipelining's split
-    (the first ``L mod p`` stages take one extra block), as the memory model assumes."""
-    base, extra = divmod(model.n_layers, pp)
-    return base + (1 if extra else 0), base + (1 if (pp - 1) < extra else 0)
+def time_model_applies(hardware: HardwareSpec, train: TrainSpec) -> bool:
+    """Whether step times mean anything here: not for a CPU host (``train.device == "cpu"`` or a
+    :func:`~lightning_memplan.hardware.detect.detect_hardware` CPU description, which has no speed
+    figures); there the planner ranks by memory and change cost and says so (:data:`TIME_MODEL_OFF`)."""
+    return train.device != "cpu" and not hardware.name.startswith("cpu")
 
 
 class LayoutTimes:
@@ -244,6 +253,12 @@ class StepTimeModel:
     once here, so :meth:`layout` costs only arithmetic per layout (the planner calls it thousands of
     times).
 
+    Per micro-batch, one block on one rank costs (see :mod:`.efficiency`)
+    ``GEMM FLOPs / (peak e_gemm(M, N)) + c attention FLOPs / (peak e_attn) + element-wise bytes / HBM``,
+    all divided by t, with ``M = b s / c`` tokens and ``N`` the narrowest TP-split output width.
+    Recomputation re-runs the forward of what it drops: ``"selective"`` the attention core,
+    ``"selective_op"`` every second matmul and the element-wise ops, ``"full"`` the whole block.
+
     Args:
         model, train, hardware: the specs; ``train`` supplies seq_len, precision, optimizer and an
             explicit ``loss_chunk_size`` (micro-batch, recompute and loss vary per call).
@@ -265,12 +280,18 @@ class StepTimeModel:
         s = train.seq_len
         self.pb = terms.precision_bytes(train)
         self.peak = hardware.flops_for(train.precision)
-        self.rate = self.peak * ACHIEVABLE_FLOPS_FRACTION
-        self.layer_f = F.layer_matmul_flops_per_token(model) + F.attention_flops_per_token(model, s)
+        self.modelled = time_model_applies(hardware, train)
+        self.gemm_f = F.layer_matmul_flops_per_token(model)
         self.attn_f = F.attention_flops_per_token(model, s)
+        self.layer_f = self.gemm_f + self.attn_f
         self.head_f = F.head_flops_per_token(model)
         self.rec_layer_f = {rc: F.recompute_flops_per_token(model, s, rc, layers=1) for rc in recomputes}
         self.model_f = F.model_flops_per_token(model, s)
+        self.eager = train.attention == "eager"
+        self.elem_b = E.elementwise_bytes_per_token(model, s, eager_attention=False)
+        self.score_b = E.elementwise_bytes_per_token(model, s, eager_attention=True) - self.elem_b
+        self.e_attn = E.gemm_efficiency(hardware, s, model.dim_head) if self.eager else E.attention_efficiency(hardware)
+        self.attn_share = 1.0 if self.eager else CAUSAL_KERNEL_SHARE
         scale = F.param_scale(model)
         self.layer_p = terms.layer_param_count(model) * scale
         self.emb_p = terms.embedding_param_count(model) * scale
@@ -280,21 +301,76 @@ class StepTimeModel:
         state_b = terms.optimizer_state_bytes_per_param(train)
         # read + write of params, states and master, read of grads
         self.traffic = 2 * (self.pb.param + state_b + self.pb.master) + self.pb.grad
-        self.mem_bw = hardware.resolved("memory_bw") * MEMORY_BW_EFFICIENCY
+        self.mem_bw = hardware.resolved("memory_bw") * E.MEMORY_BW_EFFICIENCY
+        # FSDP2 with a MixedPrecisionPolicy gathers the 16-bit compute copy (param_dtype=bf16) and
+        # reduce-scatters in the gradient dtype (torchtitan: reduce_dtype=float32) [TT-FSDP]; the
+        # memory model assumes the same gathered dtype.
+        self.gather_b = self.pb.compute if self.pb.autocast_copy else self.pb.param
         self._links: dict[tuple[int, int], Any] = {}
+        self._block: dict[tuple[float, int], tuple[float, dict[str, float], float]] = {}
+        self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def block_seconds(self, tokens: float, t: int) -> tuple[float, dict[str, float], float]:
+        """(one block's forward + backward seconds on a rank for ``tokens`` tokens, ``{recompute: extra
+        seconds}``, the lm_head's seconds), tensor-parallel size ``t``."""
+        key = (tokens, t)
+        hit = self._block.get(key)
+        if hit is not None:
+            return hit
+        model, hw, peak = self.model, self.hardware, self.peak
+        width = min(model.hidden, model.ffn / t, model.n_heads * model.dim_head / t)
+        e = E.gemm_efficiency(hw, tokens, width)
+        gemm = tokens * self.gemm_f / t / (peak * e)
+        attn = tokens * self.attn_f * self.attn_share / t / (peak * self.e_attn)
+        elem = tokens * self.elem_b / t / self.mem_bw
+        score = tokens * self.score_b / t / self.mem_bw if self.eager else 0.0
+        fwd = 1.0 / (1 + F.BACKWARD_TO_FORWARD)
+        extra = {}
+        for rc in self.recomputes:
+            if rc == "none":
+                extra[rc] = 0.0
+            elif rc == "selective":  # the attention core's forward again [K22]
+                extra[rc] = fwd * (attn + score)
+            elif rc == "selective_op":  # every second matmul and the element-wise ops again [TT-AC]
+                extra[rc] = tokens * self.rec_layer_f[rc] / t / (peak * e) + fwd * elem
+            else:  # the whole block's forward again
+                extra[rc] = fwd * (gemm + attn + elem + score)
+        head = tokens * self.head_f / t / (peak * E.gemm_efficiency(hw, tokens, model.vocab_size / t))
+        out = self._block[key] = (gemm + attn + elem + score, extra, head)
+        return out
+
+    def rank_layers(self, p: int, v: int) -> tuple[int, int]:
+        """(blocks on the first pipeline rank, blocks on the last) when L blocks are split into
+        ``p * v`` stages, the first ``L mod (p v)`` taking one more (torch.distributed.pipelining's and
+        :mod:`lightning_memplan.strategies.pipeline`'s split), rank r holding stages r, r + p, ...
+        Uneven counts are allowed: Llama 3 ran 126 layers on 16 stages with the first and last lighter
+        [L3 section 3.3.2], which this split reproduces (the lm_head makes the last rank's load up)."""
+        key = (p, v)
+        hit = self._ranks.get(key)
+        if hit is None:
+            base, extra = divmod(self.model.n_layers, p * v)
+            first = sum(base + (1 if k * p < extra else 0) for k in range(v))
+            last = sum(base + (1 if (p - 1) + k * p < extra else 0) for k in range(v))
+            hit = self._ranks[key] = (first, last)
+        return hit
+
+    def stage_compute(self, lay: Layout, rc: str) -> float:
+        """Seconds of one micro-batch's forward + backward (+ recompute) on the bottleneck pipeline rank."""
+        first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
+        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp)
+        per = block + extra[rc]
+        return max(first * per, last * per + head)
 
     def compute_lower_bound(self, lay: Layout) -> float:
         """A cheap lower bound of every option's step time for ``lay``: the bottleneck stage's compute
         with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
-        first_layers, last_layers = _stage_shape(self.model, lay.pp)
-        lf = self.layer_f + min(self.rec_layer_f.values())
-        per_rank = lay.b * self.train.seq_len / (lay.tp * lay.cp) / self.rate
+        first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
-        compute = max(first_layers * lf, last_layers * lf + self.head_f) * per_rank
+        compute = min(self.stage_compute(lay, rc) for rc in self.recomputes)
         tp = 0.0
         if lay.tp > 1:  # the 4 TP all-reduces per layer are never hidden
             msg = lay.b * (self.train.seq_len // lay.cp) * self.model.hidden * self.pb.compute
-            tp = max(first_layers, last_layers) * 4 * all_reduce_time(msg, lay.tp, self._link(1, lay.tp))
+            tp = max(first, last) * 4 * all_reduce_time(msg, lay.tp, self._link(1, lay.tp))
         return slots * (compute + tp)
 
     def _link(self, stride: int, size: int):
@@ -310,17 +386,13 @@ class StepTimeModel:
         recomputes, zeros, losses = self.recomputes, self.zeros, self.losses
         d, t, p, c, b, m, v = lay.dp, lay.tp, lay.pp, lay.cp, lay.b, lay.m, lay.v
         s = train.seq_len
-        rate = self.rate
         tokens_mb = b * s  # tokens of one micro-batch of one replica (before the cp split)
         notes: list[str] = []
 
         # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
-        first_layers, last_layers = _stage_shape(model, p)
-        per_rank = tokens_mb / (t * c) / rate
-        compute_mb = {}
-        for rc in recomputes:
-            lf = self.layer_f + self.rec_layer_f[rc]
-            compute_mb[rc] = max(first_layers * lf, last_layers * lf + self.head_f) * per_rank
+        first_layers, last_layers = self.rank_layers(p, v if p > 1 else 1)
+        compute_mb = {rc: self.stage_compute(lay, rc) for rc in recomputes}
+        _, _, head_s = self.block_seconds(b * s / c, t)
         tokens_step = d * m * tokens_mb
 
         # tensor parallel: 4 all-reduces of b (s/c) h per layer per micro-batch, 6 with full recompute
@@ -336,7 +408,8 @@ class StepTimeModel:
             cp_link = self._link(t, c)
             kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * pb.compute
             cp_total = layers_b * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
-            attn = layers_b * self.attn_f * per_rank
+            # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
+            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * self.e_attn)
             cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
             cp_hidden = cp_total - cp_mb
         else:
@@ -373,7 +446,7 @@ class StepTimeModel:
             local = max(stage0, stage_last) / t
         else:
             local = self.total_p / t
-        grad_bytes, param_bytes = local * pb.grad, local * pb.param
+        grad_bytes, param_bytes, gather_bytes = local * pb.grad, local * pb.param, local * self.gather_b
         dp_exposed: dict[tuple[int, str], float] = {}
         dp_overlapped: dict[tuple[int, str], float] = {}
         opt_s: dict[int, float] = {}
@@ -381,7 +454,8 @@ class StepTimeModel:
             dp_link = self._link(t, n_rep)
             ar = all_reduce_time(grad_bytes, n_rep, dp_link)
             rs = reduce_scatter_time(grad_bytes, n_rep, dp_link)
-            ag = all_gather_time(param_bytes, n_rep, dp_link)
+            ag = all_gather_time(param_bytes, n_rep, dp_link)  # ZeRO-1: the updated parameters
+            fsdp_ag = all_gather_time(gather_bytes, n_rep, dp_link)  # FSDP: the 16-bit compute copy
         for z in zeros:
             shard = n_rep if z >= 1 else 1
             opt_s[z] = local / shard * self.traffic / self.mem_bw
@@ -398,8 +472,9 @@ class StepTimeModel:
                     hidden = rs - max(0.0, rs - bwd_window)
                 else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
                     collectives = (2 if z == 3 else 1) + 1
-                    per_mb = (collectives - 1) * ag + rs
-                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc]) + ag / max(1, layers_b)
+                    per_mb = (collectives - 1) * fsdp_ag + rs
+                    # the first unit's gather and the last unit's reduce-scatter have no compute to hide under
+                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc]) + (fsdp_ag + rs) / max(1, layers_b + 1)
                     exposed_mb += collectives * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
                     comm = m * exposed_mb
                     hidden = max(0.0, m * per_mb - comm)

@@ -8,7 +8,6 @@ import pytest
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
-    ACHIEVABLE_FLOPS_FRACTION,
     CUDA_CONTEXT_BYTES,
     NCCL_BYTES_PER_GROUP,
     Allow,
@@ -20,6 +19,7 @@ from lightning_memplan.planning import (
 from lightning_memplan.planning import flops as F
 from lightning_memplan.planning.comm import (
     COLLECTIVE_BW_EFFICIENCY,
+    INTER_NODE_BW_EFFICIENCY,
     INTER_NODE_LATENCY_S,
     INTRA_NODE_LATENCY_S,
     all_reduce_time,
@@ -77,19 +77,27 @@ def test_collectives_and_links():
     nbytes = 1e9
     expect = 2 * 7 / 8 * nbytes / (COLLECTIVE_BW_EFFICIENCY * 300e9) + 2 * 7 * INTRA_NODE_LATENCY_S
     assert all_reduce_time(nbytes, 8, inside) == pytest.approx(expect)
-    expect = 15 / 16 * nbytes / (COLLECTIVE_BW_EFFICIENCY * 25e9) + 15 * INTER_NODE_LATENCY_S
+    expect = 15 / 16 * nbytes / (INTER_NODE_BW_EFFICIENCY * 25e9) + 15 * INTER_NODE_LATENCY_S
     assert reduce_scatter_time(nbytes, 16, across) == pytest.approx(expect)
     assert all_reduce_time(nbytes, 1, inside) == 0.0
 
 
 def test_single_device_step_time_by_hand():
-    """One GPU, no parallelism: step = tokens x FLOPs/token / (peak x fraction) + optimizer step."""
+    """One GPU, no parallelism: step = tokens x (GEMM FLOPs / (peak e_gemm) + causal half of the
+    attention FLOPs / (peak e_attn) + element-wise bytes / HBM) + lm_head + optimizer step."""
+    from lightning_memplan.planning import efficiency as E
+
     m = _gpt(L=4, h=512, a=8, V=1000)
     t = TrainSpec(micro_batch=2, seq_len=256, precision="bf16-mixed", grad_accumulation=3)
     hw = HardwareSpec.preset("h100-sxm")
     st = predict_step_time(m, t, hw, ParallelPlan())
-    tokens = 2 * 256 * 3
-    compute = tokens * F.model_flops_per_token(m, 256) / (989.5e12 * ACHIEVABLE_FLOPS_FRACTION)
+    tokens, mb = 2 * 256 * 3, 2 * 256
+    e = E.GEMM_PEAK_FRACTION["hopper"] / (1 + E.GEMM_TILE / mb + E.GEMM_TILE / 512)  # narrowest width h = 512
+    block = (F.layer_matmul_flops_per_token(m) / (989.5e12 * e)
+             + 0.5 * F.attention_flops_per_token(m, 256) / (989.5e12 * E.ATTENTION_PEAK_FRACTION["hopper"])
+             + (375 * 512 + 30 * 2048) / (3.35e12 * 0.8))
+    e_head = E.GEMM_PEAK_FRACTION["hopper"] / (1 + E.GEMM_TILE / mb + E.GEMM_TILE / 1000)
+    compute = tokens * (4 * block + F.head_flops_per_token(m) / (989.5e12 * e_head))
     n = m.num_params
     optimizer = n * (2 * (4 + 8 + 0) + 4) / (3.35e12 * 0.8)  # fp32 params+grads, two fp32 Adam states
     assert st.tokens == tokens
