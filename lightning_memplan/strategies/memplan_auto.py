@@ -49,7 +49,7 @@ from lightning_memplan.strategies.fsdp import (
 )
 from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for, train_spec_for
 from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
-from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, build_device_mesh
+from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
 from lightning_memplan.strategies.pipeline import PipelineRunner
 from lightning_memplan.strategies.record import CHECKPOINT_KEY, PLAN_FILENAME, explain, record, stored_plan
 from lightning_memplan.strategies.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
@@ -144,7 +144,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh[LIGHTNING_DP_ALIAS]
+        dp_mesh = alias_mesh(self.device_mesh, LIGHTNING_DP_ALIAS)
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     # ------------------------------------------------------------------------------------------ setup

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from lightning_memplan.model.specs import ParallelPlan
 
-__all__ = ["LIGHTNING_DP_ALIAS", "LIGHTNING_TP_ALIAS", "MeshAxis", "MeshLayout", "build_device_mesh"]
+__all__ = ["LIGHTNING_DP_ALIAS", "LIGHTNING_TP_ALIAS", "MeshAxis", "MeshLayout", "alias_mesh", "build_device_mesh"]
 
 #: Flattened mesh names that Lightning's ``ModelParallelStrategy`` exposes to ``configure_model``.
 LIGHTNING_DP_ALIAS = "data_parallel"
@@ -129,6 +129,29 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
 
     names = tuple(str(axis) for axis in MeshAxis)
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
-    mesh[(str(MeshAxis.DP_REPLICATE), str(MeshAxis.DP_SHARD))]._flatten(LIGHTNING_DP_ALIAS)
-    mesh[str(MeshAxis.TP)]._flatten(LIGHTNING_TP_ALIAS)
+    for alias in _ALIAS_DIMS:
+        alias_mesh(mesh, alias)
     return mesh
+
+
+#: The mesh dimensions each Lightning-compatible alias flattens.
+_ALIAS_DIMS: dict[str, tuple[str, ...]] = {
+    LIGHTNING_DP_ALIAS: (str(MeshAxis.DP_REPLICATE), str(MeshAxis.DP_SHARD)),
+    LIGHTNING_TP_ALIAS: (str(MeshAxis.TP),),
+}
+
+
+def alias_mesh(mesh: DeviceMesh, alias: str) -> DeviceMesh:
+    """The 1-D flattened mesh named ``alias`` (``"data_parallel"`` or ``"tensor_parallel"``).
+
+    Slicing a flattened name from the root mesh (``mesh["data_parallel"]``) is deprecated since PyTorch
+    2.11 ("Users need to bookkeep the flattened mesh directly", ``DeviceMesh.__getitem__``); flattening
+    the underlying dimensions again returns the mesh made by the first ``_flatten`` (it is cached in the
+    root's flatten mapping, no new process group), without the warning.
+    """
+    try:
+        dims = _ALIAS_DIMS[alias]
+    except KeyError:
+        raise ValueError(f"alias={alias!r} is not a memplan_auto mesh alias; use one of {sorted(_ALIAS_DIMS)}") from None
+    sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    return sub._flatten(alias)
