@@ -1,8 +1,13 @@
 """Data parallelism with FSDP2 ``fully_shard``: DDP, ZeRO-2/3 and HSDP from one API.
 
 Each repeated block becomes one FSDP unit (one all-gather / reduce-scatter per block, as torchtitan's
-``apply_fsdp``), untied embedding and output head get their own units, and the transformer root takes
-the rest. The data-parallel mesh decides the semantics:
+``apply_fsdp``), untied embedding and output head get their own units, and the LightningModule itself is
+the root unit that takes the rest, with its step methods registered as forward methods: whatever a
+``training_step`` calls (``self.model(...)``, ``self.model.model(...)`` of a Hugging Face ``*ForCausalLM``,
+``lm_head.weight`` read by a loss) finds the root's parameters gathered. FSDP2 only all-gathers a unit
+in the pre-forward hook of the module it was applied to (``fully_shard`` docs: "the root ... is the
+module whose forward runs first"), so a root placed on an inner transformer misses every call that
+bypasses that transformer's ``forward``. The data-parallel mesh decides the semantics:
 
 * ``(dp_replicate=d, dp_shard=1)``: every rank holds full parameters and gradients are all-reduced over
   the replicate dim -- DDP semantics (FSDP2's HSDP with a shard group of one);
@@ -14,6 +19,7 @@ Lightning's precision plugin keeps doing autocast, so no ``MixedPrecisionPolicy`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -24,7 +30,16 @@ from lightning_memplan.strategies.mesh import MeshAxis, MeshLayout
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_activation_checkpointing", "apply_data_parallel", "data_parallel_mesh"]
+__all__ = [
+    "STEP_METHODS",
+    "apply_activation_checkpointing",
+    "apply_data_parallel",
+    "data_parallel_mesh",
+    "selective_op_context_fn",
+]
+
+#: LightningModule methods Lightning calls instead of ``forward``; each all-gathers the root unit.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def data_parallel_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
@@ -51,19 +66,21 @@ def apply_data_parallel(
         transformer: the recognised layout inside it, or ``None`` to shard ``module`` as one unit.
         dp_mesh: from :func:`data_parallel_mesh`.
         reshard_after_forward: ZeRO-3 (``True``) or ZeRO-2 (``False``) for the per-block units.
-        roots: the modules whose ``forward`` runs the model (default: the transformer); pipeline stages
-            pass their :class:`~lightning_memplan.strategies.pipeline.StageModule` objects.
+        roots: the modules whose ``forward`` runs the model (default: ``module``, the LightningModule,
+            with its :data:`STEP_METHODS` registered as forward methods); pipeline stages pass their
+            :class:`~lightning_memplan.strategies.pipeline.StageModule` objects.
         separate_head: give the untied embedding and lm_head units of their own. ``False`` keeps them in
             the root unit, whose parameters stay gathered from forward to backward, so that a loss that
             reads ``lm_head.weight`` in ``training_step`` (``LinearCrossEntropy``) sees the full weight.
         forward_methods: root methods other than ``forward`` that read root parameters (the zoo GPT's
-            ``logits``); registered with ``register_fsdp_forward_method`` so they all-gather too.
+            ``logits``); registered with ``register_fsdp_forward_method`` so they all-gather too. The
+            LightningModule root also gets :data:`STEP_METHODS`.
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if roots is None:
-        roots = (transformer.root,) if transformer is not None else (module,)
+        roots = (module,)
     if transformer is not None:
         for block in transformer.block_list:
             fully_shard(block, **kwargs)
@@ -77,7 +94,7 @@ def apply_data_parallel(
     for root in roots:
         # The root keeps its parameters gathered between forward and backward (FSDP2's own default).
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
-        for name in forward_methods:
+        for name in (*forward_methods, *(STEP_METHODS if root is module else ())):
             if callable(getattr(root, name, None)):
                 register_fsdp_forward_method(root, name)
     if module not in roots:
@@ -110,6 +127,47 @@ def _is_dtensor(tensor: object) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def _resolve_op(name: str) -> Any:
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default`` (``None`` when this build lacks it)."""
+    import torch
+
+    obj: Any = torch.ops
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def selective_op_context_fn() -> Callable[[], Any]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` applying
+    torchtitan's op-level policy (:mod:`lightning_memplan.model.checkpointing`, which cites the source):
+    ``MUST_SAVE`` for the outputs of :data:`SAC_SAVE_OPS` except every second matmul (counted per block,
+    separately for the forward and the recompute), ``PREFER_RECOMPUTE`` for everything else, through
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (PyTorch's own mechanism)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from lightning_memplan.model.checkpointing import SAC_MATMUL_OPS, SAC_SAVE_OPS
+
+    save = {op for op in map(_resolve_op, SAC_SAVE_OPS) if op is not None}
+    matmuls = {op for op in map(_resolve_op, SAC_MATMUL_OPS) if op is not None}
+
+    def context_fn() -> Any:
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            key = "recompute" if ctx.is_recompute else "forward"
+            if func in matmuls:
+                counts[key] += 1
+                if counts[key] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
 def apply_activation_checkpointing(transformer: TransformerLayout, recompute: str) -> str:
     """Wrap blocks with ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``); returns a note.
 
@@ -117,11 +175,19 @@ def apply_activation_checkpointing(transformer: TransformerLayout, recompute: st
     ``"selective"`` checkpoints each block's attention module: its input is stored, projections and the
     attention core are recomputed -- a superset of Korthikanti et al. 2022 (arXiv 2205.05198, section 5),
     which recomputes only the core, so it saves at least the planned memory.
+    ``"selective_op"`` checkpoints each block with torchtitan's op-level policy
+    (:func:`selective_op_context_fn`): every second matmul output, the attention kernel's outputs and
+    collectives are kept, the rest is recomputed.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer.block_items()
     attn = transformer.attn
+    if recompute == "selective_op":
+        context_fn = selective_op_context_fn()
+        for key, block in blocks:
+            transformer.set_block(key, checkpoint_wrapper(block, context_fn=context_fn))
+        return f"selective-op activation checkpointing (torchtitan's policy): every block ({len(blocks)})"
     if recompute == "full" or (recompute == "selective" and attn is None):
         for key, block in blocks:
             transformer.set_block(key, checkpoint_wrapper(block))

@@ -74,3 +74,26 @@ def test_gpt_example_on_two_processes_reports_both_ranks_within_tolerance(tmp_pa
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert abs(r["measured_to_estimated"] - 1) <= 0.10, r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hf_llama_example_on_two_processes_under_memplan_auto(tmp_path):
+    """The documented ``--strategy memplan_auto --devices 2`` run of the HF example: its ``training_step``
+    calls ``self.model.model(...)`` (the decoder, not ``LlamaForCausalLM.forward``) and reads
+    ``lm_head.weight`` for the chunked loss. The FSDP2 root unit is the LightningModule with its step
+    methods registered, so those parameters are gathered (before the fix: ``aten.embedding.default got
+    mixed torch.Tensor and DTensor`` on both ranks)."""
+    pytest.importorskip("transformers")
+    out = _run(
+        "examples/hf_llama/train.py", tmp_path,
+        "--strategy", "memplan_auto", "--devices", "2", "--steps-per-epoch", "3", "--corpus-chars", "200000",
+        "--vocab-size", "4096",
+    )
+    assert "mixed torch.Tensor and DTensor" not in out
+    report = _report(tmp_path)
+    assert report["run"]["plan"]["dp"] == 2
+    ranks = report["epochs"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert abs(r["measured_to_estimated"] - 1) <= 0.10, r
