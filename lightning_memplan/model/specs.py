@@ -35,7 +35,7 @@ POSITION_KINDS = ("learned", "rope", "none")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for_loop")
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "selective_op", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
 LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -250,7 +250,9 @@ class TrainSpec:
             default for CPU tensors).
         master_weights: keep an fp32 master copy of low-precision params (Megatron/DeepSpeed style).
         recompute: activation checkpointing: ``"none"``, ``"selective"`` (attention core recomputed;
-            Korthikanti et al. 2022 section 5) or ``"full"`` (each block's input only).
+            Korthikanti et al. 2022 section 5), ``"selective_op"`` (torchtitan's op-level policy: every
+            second matmul output, attention outputs and collectives kept, the rest recomputed; see
+            ``model/checkpointing.py``) or ``"full"`` (each block's input only).
         attention: ``"sdpa"`` (fused kernel: no [b, a, s, s] scores stored) or ``"eager"``
             (softmax scores stored: the 5as/h term).
         loss: ``"naive"`` (logits in the compute dtype, ``F.cross_entropy`` upcasts internally),
