@@ -117,6 +117,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print PlanDecision.to_dict() as JSON")
     out.add_argument("--markdown", action="store_true", help="print the explanation as Markdown")
+    parser.add_argument("--html", default=None, metavar="OUT.html",
+                        help="also write the plan map (every evaluated layout, peak vs step time) as one self-contained HTML file")
     parser.set_defaults(func=run)
     return parser
 
@@ -135,6 +137,10 @@ def _hardware(args: argparse.Namespace) -> Any:
     return hw
 
 
+#: Fitting candidates kept for ``--html``'s plan map (the printed table still lists ``--top``).
+_PLAN_MAP_CANDIDATES = 40
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_memplan.planning import plan
 
@@ -145,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         model, train, hardware,
         global_batch=args.global_batch, memory_budget=args.memory_budget, headroom=args.headroom,
         allow=parse_allow(args.allow),
+        # the plan map shows every timed layout: keep more fitting candidates (the choice is the same)
+        **({"top_k": max(args.top, _PLAN_MAP_CANDIDATES)} if args.html else {}),
     )
     if args.json:
         print(json.dumps(decision.to_dict(), indent=1))
@@ -156,4 +164,9 @@ def run(args: argparse.Namespace) -> int:
         from lightning_memplan.planning.explain import rich_renderable
 
         Console(file=sys.stdout, width=170).print(rich_renderable(decision, top=args.top))
+    if args.html:
+        from lightning_memplan.report.html import render_plan_html
+        from lightning_memplan.report.io import write_atomic
+
+        write_atomic(args.html, render_plan_html(decision.to_dict()))
     return 0 if decision.fits else 1

@@ -2,7 +2,8 @@
 
 PATH is the JSON file or the log directory holding it. Prints the rich table of the latest epoch (or
 ``--epoch N``), or the whole report as Markdown (``--markdown``) or JSON (``--json``); ``--png OUT``
-redraws the chart.
+redraws the chart; ``--html OUT`` writes the self-contained HTML report (with the plan map when
+memplan_auto's ``memplan_plan.json`` lies beside the JSON).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--png", default=None, metavar="OUT", help="also draw the chart to OUT (needs matplotlib)"
     )
+    parser.add_argument(
+        "--html", default=None, metavar="OUT", help="also write the self-contained HTML report to OUT"
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -59,4 +63,10 @@ def run(args: argparse.Namespace) -> int:
         if not matplotlib_available():
             raise ValueError(f"--png={args.png!r} needs matplotlib; pip install 'lightning-memplan[plot]'")
         render_png(report, args.png, units=args.units)
+    if args.html:
+        from lightning_memplan.report.html import plan_decision_beside, render_html
+        from lightning_memplan.report.io import write_atomic
+
+        source = args.path
+        write_atomic(args.html, render_html(report, units=args.units, decision=plan_decision_beside(source)))
     return 0

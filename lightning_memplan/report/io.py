@@ -1,5 +1,6 @@
 """Saving and loading the memory report: ``memory_report.json`` (the source of truth, merged with what
-is already on disk and replaced atomically), ``memory_report.md`` and ``memory_report.png``.
+is already on disk and replaced atomically), ``memory_report.md``, ``memory_report.html`` (self-contained,
+see :mod:`~lightning_memplan.report.html`) and ``memory_report.png``.
 
 Atomic means: write a temporary file in the same directory, flush and fsync it, then ``os.replace``
 it over the target. A crash in the middle leaves the previous complete file, never a torn one.
@@ -24,11 +25,13 @@ REPORT_BASENAME = "memory_report"
 
 @dataclass(frozen=True, kw_only=True)
 class WrittenFiles:
-    """Paths written by :func:`write_report` (``png`` is ``None`` when matplotlib is missing)."""
+    """Paths written by :func:`write_report` (``png`` is ``None`` when matplotlib is missing or ``png=False``;
+    ``html`` is ``None`` with ``html=False``)."""
 
     json: Path
     markdown: Path
     png: Path | None
+    html: Path | None = None
 
 
 def report_paths(
@@ -81,10 +84,12 @@ def write_report(
     *,
     units: str = "GiB",
     png: bool = True,
+    html: bool = True,
     rank_suffix: int | None = None,
 ) -> tuple[MemoryReport, WrittenFiles]:
     """Merge ``report`` with the JSON already in ``directory`` (earlier epochs are kept) and write the
-    JSON, Markdown and (when matplotlib is installed and ``png``) PNG files.
+    JSON, Markdown, HTML (with ``html``; it holds the plan map when memplan_auto's ``memplan_plan.json`` is in
+    ``directory``) and (when matplotlib is installed and ``png``) PNG files.
 
     Returns:
         the merged report that was written, and the paths.
@@ -99,8 +104,14 @@ def write_report(
             os.replace(json_path, json_path.with_suffix(".json.corrupt"))
     write_atomic(json_path, json.dumps(merged.to_dict(), indent=1, sort_keys=False) + "\n")
     write_atomic(md_path, render_markdown(merged, units=units))
+    written_html: Path | None = None
+    if html:
+        from lightning_memplan.report.html import plan_decision_beside, render_html
+
+        written_html = json_path.with_suffix(".html")
+        write_atomic(written_html, render_html(merged, units=units, decision=plan_decision_beside(json_path)))
     written_png: Path | None = None
     if png and matplotlib_available() and merged.latest is not None:
         render_png(merged, png_path, units=units)
         written_png = png_path
-    return merged, WrittenFiles(json=json_path, markdown=md_path, png=written_png)
+    return merged, WrittenFiles(json=json_path, markdown=md_path, png=written_png, html=written_html)
