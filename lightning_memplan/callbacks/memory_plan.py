@@ -19,9 +19,12 @@ from lightning_memplan.callbacks.infer import (
     _unwrap,
     batch_factory,
     batch_shape,
+    infer_model_spec,
     infer_plan,
     infer_train_spec,
     parallelised_by,
+    pipeline_split,
+    stage_micro_batch,
 )
 from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.callbacks.options import (
@@ -44,6 +47,7 @@ from lightning_memplan.report.records import (
     StepRecord,
 )
 from lightning_memplan.report.render import check_units, render_rich
+from lightning_memplan.tracking.compiled import AllocationMeter, compiled_parts, eager_view
 
 __all__ = ["MemoryPlanCallback"]
 
@@ -166,6 +170,8 @@ class MemoryPlanCallback(Callback):
         self._log_dir: str | None = None
         self._probe: PhaseProbe | None = None
         self._tracker: Any = None
+        self._meter: AllocationMeter | None = None
+        self._compiled: list[str] = []  # what torch.compile wrapped (compiled_parts), found at the first batch
         self._tracking_enabled = False
         self._spec: ModelSpec | None = None
         self._train: TrainSpec | None = None
@@ -213,10 +219,21 @@ class MemoryPlanCallback(Callback):
     def _initialise(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """Infer specs and calibrate at the first batch of the fit (needs the batch and the optimizer)."""
         self._initialised = True
+        self._compiled = compiled_parts(pl_module)
+        if self._compiled:
+            how = (
+                "the profiler's allocator events" if self._probe is not None and self._probe.kind == "cpu"
+                else "the allocator counters"
+            )
+            self._note(
+                f"torch.compile detected ({', '.join(self._compiled)}): calibration traces the eager original "
+                f"and measured steps use {how} instead of the tensor tracker (a dispatch mode would make "
+                "dynamo skip the compiled frames); no per-component measurement"
+            )
         spec = self.model_spec
         if spec is None:
             try:
-                spec = ModelSpec.from_module(pl_module)
+                spec = infer_model_spec(trainer, pl_module)
             except (ValueError, TypeError) as exc:
                 self._note(
                     f"could not infer a ModelSpec from {type(pl_module).__name__} ({exc}); estimates are off, "
@@ -268,6 +285,7 @@ class MemoryPlanCallback(Callback):
             "estimate_source": source,
             "accelerator": self._probe.kind if self._probe else "cpu",
             "world_size": trainer.world_size,
+            "compiled": list(self._compiled),
         }
         from dataclasses import replace
 
@@ -282,7 +300,7 @@ class MemoryPlanCallback(Callback):
         from lightning_memplan.model.trace import calibrate
 
         assert self._train is not None
-        sharded = parallelised_by(pl_module)
+        sharded = parallelised_by(pl_module) or pipeline_split(trainer)
         if sharded is not None:
             self._note(
                 f"calibration skipped: the LightningModule is already parallelised ({sharded}), and a "
@@ -296,13 +314,16 @@ class MemoryPlanCallback(Callback):
             opt = _unwrap(trainer.optimizers[0])
             optimizer = _optimizer_factory(opt)
         try:
-            return calibrate(
-                pl_module,
-                shapes,
-                input_fn=batch_factory(batch, b, s),
-                optimizer=optimizer,
-                precision=self._train.precision,
-            )
+            # The eager original under the force_eager stance: the fake-tensor trace (a dispatch mode) never
+            # reaches a compiled frame, so dynamo neither converts nor skips any (eager_view).
+            with eager_view(pl_module) as eager:
+                return calibrate(
+                    eager,
+                    shapes,
+                    input_fn=batch_factory(batch, b, s),
+                    optimizer=optimizer,
+                    precision=self._train.precision,
+                )
         except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to the analytic model
             self._note(
                 f"calibration with a traced fake-tensor step failed ({type(exc).__name__}: {exc}); using the "
@@ -321,7 +342,7 @@ class MemoryPlanCallback(Callback):
             from lightning_memplan.model.estimate import estimate_memory
 
             try:
-                train = self._train.replace(micro_batch=b, seq_len=s)
+                train = self._train.replace(micro_batch=stage_micro_batch(self._plan_, b), seq_len=s)
                 est = estimate_memory(
                     self._spec, train, self._plan_, rank=self._est_rank, calibration=self._calibration
                 )
@@ -374,7 +395,12 @@ class MemoryPlanCallback(Callback):
             "warmup": not self._stepped,
         }
         if tracked:
-            self._start_tracker(trainer, pl_module, shape)
+            if self._compiled:
+                if self._probe.kind == "cpu":
+                    self._meter = AllocationMeter("cpu")
+                    self._meter.start(pl_module, [_unwrap(o) for o in trainer.optimizers], batch)
+            else:
+                self._start_tracker(trainer, pl_module, shape)
         self._probe.start_step()
 
     def _start_tracker(
@@ -400,6 +426,8 @@ class MemoryPlanCallback(Callback):
             self._probe.enter_phase(phase)
         if self._tracker is not None:
             self._tracker.set_phase(phase)
+        if self._meter is not None:
+            self._meter.set_phase(phase)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -425,10 +453,29 @@ class MemoryPlanCallback(Callback):
         finally:
             tracker.stop()
 
-    def _record(self, reading: Any, tracker_report: Any) -> StepRecord:
+    def _stop_meter(self, reading: Any) -> bool:
+        """Put the allocation meter's peaks (a compiled CPU step) into ``reading``; whether it ran."""
+        meter, self._meter = self._meter, None
+        if meter is None:
+            return False
+        result = meter.stop()
+        if result is None or reading is None:
+            return False
+        reading.measured_peak, reading.phase_peaks = result[0], dict(result[1])
+        return True
+
+    def _measurement(self, tracker_report: Any, metered: bool) -> str:
+        if tracker_report is not None:
+            return "tensor_tracker"
+        if metered:
+            return f"compiled:{AllocationMeter.method}"
+        return {"cuda": "cuda_allocator", "mps": "mps_sampled"}.get(self._backend(), "rss")
+
+    def _record(self, reading: Any, tracker_report: Any, metered: bool = False) -> StepRecord:
         return build_step_record(
             self._current or {}, reading, tracker_report, rank=self._rank, default_step=self._batches_seen,
             memory_budget=self.memory_budget, backend=self._backend(),
+            measurement=self._measurement(tracker_report, metered),
         )
 
     @override
@@ -438,7 +485,8 @@ class MemoryPlanCallback(Callback):
         if self._probe is None or self._current is None:
             return
         reading = self._probe.end_step()
-        record = self._record(reading, self._stop_tracker())
+        metered = self._stop_meter(reading)
+        record = self._record(reading, self._stop_tracker(), metered)
         if self._acc is None:
             self._acc = RankAccumulator(rank=self._rank, epoch=trainer.current_epoch, backend=self._backend())
         self._acc.add(record)
@@ -537,6 +585,9 @@ class MemoryPlanCallback(Callback):
         tracker_report = None
         if self._tracker is not None:
             tracker_report = self._stop_tracker()
+        if self._meter is not None:
+            meter, self._meter = self._meter, None
+            meter.close()
         reading = None
         if self._probe is not None and self._probe.phase is not None:
             reading = self._probe.end_step()
