@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_memplan.model.hf_trace import canonical_config_json
 from lightning_memplan.model.specs import ModelSpec
 
 __all__ = ["spec_from_hf_config", "spec_from_module"]
@@ -73,6 +74,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         ValueError: a required field is missing, naming the field names looked for.
     """
     cfg = _as_dict(config)
+    top_level = cfg
     if isinstance(cfg.get("text_config"), Mapping) and _first(cfg, _LAYERS) is None:
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
@@ -119,6 +121,8 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         max_positions=int(positions) if positions else None,
         dropout=min(dropout, 0.99),
         name=model_type or cfg.get("_name_or_path") or None,
+        # the traced path builds the real class from it (model/hf_trace.py); not for a nested text_config
+        hf_config=canonical_config_json(cfg) if cfg is top_level else None,
     )
 
 
@@ -287,6 +291,7 @@ def spec_from_module(module: Any) -> ModelSpec:
     if cfg is not None:
         from dataclasses import replace
 
-        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1))
+        # the live module is what runs (adapters, frozen parts, checkpointing): not the bare config
+        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1), hf_config=None)
     spec = _transformer_spec(module)
     return spec if spec is not None else _generic_spec(module)

@@ -12,6 +12,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_memplan.validation import check_bool as _check_bool
+from lightning_memplan.validation import check_choice as _check_choice
+from lightning_memplan.validation import check_int as _check_int
+from lightning_memplan.validation import check_number as _check_number
+from lightning_memplan.validation import divisor_hint
+
 __all__ = [
     "ATTENTION_KINDS",
     "FFN_KINDS",
@@ -68,20 +74,6 @@ def canonical_precision(value: Any) -> str:
     return canonical
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int{hint and '; ' + hint}")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}{hint and '; ' + hint}")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, choices))}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -111,6 +103,10 @@ class ModelSpec:
         n_params: total parameter count override (e.g. for a non-transformer model or a module whose
             count is known exactly); ``None`` derives N from the shape (:func:`param_count`).
         name: free-form label shown in reports.
+        hf_config: the Hugging Face config this spec was read from, as sorted JSON
+            (:meth:`from_hf_config` sets it); with ``transformers`` installed, :func:`estimate_memory`
+            then traces the real model class (``model/hf_trace.py``, ``source="hf_trace"``) instead of
+            using the hand-written activation terms. ``None``: the analytic terms.
     """
 
     n_layers: int
@@ -130,6 +126,7 @@ class ModelSpec:
     qkv_fused: bool = field(default=False, kw_only=True)
     n_params: int | None = field(default=None, kw_only=True)
     name: str | None = field(default=None, kw_only=True)
+    hf_config: str | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("n_layers", self.n_layers, hint="a transformer has at least one block")
@@ -144,14 +141,14 @@ class ModelSpec:
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(
                     f"n_kv_heads={self.n_kv_heads!r} must divide n_heads={self.n_heads!r} (GQA groups "
-                    f"queries evenly); use one of {_divisors(self.n_heads)}"
+                    f"queries evenly); use {divisor_hint(self.n_heads)}"
                 )
         if self.head_dim is not None:
             _check_int("head_dim", self.head_dim)
         elif self.hidden % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads!r} does not divide hidden={self.hidden!r}; pass head_dim= "
-                f"explicitly or use n_heads in {_divisors(self.hidden)[-6:]}"
+                f"explicitly or use n_heads {divisor_hint(self.hidden)}"
             )
         if self.ffn_hidden is not None:
             _check_int("ffn_hidden", self.ffn_hidden)
@@ -164,10 +161,17 @@ class ModelSpec:
             _check_int("max_positions", self.max_positions)
         elif self.max_positions is not None:
             _check_int("max_positions", self.max_positions)
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must be a probability in [0, 1)")
+        _check_number("dropout", self.dropout, minimum=0.0, maximum=1.0, max_inclusive=False,
+                      hint="a probability in [0, 1), e.g. dropout=0.1")
+        for name in ("bias", "tied_embeddings", "qkv_fused"):
+            _check_bool(name, getattr(self, name))
         if self.n_params is not None:
             _check_int("n_params", self.n_params, hint="the total number of parameters")
+        if self.hf_config is not None and (not isinstance(self.hf_config, str) or not self.hf_config.startswith("{")):
+            raise TypeError(
+                f"hf_config={self.hf_config!r:.80} must be a Hugging Face config as a JSON object string (what "
+                "ModelSpec.from_hf_config sets) or None"
+            )
 
     # Derived sizes -----------------------------------------------------------------------------
     @property
@@ -312,12 +316,12 @@ class TrainSpec:
             if value is not None:
                 _check_int(name, value, hint="bytes per element, e.g. 2 for bf16 or 4 for fp32")
         if self.optimizer_bytes_per_param is not None:
-            v = self.optimizer_bytes_per_param
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(
-                    f"optimizer_bytes_per_param={v!r} must be > 0 (e.g. 8 for Adam's two fp32 states); "
-                    "use optimizer='sgd' for a stateless optimizer"
-                )
+            _check_number(
+                "optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0.0, min_inclusive=False,
+                hint="e.g. 8 for Adam's two fp32 states; use optimizer='sgd' for a stateless optimizer",
+            )
+        for name in ("master_weights", "grads_alive_in_forward"):
+            _check_bool(name, getattr(self, name))
 
     @property
     def tokens(self) -> int:
@@ -379,12 +383,27 @@ class ParallelPlan:
                 f"zero={self.zero!r} must be 0 (none), 1 (optimizer states), 2 (+grads) or 3 (+params)"
             )
         _check_choice("schedule", self.schedule, SCHEDULES)
+        for name in ("sp", "grad_buckets"):
+            _check_bool(name, getattr(self, name))
         if self.sp and self.tp == 1:
             raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the TP group); set tp")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(
                 f"virtual_stages={self.virtual_stages!r} needs schedule='interleaved' (got "
                 f"{self.schedule!r}); set schedule='interleaved' or virtual_stages=1"
+            )
+        if self.schedule == "interleaved" and self.pp == 1:
+            raise ValueError(
+                f"schedule='interleaved' needs pp > 1 (got pp={self.pp}, virtual_stages={self.virtual_stages}): "
+                "it interleaves model chunks across pipeline ranks; set pp >= 2 or schedule='1f1b'"
+            )
+        if self.schedule == "interleaved" and self.microbatches % self.pp:
+            # Megatron-LM's interleaved schedule (schedules.py, forward_backward_pipelining_with_interleaving):
+            # "number of microbatches is not divisible by pipeline-model-parallel-size".
+            raise ValueError(
+                f"microbatches={self.microbatches!r} must be a multiple of pp={self.pp} for "
+                f"schedule='interleaved' (Megatron-LM's interleaved 1F1B); use microbatches={self.pp * max(1, self.microbatches // self.pp)} "
+                "or schedule='1f1b'"
             )
 
     @property

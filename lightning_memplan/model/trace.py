@@ -421,6 +421,7 @@ def calibrate(
     shapes: Sequence[tuple[int, int]] = ((1, 64), (2, 128)),
     *,
     input_fn: Callable[[int, int], Any] | None = None,
+    quadratic: bool | None = None,
     **trace_kwargs: Any,
 ) -> Calibration:
     """Fit ``bytes = c0 + c1*(b*s) + c2*(b*s^2)`` per phase and component from traced steps.
@@ -437,7 +438,9 @@ def calibrate(
 
     The b*s^2 term is fitted only when attention is materialised (eager attention): then, with two
     shapes, a third is traced (b doubled or s halved) to separate the three terms. The fit is exact at
-    the traced shapes (as many shapes as terms).
+    the traced shapes (as many shapes as terms). ``quadratic=False`` forces the two-term fit (an input
+    whose sequence length is fixed by the model, such as a vision transformer's patch count, where the
+    b*s^2 term cannot be separated); ``True`` forces the three-term fit; ``None`` decides as above.
 
     Raises:
         ValueError: fewer than 2 shapes, a non-positive size, or shapes that cannot separate the terms
@@ -469,7 +472,8 @@ def calibrate(
         return pinned
 
     measured = [at_moment(shape) for shape in shapes]
-    quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
+    if quadratic is None:
+        quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
     terms = 3 if quadratic else 2
     if quadratic and _rank(shapes, 3) < 3:
         third = _third_shape(shapes)
