@@ -1,0 +1,151 @@
+"""The estimate against published GPU training runs (each with its source and exact configuration).
+
+Every row names the quantity its source reports: torchtitan's benchmark tables log
+``memory_stats()["reserved_bytes.all.peak"]`` ("Memory(GiB)", peak reserved; ``torchtitan/metrics.py``
+at commit 9dec370, the commit of the 2024-12 benchmarks), so those rows compare the estimate's reserved
+figure (:func:`lightning_memplan.model.reserved.reserved_memory`); allocated-memory sources compare
+``estimate_memory().total``.
+
+A row is a hit when the estimate is within 10 % of the published figure; otherwise it is listed as a
+miss with its reason (e.g. ``torch.compile`` and Float8 change memory in ways the model does not cover).
+
+Run: ``python benchmarks/published_gpu.py [--out PATH]`` (a second or two, pure arithmetic); writes
+``benchmarks/results/published_gpu.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
+from lightning_memplan.model.reserved import reserved_memory  # noqa: E402
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
+
+GiB = 2**30
+TARGET = 0.10
+TT_BENCH = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 9dec370, 8 x H100 96 GB HBM2e "
+            "per host, bf16 FSDP2 MixedPrecisionPolicy(param=bf16, reduce=fp32), AdamW, seq 8192 unless given)")
+
+#: torchtitan's recipe as a TrainSpec: FSDP2 bf16 parameters and activations (the whole forward in bf16,
+#: no autocast: activation_bytes=2), the loss on ``pred.flatten(0, 1).float()`` (fp32_upcast),
+#: ``optimizer.zero_grad()`` before the forward (no gradients alive in it).
+TT_TRAIN = dict(precision="bf16-mixed", activation_bytes=2, loss="fp32_upcast", device="cuda",
+                grads_alive_in_forward=False)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    source: str
+    model: str
+    train: TrainSpec
+    plan: ParallelPlan
+    published_gib: float
+    quantity: str  # "reserved" | "allocated" | "active"
+    unmodelled: str = ""  # what the run does that the model does not (a miss's reason)
+
+
+def _tt(name: str, model: str, b: int, s: int, recompute: str, plan: ParallelPlan, gib: float, unmodelled: str = "") -> Run:
+    return Run(name, TT_BENCH, model, TrainSpec(micro_batch=b, seq_len=s, recompute=recompute, **TT_TRAIN), plan,
+               gib, "reserved", unmodelled)
+
+
+COMPILE = "torch.compile (fused element-wise kernels save fewer intermediates)"
+FLOAT8 = "Float8 linears (fp8 weight all-gather and fp8 saved inputs)"
+TP_MISS = ("under by 20-26 %, cause not identified (candidates: DTensor TP/SP collective buffers and loss-parallel "
+           "temporaries at b=16, Float8 amax/scale state, torch.compile); " + FLOAT8)
+RUNS: tuple[Run, ...] = (
+    _tt("Table 1 FSDP", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=8, zero=3), 82.4),
+    _tt("Table 1 FSDP + compile", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=8, zero=3), 77.0, COMPILE),
+    _tt("Table 1 FSDP + compile + Float8", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=8, zero=3), 76.8,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 3 FSDP 128 GPUs", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=128, zero=3), 67.0),
+    _tt("Table 3 FSDP + compile", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=128, zero=3), 62.0, COMPILE),
+    _tt("Table 3 FSDP + compile + Float8", "llama3-8b", 2, 8192, "selective_op", ParallelPlan(dp=128, zero=3), 61.8,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 2 FSDP 8 CP 1, seq 32768", "llama3-8b", 1, 32768, "full", ParallelPlan(dp=8, zero=3), 83.9,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 2 FSDP 4 CP 2, seq 65536", "llama3-8b", 1, 65536, "full", ParallelPlan(dp=4, cp=2, zero=3), 84.2,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 2 FSDP 2 CP 4, seq 131072", "llama3-8b", 1, 131072, "full", ParallelPlan(dp=2, cp=4, zero=3), 84.0,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 2 FSDP 1 CP 8, seq 262144", "llama3-8b", 1, 262144, "full", ParallelPlan(dp=1, cp=8, zero=3), 84.5,
+        COMPILE + "; " + FLOAT8),
+    _tt("Table 4 70B FSDP 32 TP 8 (2D)", "llama3-70b", 16, 8192, "full",
+        ParallelPlan(dp=32, tp=8, sp=True, zero=3), 71.9, TP_MISS),
+    _tt("Table 4 70B FSDP 32 TP 8 + AsyncTP", "llama3-70b", 16, 8192, "full",
+        ParallelPlan(dp=32, tp=8, sp=True, zero=3), 67.6, TP_MISS + "; async TP's symmetric-memory buffers"),
+)
+
+
+def _train_for(run: Run) -> TrainSpec:
+    # torchtitan's 2D recipe computes the loss under loss_parallel (vocab split over TP)
+    return run.train.replace(loss="vocab_parallel") if run.plan.tp > 1 else run.train
+
+
+def evaluate(run: Run) -> dict:
+    """``{allocated, reserved, estimate, error, hit}`` for one run (bytes, and the relative error of the
+    quantity the source reports)."""
+    model, train = ModelSpec.preset(run.model), _train_for(run)
+    est = estimate_memory(model, train, run.plan)
+    res = reserved_memory(model, train, run.plan, est)
+    value = res.reserved if run.quantity == "reserved" else est.total
+    error = value / (run.published_gib * GiB) - 1
+    return {"allocated": est.total, "reserved": res.reserved, "estimate": value, "error": error,
+            "hit": abs(error) <= TARGET, "peak_phase": est.peak_phase}
+
+
+def render(rows: list[tuple[Run, dict]]) -> str:
+    hits = sum(r["hit"] for _, r in rows)
+    lines = [
+        "# Estimate vs published GPU runs",
+        "",
+        f"Generated by `python benchmarks/published_gpu.py`. {hits} of {len(rows)} rows within "
+        f"{TARGET:.0%} of the published figure. Source of every torchtitan row: {TT_BENCH}.",
+        "Published quantity: peak reserved (torchtitan logs `reserved_bytes.all.peak`), compared with the "
+        "estimate's reserved figure (`lightning_memplan.model.reserved`).",
+        "",
+        "| run | model | configuration | published | quantity | allocated est. | reserved est. | error | verdict |",
+        "|---|---|---|---:|---|---:|---:|---:|---|",
+    ]
+    for run, r in rows:
+        t, p = _train_for(run), run.plan
+        cfg = f"{p.describe()}, b={t.micro_batch}, s={t.seq_len}, recompute={t.recompute}, loss={t.loss}"
+        verdict = "hit" if r["hit"] else f"miss: {run.unmodelled or 'see the notes'}"
+        lines.append(
+            f"| {run.name} | {run.model} | {cfg} | {run.published_gib:.1f} GiB | {run.quantity} | "
+            f"{r['allocated'] / GiB:.1f} GiB | {r['reserved'] / GiB:.1f} GiB | {r['error']:+.1%} | {verdict} |"
+        )
+    lines += [
+        "",
+        "Notes: rows whose runs use `torch.compile` or Float8 are computed for the eager bf16 recipe; they",
+        "are hits only where those features happen to move memory by less than the tolerance, and are",
+        "listed as misses with that reason otherwise. The reserved figure adds FSDP2's side-stream pools,",
+        "the loss's extra segment and block rounding to the allocated estimate (see the module docstring",
+        "of `lightning_memplan/model/reserved.py`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "published_gpu.md")
+    args = parser.parse_args(argv)
+    rows = [(run, evaluate(run)) for run in RUNS]
+    text = render(rows)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
