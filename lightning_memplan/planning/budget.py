@@ -60,11 +60,10 @@ class Budget:
         if self.explicit:
             return f"{readable_bytes(self.budget)} (memory_budget given)"
         gib = 2**30
-        return (
-            f"{self.budget / gib:.1f} GiB = {self.device / gib:.1f} GiB device - {self.headroom / gib:.1f} headroom "
-            f"- {self.cuda_context / gib:.2f} CUDA context - {self.nccl / gib:.2f} NCCL - "
-            f"{self.fragmentation / gib:.2f} fragmentation"
-        )
+        terms = [("headroom", self.headroom, 1), ("CUDA context", self.cuda_context, 2), ("NCCL", self.nccl, 2),
+                 ("fragmentation", self.fragmentation, 2)]
+        return f"{self.budget / gib:.1f} GiB = {self.device / gib:.1f} GiB device" + "".join(
+            f" - {v / gib:.{nd}f} {name}" for name, v, nd in terms if v)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("device", "headroom", "cuda_context", "nccl", "fragmentation", "budget", "explicit")}
@@ -82,9 +81,13 @@ def memory_budget(hardware: HardwareSpec, plan: ParallelPlan, *, headroom: float
     if explicit is not None:
         return Budget(device=hardware.memory_bytes, headroom=0, cuda_context=0, nccl=0, fragmentation=0,
                       budget=int(explicit), explicit=True)
+    from lightning_memplan.planning.timing import is_cpu_host
+
     device = hardware.memory_bytes
     head = round(device * headroom)
-    nccl = NCCL_BYTES_PER_GROUP * process_groups(plan)
+    cpu = is_cpu_host(hardware)  # a CPU host has no CUDA context and talks gloo, not NCCL
+    nccl = 0 if cpu else NCCL_BYTES_PER_GROUP * process_groups(plan)
+    context = 0 if cpu else CUDA_CONTEXT_BYTES
     frag = round(device * ALLOCATOR_FRAGMENTATION_FRACTION)
-    return Budget(device=device, headroom=head, cuda_context=CUDA_CONTEXT_BYTES, nccl=nccl, fragmentation=frag,
-                  budget=device - head - CUDA_CONTEXT_BYTES - nccl - frag)
+    return Budget(device=device, headroom=head, cuda_context=context, nccl=nccl, fragmentation=frag,
+                  budget=device - head - context - nccl - frag)

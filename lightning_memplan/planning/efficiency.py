@@ -54,7 +54,7 @@ __all__ = [
 #: Hopper's is lower than Ampere's: its peak assumes the 700 W boost clock that GEMMs throttle from,
 #: and the tensor cores outrun what non-warp-specialised kernels feed them ([FA3] section 1).
 #: Calibrated on [TT-A100], [N21] (Ampere) and [TT-H100], [L3] (Hopper).
-GEMM_PEAK_FRACTION: dict[str, float] = {"volta": 0.75, "ampere": 0.80, "hopper": 0.65, "blackwell": 0.70, "other": 0.70}
+GEMM_PEAK_FRACTION: dict[str, float] = {"volta": 0.75, "ampere": 0.80, "hopper": 0.70, "blackwell": 0.70, "other": 0.70}
 #: Tile edge (elements) of the GEMM kernels: efficiency ``1 / (1 + T/M + T/N)`` falls as a dimension
 #: (tokens per rank M, the smaller output width N after the tensor-parallel split) nears it [NV-GEMM].
 GEMM_TILE = 128

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.planning.timing import TIME_MODEL_OFF
 
 __all__ = ["FORMATS", "render", "rich_renderable"]
 
@@ -39,21 +40,18 @@ def _header(d: Any) -> list[str]:
     changes = d.train_changes()
     lines.append("training changes: " + (", ".join(changes) if changes else "none"))
     st = d.step
-    exposed = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.exposed_s.items()) or "none"
-    hidden = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.overlapped_s.items()) or "none"
-    lines.append(
-        f"predicted step {_fmt_s(st.total_s)}: compute {_fmt_s(st.compute_s)}, bubble {_fmt_s(st.bubble_s)}, "
-        f"optimizer {_fmt_s(st.optimizer_s)}; exposed comm: {exposed}; overlapped comm: {hidden}"
-    )
-    lines.append(f"throughput {st.tokens_per_s:,.0f} tokens/s, MFU {100 * st.mfu:.1f}%")
-    if d.fits and len(d.candidates) > 1:
-        best, second = d.candidates[0], d.candidates[1]
-        gain = second.step.tokens_per_s / best.step.tokens_per_s - 1
-        if gain > 0:
-            why = (f"why not #2 ({second.describe()}): {100 * gain:.1f}% more tokens/s but more machinery "
-                   f"(change cost {second.change_cost:g} vs {best.change_cost:g}; each unit must buy > 1 %)")
-        else:
-            why = f"why not #2 ({second.describe()}): {100 * -gain:.1f}% fewer tokens/s"
+    if not st.modelled:
+        lines.append(TIME_MODEL_OFF)
+    else:
+        exposed = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.exposed_s.items()) or "none"
+        hidden = ", ".join(f"{k} {_fmt_s(v)}" for k, v in st.overlapped_s.items()) or "none"
+        lines.append(
+            f"predicted step {_fmt_s(st.total_s)}: compute {_fmt_s(st.compute_s)}, bubble {_fmt_s(st.bubble_s)}, "
+            f"optimizer {_fmt_s(st.optimizer_s)}; exposed comm: {exposed}; overlapped comm: {hidden}"
+        )
+        lines.append(f"throughput {st.tokens_per_s:,.0f} tokens/s, MFU {100 * st.mfu:.1f}%")
+    why = _why_not_runner_up(d)
+    if why:
         lines.append(why)
     for note in d.notes:
         lines.append(f"note: {note}")
@@ -66,6 +64,28 @@ def _header(d: Any) -> list[str]:
     return lines
 
 
+def _why_not_runner_up(d: Any) -> str | None:
+    """One line on the best candidate that differs from the choice in words (never the choice itself)."""
+    if not d.fits or len(d.candidates) < 2:
+        return None
+    best = d.candidates[0]
+    shown = best.describe()
+    second = next((c for c in d.candidates[1:] if c.describe() != shown), None)
+    if second is None:
+        return None
+    if not best.step.modelled:
+        return (f"why not the runner-up ({second.describe()}): more machinery (change cost {second.change_cost:g} "
+                f"vs {best.change_cost:g}); step time is not modelled here")
+    gain = second.step.tokens_per_s / best.step.tokens_per_s - 1
+    if gain > 0.0005:
+        return (f"why not the runner-up ({second.describe()}): {100 * gain:.1f}% more tokens/s predicted, but more "
+                f"machinery (change cost {second.change_cost:g} vs {best.change_cost:g}; each unit must buy > 1 %)")
+    if gain > -0.0005:
+        return (f"why not the runner-up ({second.describe()}): the same predicted tokens/s with more machinery "
+                f"(change cost {second.change_cost:g} vs {best.change_cost:g})")
+    return f"why not the runner-up ({second.describe()}): {100 * -gain:.1f}% fewer tokens/s predicted"
+
+
 def _breakdown_rows(d: Any) -> list[tuple[str, str]]:
     comps = d.estimate.components()
     return [(c, _gib(comps[c])) for c in COMPONENTS if comps[c] > 0]
@@ -73,9 +93,13 @@ def _breakdown_rows(d: Any) -> list[tuple[str, str]]:
 
 def _candidate_rows(d: Any, top: int) -> list[list[str]]:
     rows = []
-    best = d.candidates[0].step.total_s if d.candidates else None
+    # tokens/s, not step time: without a global batch the layouts' steps carry different token counts
+    best = d.candidates[0].step.tokens_per_s if d.candidates else None
     for i, c in enumerate(d.candidates[:top], 1):
-        delta = f"{100 * (c.step.total_s / best - 1):+.1f}%" if best else "-"
+        if not c.step.modelled:
+            rows.append([str(i), c.describe(), _gib(c.peak_bytes), _gib(c.budget.budget), "-", "-", "-", "-", "; ".join(c.notes)])
+            continue
+        delta = f"{100 * (c.step.tokens_per_s / best - 1):+.1f}% tokens/s" if best else "-"
         rows.append([
             str(i), c.describe(), _gib(c.peak_bytes), _gib(c.budget.budget), _fmt_s(c.step.total_s),
             f"{c.step.tokens_per_s:,.0f}", f"{100 * c.step.mfu:.1f}%", delta, "; ".join(c.notes),
@@ -88,6 +112,8 @@ _CAND_HEAD = ["#", "plan | training", "peak GiB", "budget GiB", "step", "tokens/
 
 def _rejected_lines(d: Any, max_rejected: int) -> list[str]:
     by_kind = Counter(r.kind for r in d.rejected)
+    if not d.rejected:
+        return ["rejected: none (every layout the search visited fits)"]
     lines = [f"rejected: {len(d.rejected)} (" + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())) + ")"]
     for kind in ("divisibility", "batch", "allow", "memory", "slower"):
         items = [r for r in d.rejected if r.kind == kind]

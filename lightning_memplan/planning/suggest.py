@@ -4,12 +4,13 @@ Tried in order of how cheap they are for the user, each checked with the memory 
 1. training settings the search was not allowed to use (chunked loss, full recompute, micro-batch 1,
    an 8-bit Adam);
 2. a shorter sequence (the longest that fits, by bisection on multiples of 2 x cp x tp);
-3. more GPUs (2x, 4x, 8x: a full re-plan of the larger cluster);
-4. a device with more memory from the hardware table (same plan).
+3. the fewest GPUs that fit (doubling, then bisecting in whole nodes; each a full re-plan);
+4. a device with more memory from the hardware table (same plan), else the per-GPU memory that would fit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +19,15 @@ from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.planning.decision import Candidate, Suggestion
 
-__all__ = ["suggest"]
+__all__ = ["cluster_with", "device_memory_needed", "suggest"]
 
 GiB = 2**30
 #: Cluster growth factors tried, smallest first.
 GROWTH_FACTORS = (2, 4, 8)
+#: Largest cluster the nothing-fits suggestion searches (GPUs).
+MAX_SUGGESTED_GPUS = 4096
+#: GPUs per node assumed when a one-node cluster grows past its node (an HGX/DGX node).
+NODE_GPUS = 8
 
 
 def _fit_text(peak: int, budget: int) -> str:
@@ -90,27 +95,77 @@ def _shorter_sequence(search: Any, closest: Candidate) -> list[Suggestion]:
                        peak_bytes=best.total, budget_bytes=search.budget(plan).budget)]
 
 
-def _more_gpus(search: Any) -> list[Suggestion]:
-    from lightning_memplan.planning.planner import with_nodes
+def cluster_with(hardware: HardwareSpec, gpus: int) -> HardwareSpec:
+    """``hardware`` resized to ``gpus`` GPUs: one node while they fit in a node of up to
+    :data:`NODE_GPUS` (or the current node size), else whole nodes of the current node size (8 when the
+    current node is smaller)."""
+    per_node = max(hardware.gpus_per_node, NODE_GPUS)
+    if gpus <= per_node and hardware.num_nodes == 1:
+        return replace(hardware, gpus_per_node=gpus, num_nodes=1)
+    per_node = hardware.gpus_per_node if hardware.num_nodes > 1 else per_node
+    return replace(hardware, gpus_per_node=per_node, num_nodes=-(-gpus // per_node))
+
+
+def _fits_on(search: Any, hw: HardwareSpec) -> Candidate | None:
     from lightning_memplan.planning.search import _Search
 
-    for factor in GROWTH_FACTORS:
-        hw = with_nodes(search.hardware, factor)
-        sub = _Search(search.model, search.train, hw, search.allow, search.global_batch, search.headroom,
-                      search.explicit_budget, search.calibration, 1)
-        try:
-            found = sub.run()
-        except ValueError:
-            continue
-        search.evaluations += sub.evaluations
-        if found["candidates"]:
-            c = found["candidates"][0]
-            return [Suggestion(change=f"{factor}x the GPUs ({hw.world_size} x {hw.name}, {hw.gpus_per_node}/node)",
-                               kind="cluster", fits=True,
-                               detail=f"{c.describe()}: {_fit_text(c.peak_bytes, c.budget.budget)}",
-                               peak_bytes=c.peak_bytes, budget_bytes=c.budget.budget)]
-    return [Suggestion(change=f"up to {GROWTH_FACTORS[-1]}x the GPUs", kind="cluster", fits=False,
-                       detail="no layout of a cluster up to 8x larger fits either")]
+    sub = _Search(search.model, search.train, hw, search.allow, search.global_batch, search.headroom,
+                  search.explicit_budget, search.calibration, 1)
+    try:
+        found = sub.run()
+    except ValueError:
+        return None
+    search.evaluations += sub.evaluations
+    return found["candidates"][0] if found["candidates"] else None
+
+
+def _more_gpus(search: Any) -> list[Suggestion]:
+    """The smallest cluster of this hardware that fits: GPU counts double from the current one up to
+    :data:`MAX_SUGGESTED_GPUS`, then the gap to the last miss is bisected in whole nodes; the answer is
+    a cluster the planner itself found a fitting plan on."""
+    hw0 = search.hardware
+    lo, hi, found = hw0.world_size, None, None
+    n = hw0.world_size * 2
+    while n <= MAX_SUGGESTED_GPUS:
+        hw = cluster_with(hw0, n)
+        c = _fits_on(search, hw)
+        if c is not None:
+            hi, found = hw, (hw, c)
+            break
+        lo = hw.world_size
+        n = hw.world_size * 2
+    if found is None:
+        return [Suggestion(change=f"more GPUs (up to {MAX_SUGGESTED_GPUS})", kind="cluster", fits=False,
+                           detail=f"no layout of up to {MAX_SUGGESTED_GPUS} x {hw0.name} fits either")]
+    assert hi is not None
+    per_node = hi.gpus_per_node
+    lo_nodes, hi_nodes = max(1, lo // per_node), hi.num_nodes
+    while hi.num_nodes > 1 and hi_nodes - lo_nodes > 1:  # bisect in whole nodes
+        mid = (lo_nodes + hi_nodes) // 2
+        hw = replace(hi, num_nodes=mid)
+        c = _fits_on(search, hw)
+        if c is not None:
+            hi_nodes, found = mid, (hw, c)
+        else:
+            lo_nodes = mid
+    hw, c = found
+    nodes = f"{hw.num_nodes} node{'s' if hw.num_nodes > 1 else ''} of {hw.gpus_per_node}"
+    return [Suggestion(change=f"{hw.world_size} GPUs ({nodes} x {hw.name}), the fewest that fit",
+                       kind="cluster", fits=True,
+                       detail=f"{c.describe()}: {_fit_text(c.peak_bytes, c.budget.budget)}",
+                       peak_bytes=c.peak_bytes, budget_bytes=c.budget.budget)]
+
+
+def device_memory_needed(search: Any, closest: Candidate) -> int:
+    """Device bytes per GPU at which the closest plan's peak fits its budget (the budget's overheads
+    scale: ``M (1 - headroom - fragmentation) - context - NCCL >= peak``)."""
+    from lightning_memplan.planning.budget import ALLOCATOR_FRAGMENTATION_FRACTION
+
+    bud = closest.budget
+    if bud.explicit:
+        return closest.estimate.total
+    fixed = bud.cuda_context + bud.nccl
+    return math.ceil((closest.estimate.total + fixed) / (1 - search.headroom - ALLOCATOR_FRAGMENTATION_FRACTION))
 
 
 def _bigger_device(search: Any, closest: Candidate) -> list[Suggestion]:
@@ -129,12 +184,20 @@ def _bigger_device(search: Any, closest: Candidate) -> list[Suggestion]:
     return []
 
 
+def _device_memory(search: Any, closest: Candidate) -> list[Suggestion]:
+    need = device_memory_needed(search, closest)
+    return [Suggestion(change=f"{need / GiB:.0f} GiB per GPU (same {search.hardware.world_size} GPUs)", kind="hardware",
+                       fits=True, detail=f"{closest.plan.describe()} needs {readable_bytes(closest.estimate.total)}; with "
+                       f"{need / GiB:.0f} GiB devices its budget covers it", peak_bytes=closest.estimate.total,
+                       budget_bytes=None)]
+
+
 def suggest(search: Any, closest: Candidate) -> list[Suggestion]:
     """Suggestions for a search that found no fitting plan, cheapest kind first, fitting ones first
     within a kind."""
     out = _train_changes(search, closest)
     out += _shorter_sequence(search, closest)
     out += _more_gpus(search)
-    out += _bigger_device(search, closest)
+    out += _bigger_device(search, closest) or _device_memory(search, closest)
     order = {"train": 0, "sequence": 1, "cluster": 2, "hardware": 3}
     return sorted(out, key=lambda s: (not s.fits, order[s.kind]))

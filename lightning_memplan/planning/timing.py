@@ -70,6 +70,7 @@ __all__ = [
     "bubble_fraction",
     "StepTimeModel",
     "bubble_overhead",
+    "is_cpu_host",
     "planned_chunk_size",
     "predict_step_time",
     "time_model_applies",
@@ -143,6 +144,7 @@ class StepTime:
         hardware_flops: FLOPs actually executed, recomputation included.
         tokens_per_s: tokens / total_s.
         mfu: model_flops / (total_s * world * peak).
+        modelled: False on a CPU host (:func:`time_model_applies`): the times are only a ranking aid.
     """
 
     total_s: float
@@ -156,10 +158,11 @@ class StepTime:
     hardware_flops: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    modelled: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("total_s", "compute_s", "bubble_s", "optimizer_s", "tokens",
-                                              "model_flops", "hardware_flops", "tokens_per_s", "mfu")}
+                                              "model_flops", "hardware_flops", "tokens_per_s", "mfu", "modelled")}
         out["exposed_s"] = dict(self.exposed_s)
         out["overlapped_s"] = dict(self.overlapped_s)
         return out
@@ -169,11 +172,17 @@ class StepTime:
         return cls(**{**data, "exposed_s": dict(data.get("exposed_s", {})), "overlapped_s": dict(data.get("overlapped_s", {}))})
 
 
+def is_cpu_host(hardware: HardwareSpec) -> bool:
+    """Whether ``hardware`` is :func:`~lightning_memplan.hardware.detect.detect_hardware`'s description of
+    a host without CUDA (named ``"cpu (...)"``): no CUDA context, no NCCL, no accelerator speeds."""
+    return hardware.name.startswith("cpu")
+
+
 def time_model_applies(hardware: HardwareSpec, train: TrainSpec) -> bool:
     """Whether step times mean anything here: not for a CPU host (``train.device == "cpu"`` or a
     :func:`~lightning_memplan.hardware.detect.detect_hardware` CPU description, which has no speed
     figures); there the planner ranks by memory and change cost and says so (:data:`TIME_MODEL_OFF`)."""
-    return train.device != "cpu" and not hardware.name.startswith("cpu")
+    return train.device != "cpu" and not is_cpu_host(hardware)
 
 
 class LayoutTimes:
@@ -183,7 +192,7 @@ class LayoutTimes:
 
     __slots__ = (
         "layout", "world", "slots", "compute_mb", "tp_mb", "cp_mb", "cp_hidden_mb", "pp_mb", "loss_mb",
-        "dp_exposed", "dp_overlapped", "opt_s", "tokens", "model_flops", "recompute_flops", "peak", "notes",
+        "dp_exposed", "dp_overlapped", "opt_s", "tokens", "model_flops", "recompute_flops", "peak", "notes", "modelled",
     )
 
     # Filled in by :meth:`StepTimeModel.layout` (declared here for type checkers; ``__slots__`` holds them).
@@ -204,6 +213,7 @@ class LayoutTimes:
     recompute_flops: dict[str, float]
     peak: float
     notes: tuple[str, ...]
+    modelled: bool
 
     def total(self, recompute: str, zero: int, loss: str) -> float:
         slot = self.compute_mb[recompute] + self.tp_mb[recompute] + self.cp_mb + self.pp_mb + self.loss_mb[loss]
@@ -235,6 +245,7 @@ class LayoutTimes:
             hardware_flops=hw,
             tokens_per_s=self.tokens / total if total > 0 else 0.0,
             mfu=self.model_flops / (total * self.world * self.peak) if total > 0 else 0.0,
+            modelled=self.modelled,
         )
 
 
@@ -366,7 +377,9 @@ class StepTimeModel:
         with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
         first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
-        compute = min(self.stage_compute(lay, rc) for rc in self.recomputes)
+        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp)
+        per = block + min(extra.values())
+        compute = max(first * per, last * per + head)
         tp = 0.0
         if lay.tp > 1:  # the 4 TP all-reduces per layer are never hidden
             msg = lay.b * (self.train.seq_len // lay.cp) * self.model.hidden * self.pb.compute
@@ -391,8 +404,9 @@ class StepTimeModel:
 
         # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
         first_layers, last_layers = self.rank_layers(p, v if p > 1 else 1)
-        compute_mb = {rc: self.stage_compute(lay, rc) for rc in recomputes}
-        _, _, head_s = self.block_seconds(b * s / c, t)
+        block_s, extra_s, head_s = self.block_seconds(b * s / c, t)
+        compute_mb = {rc: max(first_layers * (block_s + extra_s[rc]), last_layers * (block_s + extra_s[rc]) + head_s)
+                      for rc in recomputes}
         tokens_step = d * m * tokens_mb
 
         # tensor parallel: 4 all-reduces of b (s/c) h per layer per micro-batch, 6 with full recompute
@@ -499,6 +513,7 @@ class StepTimeModel:
         out.recompute_flops = {rc: self.rec_layer_f[rc] * model.n_layers * tokens_step for rc in recomputes}
         out.peak = self.peak
         out.notes = tuple(notes)
+        out.modelled = self.modelled
         return out
 
 

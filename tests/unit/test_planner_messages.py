@@ -1,0 +1,62 @@
+"""The planner's explanation messages (issue 13): each fixed message has a test."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lightning_memplan.hardware import HardwareSpec
+from lightning_memplan.model.specs import ModelSpec, TrainSpec
+from lightning_memplan.planning import TIME_MODEL_OFF, plan
+from lightning_memplan.planning.explain import _candidate_rows, _rejected_lines, _why_not_runner_up
+from lightning_memplan.planning.suggest import cluster_with
+
+GiB = 2**30
+
+
+def _decision():
+    return plan(ModelSpec.preset("gpt2"), TrainSpec(micro_batch=8, seq_len=1024), HardwareSpec.preset("a100-80gb", gpus_per_node=8))
+
+
+def test_why_not_names_a_plan_other_than_the_choice():
+    d = _decision()
+    line = _why_not_runner_up(d)
+    assert line is not None and d.candidates[0].describe() not in line.split(":")[0]
+    # the runner-up named is one that differs in words from the choice
+    assert any(c.describe() in line for c in d.candidates[1:])
+    assert "-0.0%" not in line
+
+
+def test_vs_best_compares_tokens_per_second():
+    d = _decision()
+    best = d.candidates[0].step.tokens_per_s
+    for c, row in zip(d.candidates[:5], _candidate_rows(d, 5), strict=True):
+        assert row[7] == f"{100 * (c.step.tokens_per_s / best - 1):+.1f}% tokens/s"
+
+
+def test_rejected_none_is_said_in_words():
+    d = dataclasses.replace(_decision(), rejected=())
+    assert _rejected_lines(d, 5) == ["rejected: none (every layout the search visited fits)"]
+
+
+def test_cpu_host_time_model_off_and_no_cuda_context():
+    cpu = HardwareSpec("cpu (x86_64, 2 cores)", 24 * GiB, source="host description (no CUDA device)")
+    d = plan(ModelSpec.preset("gpt2"), TrainSpec(micro_batch=1, seq_len=256, device="cpu"), cpu)
+    text = d.explain()
+    assert TIME_MODEL_OFF in text and "MFU" not in text.split("search:")[0]
+    assert d.budget.cuda_context == 0 and "CUDA context" not in d.budget.describe()
+
+
+def test_nothing_fits_names_the_fewest_gpus_and_that_cluster_fits():
+    model, train = ModelSpec.preset("llama3-70b"), TrainSpec(micro_batch=1, seq_len=8192)
+    hw = HardwareSpec.preset("h100-sxm", gpus_per_node=2)
+    d = plan(model, train, hw)
+    assert not d.fits
+    cluster = [s for s in d.suggestions if s.kind == "cluster" and s.fits]
+    assert cluster, [s.change for s in d.suggestions]
+    gpus = int(cluster[0].change.split()[0])
+    bigger = cluster_with(hw, gpus)
+    assert bigger.world_size == gpus and plan(model, train, bigger).fits
+    # one node fewer does not fit
+    smaller = bigger.replace(num_nodes=bigger.num_nodes - 1) if bigger.num_nodes > 1 else cluster_with(hw, gpus // 2)
+    assert not plan(model, train, smaller).fits
+    assert any(s.kind == "hardware" and "GiB per GPU" in s.change or "GiB device" in s.change for s in d.suggestions)
