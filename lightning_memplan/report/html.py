@@ -139,7 +139,6 @@ def _timeline_svg(view: TimelineView) -> str:
         for phase, a, b in view.spans:
             shade = {"forward": "#f1f8ff", "backward": "#fff6ee", "optimizer": "#f3fbf1"}.get(phase, "#fafafa")
             ch.rect(a, 0, max(b, a + 1), y_max, fill=shade, opacity=1.0, title=f"{phase}: operator calls {a}-{b}")
-            ch.text(ch.x((a + b) / 2), ch.top + 12, phase, anchor="middle", size=10, color="#666")
         comps_drawn = []
         if kind == "measured":
             lower = [0] * n
@@ -176,12 +175,15 @@ def _timeline_svg(view: TimelineView) -> str:
                     lo += v
                     if comp not in comps_drawn:
                         comps_drawn.append(comp)
-                ch.text(ch.x((a + b) / 2), ch.y(lo) - 4, _fmt(lo, unit), anchor="middle", size=10)
+                ch.text(ch.x((a + b) / 2), ch.y(lo) + 12, _fmt(lo, unit), anchor="middle", size=10, color="#fff", weight="bold")
             if not view.estimate:
                 ch.text(_WIDTH / 2, 150, "no per-phase estimate for this step (no model spec, or a version 1 report)",
                         anchor="middle", color="#888")
+        for phase, a, b in view.spans:  # on top of the stacks, in the bottom band
+            ch.text(ch.x((a + b) / 2), ch.height - ch.bottom - 5, phase, anchor="middle", size=10, color="#fff", weight="bold")
         if view.estimated_peak:
-            ch.hline(view.estimated_peak, stroke=_EST, label=f"estimated peak {_fmt(view.estimated_peak, unit)}")
+            ch.hline(view.estimated_peak, stroke=_EST, label=f"estimated peak {_fmt(view.estimated_peak, unit)}",
+                     label_at="start")
         if show_cap and cap:
             ch.hline(cap, stroke=_CAP, label=f"capacity / budget {_fmt(cap, unit)}", dash="2 2")
         ch.legend([(c, COMPONENT_COLORS[c]) for c in COMPONENTS if c in comps_drawn], y=ch.top - 16)
@@ -196,7 +198,7 @@ def _timeline_svg(view: TimelineView) -> str:
 
 def _timeline_section(report: MemoryReport) -> str:
     views = []
-    for epoch in report.epochs:
+    for epoch in reversed(report.epochs):  # the latest epoch first (the default view)
         for r in epoch.ranks:
             rec = timeline_record(r)
             view = timeline_view(rec) if rec is not None else None
@@ -308,11 +310,13 @@ def _ranks_svg(epoch: EpochReport, run: Mapping[str, Any]) -> str:
         ch.text(ch.x(i), ch.height - ch.bottom + 26, label, anchor="middle", size=11, weight="bold")
     if spread is not None and n > 1:
         mean = spread.max / (1 + spread.imbalance) if spread.imbalance > -1 else spread.max
-        ch.hline(mean, stroke="#495057", label=f"mean peak {_fmt(int(mean), unit)}; imbalance (max/mean - 1) {spread.imbalance:.1%}")
+        ch.hline(mean, stroke="#495057", label="mean", label_at="start")
+        ch.text(ch.width - ch.right, ch.height - 6, f"mean peak {_fmt(int(mean), unit)}, max {_fmt(spread.max, unit)}: "
+                f"imbalance (max / mean - 1) {spread.imbalance:.1%}", anchor="end", size=11, weight="bold", color="#495057")
     ch.legend([(c, COMPONENT_COLORS[c]) for c in COMPONENTS
                if any(b.estimated.get(c) or b.measured.get(c) for b in bars)] + [("measured, no breakdown", _GREY)],
               y=ch.top - 16)
-    ch.axes(x_label="", y_label=f"bytes at the peak ({unit})", y_format=lambda v: f"{v / scale:.3g}", y_scale=scale, x_ticks=[])
+    ch.axes(x_label="" if spread is not None and n > 1 else "ranks", y_label=f"bytes at the peak ({unit})", y_format=lambda v: f"{v / scale:.3g}", y_scale=scale, x_ticks=[])
     return ch.svg()
 
 

@@ -1,20 +1,42 @@
-"""The report chart: one stacked bar per rank and kind (estimated, measured), one colour per component.
+"""The report chart for loggers (``memory_report.png``): the same pictures as the HTML page, drawn by
+matplotlib from the same data (:mod:`~lightning_memplan.report.views`), one figure of three panels:
 
-Needs matplotlib (the ``plot`` extra); :func:`matplotlib_available` says whether it is installed, and
-:func:`render_png` is only called when it is. Drawn with the non-interactive Agg backend so it works on
-headless training nodes.
+1. the step timeline of the largest tracked steady-state step (rank 0, latest epoch that has one):
+   measured live bytes by component (stacked area), the estimate's per-phase peaks as steps, the
+   measured peak marked, the capacity / budget line when it is on the scale;
+2. across the run: every rank's measured peak per step over all epochs, rank 0's estimate and reserved
+   bytes, the epoch starts, sequence-length changes, warnings and incidents;
+3. across ranks: every rank's components at its peak in the latest epoch, estimated next to measured,
+   pipeline stages labelled and the imbalance in the title.
+
+matplotlib is a dependency of the main install (the main job promises this picture);
+:func:`matplotlib_available` stays for environments that removed it. Drawn with the non-interactive
+Agg backend so it works on headless training nodes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS
-from lightning_memplan.report.records import EpochReport, MemoryReport
+from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import UNITS
+from lightning_memplan.report.views import (
+    COMPONENT_COLORS,
+    TimelineView,
+    rank_view,
+    report_ranks,
+    run_view,
+    timeline_record,
+    timeline_view,
+)
 
 __all__ = ["matplotlib_available", "render_png"]
+
+#: The capacity line is drawn only when it is at most this factor above the panel's data.
+_CAPACITY_SCALE_LIMIT = 3.0
 
 
 def matplotlib_available() -> bool:
@@ -22,57 +44,159 @@ def matplotlib_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def _bars(epoch: EpochReport) -> list[tuple[str, dict[str, int], int | None]]:
-    """``(label, components, total_if_no_breakdown)`` per bar: estimated then measured for each rank.
+def _auto_unit(largest: float) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        if largest >= UNITS[unit]:
+            return unit
+    return "B"
 
-    A measurement without a component breakdown (CUDA allocator peak, no tracker) is drawn as one grey
-    segment of its total so it still stands next to the estimate.
-    """
-    bars: list[tuple[str, dict[str, int], int | None]] = []
-    for r in epoch.ranks:
-        bars.append((f"r{r.rank}\nest.", dict(r.estimated_components or {}), None))
-        if r.measured_components:
-            bars.append((f"r{r.rank}\nmeas.", dict(r.measured_components), None))
-        else:
-            bars.append((f"r{r.rank}\nmeas.", {}, r.measured_peak))
-    return bars
+
+def _timeline_for(report: MemoryReport) -> TimelineView | None:
+    for epoch in reversed(report.epochs):
+        summary = next((r for r in epoch.ranks if r.rank == 0), epoch.ranks[0] if epoch.ranks else None)
+        rec = timeline_record(summary) if summary is not None else None
+        if rec is not None:
+            return timeline_view(rec)
+    return None
+
+
+def _draw_timeline(ax: Any, view: TimelineView | None) -> None:
+    if view is None:
+        ax.text(0.5, 0.5, "no tracked step with a timeline", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    totals = [sum(v[i] for v in view.stacks.values()) for i in range(len(view.ops))]
+    top = max([*totals, view.estimated_peak or 0, *(sum(b[3].values()) for b in view.estimate), 1])
+    cap = view.capacity if view.capacity and view.capacity <= top * _CAPACITY_SCALE_LIMIT else None
+    unit = _auto_unit(max(top, cap or 0))
+    scale = UNITS[unit]
+    comps = [c for c in COMPONENTS if c in view.stacks]
+    ax.stackplot(view.ops, *[[v / scale for v in view.stacks[c]] for c in comps],
+                 colors=[COMPONENT_COLORS[c] for c in comps], labels=comps, alpha=0.85)
+    xs: list[float] = []
+    ys: list[float] = []
+    for _phase, a, b, block in view.estimate:
+        total = sum(block.values()) / scale
+        xs += [a, b]
+        ys += [total, total]
+    if xs:
+        ax.plot(xs, ys, color="#1f4e9c", lw=2, ls="--", label="estimated (per-phase peak)")
+    for phase, a, b in view.spans:
+        ax.axvline(a, color="0.6", lw=0.8, ls=":")
+        ax.text((a + b) / 2, 0.98, phase, transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8, color="0.35")
+    if view.peak is not None:
+        ax.plot([view.peak[0]], [view.peak[1] / scale], "o", color="#e8590c", mec="k", zorder=5)
+        ax.annotate(f"measured peak {view.peak[1] / scale:.3g} {unit}", (view.peak[0], view.peak[1] / scale),
+                    xytext=(8, 4), textcoords="offset points", fontsize=8, weight="bold")
+    if cap:
+        ax.axhline(cap / scale, color="#c92a2a", ls="-.", lw=1.2, label=f"capacity / budget {cap / scale:.3g} {unit}")
+    rec = view.record
+    ax.set_title(f"Step timeline: step {rec.step}, rank {rec.rank}, epoch {rec.epoch} (measured vs estimated)", fontsize=10)
+    ax.set_xlabel("operator calls in the step")
+    ax.set_ylabel(f"live bytes ({unit})")
+    ax.set_ylim(0, max(top, cap or 0) / scale * 1.12)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _draw_run(ax: Any, report: MemoryReport) -> None:
+    views = [run_view(report, r) for r in report_ranks(report)]
+    values = [v for view in views for s in (view.estimated, view.measured, view.reserved) for v in s if v]
+    if not values:
+        ax.text(0.5, 0.5, "no per-step figures", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    unit = _auto_unit(max(values))
+    scale = UNITS[unit]
+    first = views[0]
+    for view in views:
+        pts = [(s, v / scale) for s, v in zip(view.steps, view.measured, strict=True) if v]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", lw=1.5, label=f"measured peak, rank {view.rank}")
+    for name, series, style in (("estimated peak", first.estimated, dict(color="#1f4e9c", ls="--")),
+                                ("reserved", first.reserved, dict(color="0.55", ls=":"))):
+        pts = [(s, v / scale) for s, v in zip(first.steps, series, strict=True) if v]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), lw=1.5, label=f"{name}, rank {first.rank}", **style)
+    if max(values) / max(min(values), 1) > 4:
+        ax.set_yscale("log")
+    for step, epoch in first.epoch_starts:
+        ax.axvline(step, color="0.7", lw=0.8, ls=":")
+        ax.text(step, 0.98, f" epoch {epoch}", transform=ax.get_xaxis_transform(), fontsize=8, va="top", color="0.4")
+    for step, seq in first.seq_changes:
+        ax.annotate(f"s={seq}", (step, 0.02), xycoords=("data", "axes fraction"), fontsize=8, color="#5c940d",
+                    xytext=(3, 0), textcoords="offset points")
+        ax.axvline(step, color="#5c940d", lw=0.8, ls="--")
+    warned = {step for view in views for step, _ in view.warnings}
+    for step in warned:
+        ax.plot([step], [0.9], marker="D", color="#f59f00", transform=ax.get_xaxis_transform(), ms=7, ls="none")
+    for view in views:
+        for step, text in view.incidents:
+            ax.plot([step], [0.8], marker="X", color="#c92a2a", transform=ax.get_xaxis_transform(), ms=10, ls="none")
+            ax.text(step, 0.72, ("OOM" if text.startswith("oom") else "error") + f" r{view.rank}",
+                    transform=ax.get_xaxis_transform(), color="#c92a2a", fontsize=8, ha="center", weight="bold")
+    ax.set_title("Across the run: per-step peaks over all epochs (diamond: warning, X: incident)", fontsize=10)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _draw_ranks(ax: Any, report: MemoryReport) -> None:
+    epoch = report.latest
+    if epoch is None:
+        ax.set_axis_off()
+        return
+    bars, spread = rank_view(epoch, report.run)
+    hi = max([sum(b.estimated.values()) for b in bars] + [sum(b.measured.values()) or (b.measured_total or 0) for b in bars] + [1])
+    unit = _auto_unit(hi)
+    scale = UNITS[unit]
+    used: set[str] = set()
+    for i, bar in enumerate(bars):
+        for offset, comps in ((-0.2, bar.estimated), (0.2, bar.measured)):
+            bottom = 0.0
+            for comp in COMPONENTS:
+                v = comps.get(comp, 0) / scale
+                if v:
+                    ax.bar(i + offset, v, bottom=bottom, width=0.36, color=COMPONENT_COLORS[comp],
+                           label=comp if comp not in used else None)
+                    used.add(comp)
+                    bottom += v
+            if comps is bar.measured and not comps and bar.measured_total:
+                ax.bar(i + offset, bar.measured_total / scale, width=0.36, color="0.65",
+                       label="measured (no breakdown)" if "none" not in used else None)
+                used.add("none")
+    ax.set_xticks([x for i in range(len(bars)) for x in (i - 0.2, i + 0.2)])
+    ax.set_xticklabels([lab for b in bars for lab in (
+        f"est.\nr{b.rank}" + (f" s{b.stage}" if b.stage is not None else ""),
+        f"meas.\nr{b.rank}" + (f" s{b.stage}" if b.stage is not None else ""))], fontsize=8)
+    imbalance = f"; imbalance (max/mean - 1) {spread.imbalance:.1%}" if spread is not None and len(bars) > 1 else ""
+    stages = " (sN: pipeline stage)" if any(b.stage is not None for b in bars) else ""
+    ax.set_title(f"Across ranks, epoch {epoch.epoch}: components at the peak{stages}{imbalance}", fontsize=10)
+    ax.set_ylabel(f"bytes at the peak ({unit})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str = "GiB") -> None:
-    """Draw the latest epoch of ``report`` to ``path`` (PNG), written atomically (temp file + replace)."""
+    """Draw ``report`` (every epoch; see the module docstring) to ``path`` (PNG), written atomically
+    (temp file + replace). ``units`` is accepted for symmetry with the text renderers; each panel picks
+    the binary unit its numbers read best in."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    epoch = report.latest
-    if epoch is None:
+    if report.latest is None and not report.incidents:
         raise ValueError("report has no finished epoch to draw; render_png needs at least one epoch")
-    scale = UNITS[units]
-    bars = _bars(epoch)
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(bars) + 2.5), 4.5))
+    fig, axes = plt.subplots(3, 1, figsize=(11, 12), layout="constrained")
     try:
-        cmap = plt.get_cmap("tab10")
-        xs = range(len(bars))
-        bottoms = [0.0] * len(bars)
-        for ci, comp in enumerate(COMPONENTS):
-            heights = [b[1].get(comp, 0) / scale for b in bars]
-            if any(heights):
-                ax.bar(xs, heights, bottom=bottoms, color=cmap(ci % 10), label=comp, width=0.7)
-                bottoms = [lo + h for lo, h in zip(bottoms, heights, strict=True)]
-        totals_only = [(b[2] or 0) / scale for b in bars]
-        if any(totals_only):
-            ax.bar(xs, totals_only, bottom=bottoms, color="0.6", label="measured (no breakdown)", width=0.7)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([b[0] for b in bars])
-        ax.set_ylabel(f"bytes at the peak ({units})")
-        ax.set_title(f"Memory per rank, epoch {epoch.epoch}: estimated vs measured")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
+        model = report.run.get("model", "")
+        fig.suptitle(f"Memory report{f': {model}' if model else ''} ({len(report.epochs)} epochs, "
+                     f"{len(report_ranks(report))} ranks)", fontsize=12, weight="bold")
+        _draw_timeline(axes[0], _timeline_for(report))
+        _draw_run(axes[1], report)
+        _draw_ranks(axes[2], report)
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
-        fig.savefig(tmp, format="png", dpi=100)
+        fig.savefig(tmp, format="png", dpi=80)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
