@@ -238,6 +238,7 @@ def _run(
     fake: bool,
     pin: Mapping[str, str] | None,
     device: torch.device,
+    grads_alive_in_forward: bool = True,
 ) -> TrackerReport:
     # ``module`` is already the caller's private copy (fake or real)
     model = precision.convert_module(_move(module, device))
@@ -251,7 +252,8 @@ def _run(
         for _ in range(steps):
             tracker.reset_peaks()
             run_training_step(
-                model, batch, loss_fn, opt, precision=precision, scaler=scaler, on_phase=tracker.set_phase
+                model, batch, loss_fn, opt, precision=precision, scaler=scaler, on_phase=tracker.set_phase,
+                grads_alive_in_forward=grads_alive_in_forward,
             )
     return tracker.report()
 
@@ -272,6 +274,7 @@ def trace_memory(
     vocab_size: int | None = None,
     pin_moments: Mapping[str, str] | None = None,
     device: str | torch.device = "cpu",
+    grads_alive_in_forward: bool = True,
 ) -> TraceResult:
     """Measure one training step of ``module`` per memory component, under fake tensors by default.
 
@@ -300,6 +303,9 @@ def trace_memory(
         device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` on a machine with
             CUDA: then autocast's CUDA op lists, the CUDA attention kernels and the foreach optimizer
             are traced, still without allocating). A real fallback step always runs on the CPU.
+        grads_alive_in_forward: ``True`` (Lightning's order: ``zero_grad`` after ``training_step``, so
+            the previous step's gradients are alive in the forward) or ``False`` (a plain loop that
+            calls ``zero_grad(set_to_none=True)`` before the forward), as ``TrainSpec`` has it.
 
     Raises:
         ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
@@ -311,6 +317,11 @@ def trace_memory(
             f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r}"
         )
     _check_positive("steps", steps)
+    if not isinstance(grads_alive_in_forward, bool):
+        raise TypeError(
+            f"grads_alive_in_forward={grads_alive_in_forward!r} must be True (Lightning's order) or False (a "
+            "loop that zeroes gradients before the forward)"
+        )
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
@@ -349,7 +360,7 @@ def trace_memory(
     n_params = sum(p.numel() for p in module.parameters())
     run_kwargs = dict(
         loss_fn=loss_fn, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation, steps=steps,
-        seq_len=seq_len, vocab_size=vocab_size, pin=pin_moments,
+        seq_len=seq_len, vocab_size=vocab_size, pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
     )
     mode, reason = "real", None
     if fake:

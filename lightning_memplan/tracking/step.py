@@ -163,19 +163,24 @@ def run_training_step(
     precision: PrecisionEmulation | None = None,
     scaler: Any = None,
     on_phase: Callable[[str], None] | None = None,
+    grads_alive_in_forward: bool = True,
 ) -> None:
     """Run forward + loss, ``zero_grad``, backward and ``optimizer.step`` in Lightning's order.
 
     ``on_phase(name)`` is called at the start of ``"forward"``, ``"backward"`` and ``"optimizer"``
     (pass ``tracker.set_phase``). Returns nothing measurable itself (the loss is dropped so that
-    its graph is freed before the optimizer step, as in Lightning).
+    its graph is freed before the optimizer step, as in Lightning). ``grads_alive_in_forward=False``
+    is a plain loop's order instead: ``zero_grad(set_to_none=True)`` before the forward.
     """
     precision = precision or PrecisionEmulation()
+    if not grads_alive_in_forward:
+        optimizer.zero_grad(set_to_none=True)
     if on_phase is not None:
         on_phase("forward")
     with precision.forward_context():
         loss = _loss_of(loss_fn(module, batch))
-    optimizer.zero_grad(set_to_none=True)
+    if grads_alive_in_forward:
+        optimizer.zero_grad(set_to_none=True)
     if on_phase is not None:
         on_phase("backward")
     (scaler.scale(loss) if scaler is not None else loss).backward()
