@@ -26,6 +26,7 @@ from lightning_memplan.callbacks.infer import (
     pipeline_split,
     stage_micro_batch,
 )
+from lightning_memplan.callbacks.manual import manual_optimization_trace
 from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.callbacks.options import (
     check_fraction,
@@ -313,6 +314,16 @@ class MemoryPlanCallback(Callback):
         if trainer.optimizers:
             opt = _unwrap(trainer.optimizers[0])
             optimizer = _optimizer_factory(opt)
+        extra: dict[str, Any] = {}
+        if not pl_module.automatic_optimization:
+            if len(trainer.optimizers) != 1:
+                self._note(
+                    f"calibration skipped: manual optimization with {len(trainer.optimizers)} optimizers cannot be "
+                    "traced with one; the analytic memory model is used"
+                )
+                return None
+            # training_step runs backward and the optimizer step itself, through Trainer-backed methods
+            optimizer, extra["loss_fn"] = manual_optimization_trace(optimizer)
         try:
             # The eager original under the force_eager stance: the fake-tensor trace (a dispatch mode) never
             # reaches a compiled frame, so dynamo neither converts nor skips any (eager_view).
@@ -323,6 +334,7 @@ class MemoryPlanCallback(Callback):
                     input_fn=batch_factory(batch, b, s),
                     optimizer=optimizer,
                     precision=self._train.precision,
+                    **extra,
                 )
         except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to the analytic model
             self._note(

@@ -1,0 +1,58 @@
+"""MemoryPlanCallback in the setups people use besides the plain loop: manual optimization, loggers'
+steps with gradient accumulation, messages in the chosen units, a missing matplotlib."""
+
+from __future__ import annotations
+
+import torch
+from test_callback_helpers import LitGPT, make_trainer, token_loader
+
+from lightning_memplan.callbacks import MemoryPlanCallback
+from lightning_memplan.testing.zoo import gpt2_style
+
+
+class LitManual(LitGPT):
+    """LitGPT optimising by hand, with the Trainer-backed calls such a step makes."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        idx, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model.logits(self.model(idx)).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1)]
+
+
+def _run(root, module, **cb_kwargs):
+    config = gpt2_style(n_layers=1)
+    cb = MemoryPlanCallback(measure_every_n_steps=2, print_report=False, write_files=False, **cb_kwargs)
+    make_trainer(root, [cb], limit_train_batches=4).fit(module, token_loader(config, 2, [32], 4))
+    return cb
+
+
+def test_manual_optimization_is_calibrated_like_automatic(tmp_path):
+    torch.manual_seed(0)
+    manual = _run(tmp_path / "manual", LitManual(gpt2_style(n_layers=1)))
+    assert manual.report.run["estimate_source"] == "calibrated", manual.report.notes
+    assert not any("calibration" in n for n in manual.report.notes)
+    torch.manual_seed(0)
+    auto = _run(tmp_path / "auto", LitGPT(gpt2_style(n_layers=1)))
+    rank_m, rank_a = manual.report.epochs[-1].ranks[0], auto.report.epochs[-1].ranks[0]
+    # The same step in memory (forward, backward, AdamW), traced through manual_backward / opt.step.
+    assert rank_m.estimated_peak == rank_a.estimated_peak
+    assert rank_m.measured_to_estimated is not None and abs(rank_m.measured_to_estimated - 1) < 0.01
+    steady = [t for t in rank_m.tracked if not t.warmup]
+    assert steady and steady[0].estimated_phase_peaks.keys() == {"forward", "backward", "optimizer"}
