@@ -14,15 +14,18 @@ from typing import Any
 
 import torch
 
-from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, ParallelPlan, TrainSpec
+from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, ModelSpec, ParallelPlan, TrainSpec
 
 __all__ = [
     "InferenceError",
     "batch_factory",
     "batch_shape",
     "infer_optimizer",
+    "infer_model_spec",
     "infer_plan",
     "infer_train_spec",
+    "pipeline_split",
+    "stage_micro_batch",
     "has_fsdp2",
     "parallelised_by",
 ]
@@ -331,6 +334,43 @@ def infer_plan(trainer: Any, pl_module: Any = None) -> tuple[ParallelPlan, str]:
         f"strategy {name!r} is not one the callback can read a layout from; pass "
         f"MemoryPlanCallback(plan=ParallelPlan(dp=..., tp=..., pp=..., zero=...))"
     )
+
+
+def infer_model_spec(trainer: Any, pl_module: Any) -> ModelSpec:
+    """The :class:`ModelSpec` of the whole model the running strategy trains.
+
+    Under memplan_auto, the spec it planned with (``strategy.decision.model``), read from the whole
+    model before the pipeline split and the TP/FSDP sharding: the local module of a pipeline rank holds
+    only its stage, and tensor parallelism patches per-rank head counts into the attention modules, so
+    neither describes the model the per-rank estimate is for. Otherwise the LightningModule itself
+    (:meth:`ModelSpec.from_module`; DTensor parameters report their global shapes).
+
+    Raises:
+        ValueError / TypeError: from :meth:`ModelSpec.from_module` when the module is not understood.
+    """
+    planned = getattr(getattr(getattr(trainer, "strategy", None), "decision", None), "model", None)
+    if isinstance(planned, ModelSpec):
+        return planned
+    return ModelSpec.from_module(pl_module)
+
+
+def pipeline_split(trainer: Any) -> str | None:
+    """``"pipeline stages (pp=N)"`` when the running strategy split the model into pipeline stages (this
+    rank's module holds only its stage, so a trace of it is not the model the estimate is for), else
+    ``None``."""
+    plan = getattr(getattr(trainer, "strategy", None), "applied_plan", None)
+    if isinstance(plan, ParallelPlan) and plan.pp > 1:
+        return f"pipeline stages (pp={plan.pp})"
+    return None
+
+
+def stage_micro_batch(plan: ParallelPlan, batch: int) -> int:
+    """The micro-batch one pipeline step runs: a dataloader batch of ``batch`` sequences is split into
+    ``plan.microbatches`` micro-batches when ``pp > 1`` (``torch.distributed.pipelining`` schedules
+    chunk the batch dimension), so the estimate is for ``batch // microbatches``; ``batch`` otherwise."""
+    if plan.pp > 1 and plan.microbatches > 1:
+        return max(1, batch // plan.microbatches)
+    return batch
 
 
 def _calibration_shapes(b: int, s: int, head_dim: int | None) -> list[tuple[int, int]]:

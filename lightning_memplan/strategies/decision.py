@@ -21,7 +21,7 @@ from lightning_memplan.strategies.mesh import MeshLayout
 from lightning_memplan.strategies.pipeline import pipeline_blocker
 from lightning_memplan.strategies.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 
-__all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked"]
+__all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked", "module_blockers", "runnable_forced_schedule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +125,32 @@ def applicability(
     return out
 
 
+def module_blockers(
+    layout: TransformerLayout | None, module: nn.Module, world_size: int, *, self_parallel: bool
+) -> dict[str, str]:
+    """The sizes the planner must not search for this module, from the same blockers
+    :func:`applicability` applies at setup (one rule for both).
+
+    ``{"tp": why}`` / ``{"pp": why}`` when no size above 1 can be applied, else ``{"tp=4": why, ...}``
+    per size that cannot (e.g. tp=4 with 2 key/value heads, pp=8 with 4 blocks);
+    :func:`~lightning_memplan.strategies.planner_bridge.narrow_allow` pins or drops them.
+    """
+    if self_parallel:  # the module's configure_model decides; memplan_auto never plans its pp/sp
+        return {}
+    out: dict[str, str] = {}
+    sizes = [d for d in range(2, world_size + 1) if world_size % d == 0]
+    for dim, blocker in (
+        ("tp", lambda d: tensor_parallel_blocker(layout, module, d)),
+        ("pp", lambda d: pipeline_blocker(layout, d, 1)),
+    ):
+        reasons = {d: why for d in sizes if (why := blocker(d))}
+        if sizes and len(reasons) == len(sizes):
+            out[dim] = reasons[sizes[0]]
+        else:
+            out.update({f"{dim}={d}": why for d, why in reasons.items()})
+    return out
+
+
 def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelPlan, list[str]]:
     """Turn blocked tp/pp ranks into data-parallel ranks (same world size) and drop blocked sequence
     parallelism; returns the plan and notes."""
@@ -147,6 +173,45 @@ def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelP
     return dataclasses.replace(plan, dp=dp, **changes), notes
 
 
+def runnable_forced_schedule(plan: ParallelPlan, batch: int | None) -> tuple[ParallelPlan, list[str]]:
+    """A forced plan's pipeline schedule checked against the per-rank batch (``None``: unknown) with
+    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker`, the rule the planner's
+    search uses too.
+
+    ``microbatches=1`` with ``pp > 1`` is ``ParallelPlan``'s default, not a choice: when it cannot run
+    it is replaced by the smallest count that can (:func:`runnable_microbatches`), with a note. Any
+    other count that cannot run is refused here, at setup, instead of failing inside the first step.
+
+    Raises:
+        ValueError: naming the plan, the rule and the ``microbatches=`` (or schedule) that would run.
+    """
+    from lightning_memplan.planning.runnable import pipeline_schedule_blocker, runnable_microbatches
+
+    if plan.pp == 1:
+        return plan, []
+    reason = pipeline_schedule_blocker(
+        pp=plan.pp, schedule=plan.schedule, microbatches=plan.microbatches, batch=batch
+    )
+    if reason is None:
+        return plan, []
+    ok = runnable_microbatches(pp=plan.pp, schedule=plan.schedule, batch=batch if batch is not None else plan.pp)
+    if plan.microbatches == 1 and ok is not None:
+        note = (
+            f"microbatches=1 (ParallelPlan's default) cannot run pp={plan.pp} {plan.schedule}: {reason}; "
+            f"applied microbatches={ok} instead (force microbatches= to choose)"
+        )
+        return dataclasses.replace(plan, microbatches=ok), [note]
+    where = f"the per-rank batch of {batch}" if batch is not None else "an unknown batch"
+    fix = (
+        f"force microbatches={ok} (or another count it allows)" if ok is not None
+        else f"make the per-rank batch a multiple of {plan.pp}, or use schedule='gpipe'"
+    )
+    raise ValueError(
+        f"plan={plan.describe()} cannot run {where}: {reason}; {fix}, e.g. "
+        f"ParallelPlan(..., pp={plan.pp}, microbatches={ok or plan.pp})"
+    )
+
+
 def decide(
     *,
     model_spec: ModelSpec,
@@ -158,14 +223,18 @@ def decide(
     forced: ParallelPlan | None,
     forced_source: str,
     planner: Any,
+    batch_known: bool = True,
 ) -> Resolution:
     """Pick and check the plan (runs on rank 0 only).
 
     Args:
         planner: ``callable(exclude: dict[str, str]) -> PlanDecision``; called again with the blocked
             dimensions excluded when the first choice cannot be applied to this module.
+        batch_known: whether ``train.micro_batch`` is the real per-rank dataloader batch (the pipeline
+            schedule rule is checked against it).
     Raises:
-        ValueError: a forced plan whose world size differs from the run's.
+        ValueError: a forced plan whose world size differs from the run's, or whose pipeline schedule
+            cannot run the batch (:func:`runnable_forced_schedule`).
     """
     notes: list[str] = []
     if forced is not None:
@@ -178,15 +247,20 @@ def decide(
         blocked = applicability(plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
         plan, fold_notes = fold_blocked(plan, blocked)
         notes += fold_notes
+        plan, schedule_notes = runnable_forced_schedule(plan, train.micro_batch if batch_known else None)
+        notes += schedule_notes
         estimate = _estimate_or_none(model_spec, train, dataclasses.replace(plan, grad_buckets=False))
         decision: Any = ForcedDecision(plan=plan, train=train, model=model_spec, estimate=estimate, source=forced_source)
         recompute, loss = train.recompute, train.loss
     else:
-        decision = planner({})
+        # The search sees only the sizes this module can take (module_blockers); the check after it
+        # is the same rule again, for the options the search cannot express (virtual stages, SP).
+        searched = module_blockers(layout, module, world_size, self_parallel=self_parallel)
+        decision = planner(searched)
         blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
         if blocked:
             notes += [f"planner chose {decision.plan.describe()}, but {dim}: {why}" for dim, why in blocked.items()]
-            decision = planner(blocked)
+            decision = planner({**searched, **blocked})
             notes.append(f"re-planned without {', '.join(sorted(blocked))}: {decision.plan.describe()}")
             still = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
             if still:  # the planner ignored the exclusion: fold rather than fail

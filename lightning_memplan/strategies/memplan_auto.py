@@ -244,6 +244,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         )
 
     def _call_planner(self, model_spec: Any, train: TrainSpec, exclude: set[str], has_lce: bool) -> Any:
+        batch_known = True
         from lightning_memplan.strategies.planner_bridge import run_planner
 
         return run_planner(
@@ -252,6 +253,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             hardware=self._hardware,
             devices=self.num_processes,
             num_nodes=self.num_nodes,
+            batch_known = False
             memory_budget=self._memory_budget,
             headroom=self._headroom,
             allow=self._allow,
@@ -272,6 +274,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             for rank, d in enumerate(digests):
                 groups.setdefault(d, []).append(rank)
             raise RuntimeError(
+            batch_known=batch_known,
                 "memplan_auto: ranks disagree on the plan or the model "
                 f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build the same "
                 "LightningModule (same config and parameter shapes) before fit"

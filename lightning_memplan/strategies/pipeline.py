@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memplan.strategies.layouts import TransformerLayout
+from lightning_memplan.strategies.layouts import TransformerLayout, get_submodule_or_none
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -194,13 +194,15 @@ class PipelineRunner:
         parent = root.get_submodule(parent_path) if parent_path else root
         setattr(parent, name, nn.ModuleDict({key: blk for key, blk in items if key in kept_keys}))
         holds_first, holds_last = 0 in self.stage_ids, (self.n_stages - 1) in self.stage_ids
-        firsts = {n: getattr(root, n) for n in first_names if getattr(root, n, None) is not None}
-        lasts = {n: getattr(root, n) for n in last_names if getattr(root, n, None) is not None}
+        # Names may be nested (Hugging Face Llama's ``model.embed_tokens``); ModuleDict keys cannot hold dots.
+        firsts = {n.replace(".", "__"): m for n in first_names if (m := get_submodule_or_none(root, n)) is not None}
+        lasts = {n.replace(".", "__"): m for n in last_names if (m := get_submodule_or_none(root, n)) is not None}
         for names, held in ((first_names, holds_first), (last_names, holds_last)):
             if not held:
                 for n in names:
-                    if getattr(root, n, None) is not None:
-                        setattr(root, n, None)
+                    if get_submodule_or_none(root, n) is not None:
+                        owner_path, _, attr = n.rpartition(".")
+                        setattr(root.get_submodule(owner_path) if owner_path else root, attr, None)
         return [
             StageModule(
                 root,

@@ -53,8 +53,14 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def narrow_allow(allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bool, pipeline: bool) -> Any:
-    """The user's ``allow`` intersected with what the strategy can apply (see the module docstring)."""
+def narrow_allow(
+    allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bool, pipeline: bool, world: int | None = None
+) -> Any:
+    """The user's ``allow`` intersected with what the strategy can apply (see the module docstring).
+
+    ``exclude`` names whole dimensions (``"tp"``: tp pinned to 1) or single sizes (``"tp=4"``, from
+    :func:`~lightning_memplan.strategies.decision.module_blockers`; dropped from the divisors of
+    ``world``)."""
     from lightning_memplan.planning import Allow
 
     spec = Allow.parse(allow)
@@ -73,6 +79,8 @@ def narrow_allow(allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bo
     for dim in ("tp", "pp"):
         if dim in exclude:
             changes[dim] = keep(dim, (1,))
+        elif world is not None and any(e.startswith(f"{dim}=") for e in exclude):
+            changes[dim] = keep(dim, tuple(d for d in _divisors(world) if f"{dim}={d}" not in exclude))
     b = train.micro_batch
     changes["micro_batch"] = keep("micro_batch", _divisors(b) if pipeline and "pp" not in exclude else (b,))
     # LinearCrossEntropy runs chunked or vocab-parallel under memplan_auto (never full logits);
@@ -85,18 +93,19 @@ def applicable(candidate: Any, train: TrainSpec) -> bool:
     """Whether a planner candidate can run on the dataloader's batch B = ``train.micro_batch``.
 
     Without PP the micro-batch must be B with the user's accumulation. With PP the schedule splits B
-    into m = B / b micro-batches, and torch's 1F1B (and interleaved) schedules need m >= pp
-    (interleaved: m a multiple of pp).
+    into m = B / b micro-batches, which must pass
+    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker` (1F1B: m >= pp;
+    interleaved: m a multiple of pp; GPipe: any m).
     """
+    from lightning_memplan.planning.runnable import pipeline_schedule_blocker
+
     plan, b, batch = candidate.plan, candidate.train.micro_batch, train.micro_batch
     if plan.pp == 1:
         return b == batch and candidate.train.grad_accumulation == train.grad_accumulation
     if batch % b:
         return False
-    m = batch // b
-    if plan.schedule == "interleaved":
-        return m % plan.pp == 0
-    return m >= plan.pp
+    # the rule memplan_auto checks a forced plan with (runnable_forced_schedule)
+    return pipeline_schedule_blocker(pp=plan.pp, schedule=plan.schedule, microbatches=batch // b, batch=batch) is None
 
 
 def rank_key(candidate: Any) -> float:
@@ -135,7 +144,8 @@ def run_planner(
     from lightning_memplan.planning import plan
 
     hw = hardware_for_run(hardware, devices, num_nodes)
-    narrowed = narrow_allow(allow, train, exclude, has_lce=has_lce, pipeline=True)
+    world = devices * num_nodes
+    narrowed = narrow_allow(allow, train, exclude, has_lce=has_lce, pipeline=True, world=world)
     try:
         decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
     except ValueError as exc:
@@ -144,7 +154,7 @@ def run_planner(
         raise ValueError(_nothing_evaluated(model, train, hw.world_size, memory_budget, exc)) from exc
     usable = [c for c in decision.candidates if applicable(c, train)] if decision.fits else []
     if not usable:
-        narrowed = narrow_allow(allow, train, exclude | {"pp"}, has_lce=has_lce, pipeline=False)
+        narrowed = narrow_allow(allow, train, exclude | {"pp"}, has_lce=has_lce, pipeline=False, world=world)
         decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
         return decision.require_fit()
     best = min(usable, key=rank_key)

@@ -177,26 +177,34 @@ def apply_tensor_parallel(
     assert layout is not None  # guaranteed by tensor_parallel_blocker
 
     root = layout.root
-    head = layout.head
+    # After a pipeline split a stage holds only some of the top-level parts (the embedding on the first
+    # stage, final norm and head on the last; the others are None): each style is applied to the parts
+    # present, as torchtitan's ``parallelize_fn`` runs on every pipeline model part (torchtitan/train.py:
+    # "for m in model_parts: ... parallelize_fn(m, ...)"; its Llama plan names tok_embeddings/norm/output,
+    # which the split set to None on the other stages).
+    emb_path = next((p for p in layout.embeddings[:1] if _present(root, p)), None)
+    head = layout.head if _present(root, layout.head) else None
+    norm = layout.norm if _present(root, layout.norm) else None
     tied = (
         head is not None
-        and layout.embeddings
-        and root.get_submodule(head).weight is root.get_submodule(layout.embeddings[0]).weight
+        and emb_path is not None
+        and root.get_submodule(head).weight is root.get_submodule(emb_path).weight
     )
     sp = sequence_parallel
     top: dict[str, Any] = {}
-    if layout.embeddings:
+    if emb_path is not None:
         # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce.
-        top[layout.embeddings[0]] = RowwiseParallel(input_layouts=Replicate())
-    if sp and layout.norm is not None:
-        top[layout.norm] = SequenceParallel()
-    if layout.head is not None:
+        top[emb_path] = RowwiseParallel(input_layouts=Replicate())
+    if sp and norm is not None:
+        top[norm] = SequenceParallel()
+    if head is not None:
         # Vocab-sharded weight; gathered logits for plain callers (LinearCrossEntropy reads the weight).
-        top[layout.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
-    parallelize_module(root, tp_mesh, top)
-    if tied and head is not None:  # tied implies a head
+        top[head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    if top:
+        parallelize_module(root, tp_mesh, top)
+    if tied and head is not None and emb_path is not None:
         # Both styles shard the shared [V, h] matrix on dim 0, so one DTensor serves both modules again.
-        root.get_submodule(head).weight = root.get_submodule(layout.embeddings[0]).weight
+        root.get_submodule(head).weight = root.get_submodule(emb_path).weight
     block_plan: dict[str, Any] = {
         **{p: ColwiseParallel() for p in layout.colwise},
         **{p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for p in layout.rowwise},
@@ -215,9 +223,14 @@ def apply_tensor_parallel(
                 )
         if layout.mlp is not None:
             block_plan[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # Under SP the whole sequence enters the model's first block, which keeps this rank's slice; later
+    # blocks (and the first block of a later pipeline stage, which receives the previous stage's
+    # sequence-sharded output) take the slice as it comes. The model's first block is the first one held
+    # by the rank that holds the embedding (stage 0 keeps blocks 0..k, in order).
+    enters_whole = emb_path is not None or not layout.embeddings
     for i, block in enumerate(layout.block_list):
         parallelize_module(block, tp_mesh, block_plan)
-        if sp and i == 0:  # the whole sequence enters; keep this rank's slice of it (a local slice, no comm)
+        if sp and i == 0 and enters_whole:  # keep this rank's slice of the whole sequence (local, no comm)
             rest = (None,) * (layout.block_args - 1)
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
@@ -241,6 +254,13 @@ def apply_tensor_parallel(
             "loss vocab-parallel"
         )
     return notes
+
+
+def _present(root: nn.Module, path: str | None) -> bool:
+    """Whether ``path`` names a real part of ``root`` (not missing, ``None`` or ``nn.Identity`` after a
+    pipeline split)."""
+    part = get_submodule_or_none(root, path)
+    return part is not None and not isinstance(part, nn.Identity)
 
 
 def _sequence_divisible_by(tp: int) -> Any:

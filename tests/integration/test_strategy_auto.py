@@ -242,10 +242,42 @@ def test_auto_plan_replans_without_a_blocked_dimension():
         plan = ParallelPlan(dp=2) if blocked else ParallelPlan(tp=2)
         return SimpleNamespace(plan=plan, train=TrainSpec(micro_batch=4, seq_len=8, recompute="full"))
 
+    # a module with no tensor-parallel plan: the search never sees tp (the same blocker as at setup)
     res = _decide(MLPNet(16, 32, 3, 4), planner=planner)
-    assert [set(c) for c in calls] == [set(), {"tp"}]
-    assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and res.recompute == "full"
+    assert [set(c) for c in calls] == [{"tp", "pp"}]
+    assert res.plan == ParallelPlan(dp=2, grad_buckets=False) and res.recompute == "full" and not res.notes
+    # a planner that ignores the exclusion is caught by the same rule after the search and re-asked
+    calls.clear()
+    res = _decide(MLPNet(16, 32, 3, 4), planner=lambda blocked: planner({}) if not calls else planner(blocked))
     assert "planner chose dp=1 tp=2" in res.notes[0] and "re-planned without tp: dp=2" == res.notes[1]
+
+
+def test_module_blockers_are_the_setup_blockers_per_size():
+    from lightning_memplan.strategies.decision import applicability, module_blockers
+
+    gqa = GPT(GPTConfig(64, 2, 32, 4, n_kv_heads=2))  # tp=4 cannot split 2 key/value heads; 2 blocks: pp <= 2
+    blocked = module_blockers(find_layout(gqa), gqa, 4, self_parallel=False)
+    assert set(blocked) == {"tp=4", "pp=4"}
+    for key, why in blocked.items():
+        dim, size = key.split("=")
+        assert applicability(ParallelPlan(**{dim: int(size)}), find_layout(gqa), gqa, self_parallel=False)[dim] == why
+    allow = narrow_allow(None, TrainSpec(micro_batch=4, seq_len=8), set(blocked), has_lce=False, pipeline=True, world=4)
+    assert (allow.tp, allow.pp) == ((1, 2), (1, 2))
+    assert module_blockers(find_layout(gqa), gqa, 4, self_parallel=True) == {}
+
+
+def test_forced_pipeline_schedule_is_checked_against_the_batch_at_setup():
+    gpt = GPT(GPTConfig(64, 4, 32, 4))
+    # microbatches=1 is ParallelPlan's default: replaced by the smallest count 1F1B can run, said so
+    res = _decide(gpt, forced=ParallelPlan(dp=2, pp=2), world=4)
+    assert res.plan.microbatches == 2 and any("applied microbatches=2 instead" in n for n in res.notes)
+    assert _decide(gpt, forced=ParallelPlan(pp=2, schedule="gpipe")).plan.microbatches == 1  # GPipe runs m=1
+    # an explicit count that cannot run is refused at setup, naming the fix
+    with pytest.raises(ValueError, match=r"1f1b needs microbatches >= pp .* force microbatches=4"):
+        _decide(gpt, forced=ParallelPlan(pp=4, microbatches=2), world=4)
+    with pytest.raises(ValueError, match=r"batch 4 is not divisible by microbatches=3"):
+        _decide(gpt, forced=ParallelPlan(pp=2, microbatches=3))
+    # (an interleaved count that is not a multiple of pp is refused by ParallelPlan itself)
 
 
 @pytest.mark.parametrize(
@@ -281,6 +313,7 @@ def test_only_candidates_the_dataloader_batch_allows():
     assert not applicable(cand(ParallelPlan(dp=2), 2, 4), train)  # would need in-step accumulation
     assert applicable(cand(ParallelPlan(pp=2, microbatches=4), 2), train)  # B=4 -> m=2 >= pp
     assert not applicable(cand(ParallelPlan(pp=2, microbatches=2), 4), train)  # m=1 < pp (1F1B)
+    assert applicable(cand(ParallelPlan(pp=2, microbatches=2, schedule="gpipe"), 4), train)  # GPipe runs m=1
     assert not applicable(cand(ParallelPlan(pp=2, schedule="interleaved", virtual_stages=2, microbatches=6), 4), train)
     allow = narrow_allow({"tp": [1, 2], "zero": [0, 1, 3]}, train, {"tp"}, has_lce=False, pipeline=True)
     assert (allow.tp, allow.zero, allow.cp, allow.sp, allow.loss) == ((1,), (0, 3), (1,), (False,), ("naive",))
