@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.hardware.presets import CHIP_ALIASES, CHIP_TABLE, FALLBACK_CHIP, ChipEntry, lookup_chip
+from lightning_memplan.validation import check_bool, check_int, check_mapping, check_number
 
 __all__ = ["HardwareSpec", "known_presets"]
 
@@ -17,18 +18,9 @@ def known_presets() -> list[str]:
     return list(CHIP_TABLE)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < 1:
-        raise ValueError(f"{name}={value!r} must be >= 1")
-
-
 def _check_positive_number(name: str, value: Any, unit: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r} must be a number of {unit}")
-    if not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0 {unit}; leave it None when unknown")
+    check_number(name, value, minimum=0.0, min_inclusive=False,
+                 hint=f"a finite number of {unit}; leave it None when unknown")
 
 
 @dataclass(frozen=True)
@@ -70,9 +62,13 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name={self.name!r} must be a non-empty string such as 'h100-sxm'")
-        _check_positive_int("memory_bytes", self.memory_bytes)
-        _check_positive_int("gpus_per_node", self.gpus_per_node)
-        _check_positive_int("num_nodes", self.num_nodes)
+        check_int("memory_bytes", self.memory_bytes, hint="device memory in bytes, e.g. 80 * 2**30")
+        check_int("gpus_per_node", self.gpus_per_node, hint="GPUs per node, e.g. 8")
+        check_int("num_nodes", self.num_nodes, hint="nodes, e.g. 1")
+        check_bool("supports_bf16", self.supports_bf16)
+        check_bool("fallback", self.fallback)
+        if not isinstance(self.source, str):
+            raise TypeError(f"source={self.source!r} must be a string (where the figures come from)")
         for attr, unit in (
             ("peak_flops", "FLOP/s"),
             ("peak_flops_fp32", "FLOP/s"),
@@ -197,6 +193,21 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareSpec:
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            TypeError: ``data`` is not a dict, or a field has the wrong type.
+            ValueError: ``name`` or ``memory_bytes`` is missing, or a key is not a field.
+        """
+        check_mapping("HardwareSpec.from_dict(data)", data, ("name", "memory_bytes"),
+                      hint="pass what HardwareSpec.to_dict() returns")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"HardwareSpec.from_dict(data): unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"the fields are {', '.join(sorted(known))}"
+            )
         data = dict(data)
         name, memory = data.pop("name"), data.pop("memory_bytes")
-        return cls(name, int(memory), **data)
+        return cls(name, memory, **data)

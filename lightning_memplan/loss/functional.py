@@ -167,6 +167,17 @@ def loss_with_options(
         _check_tensor(name, value)
     if bias is not None:
         _check_tensor("bias", bias)
+    for name, given in (("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)):
+        if given is not None and given.device.type == "meta":
+            raise ValueError(
+                f"{name} is on the meta device (shape {tuple(given.shape)}, no data): the loss needs real "
+                f"values; materialise it first (e.g. module.to_empty(device=...) then load the weights)"
+            )
+    if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
+        raise TypeError(
+            f"process_group={process_group!r:.80} must be a torch.distributed.ProcessGroup (e.g. "
+            "device_mesh['tp'].get_group()) or None"
+        )
     shard: VocabShard | None = None
     if is_dtensor(weight):
         weight, bias, shard = resolve_dtensor_weight(weight, bias)
@@ -238,6 +249,18 @@ def loss_with_options(
     target = target.long()
     if options.validate_targets:
         check_targets(target, int(vocab_global), options.ignore_index)
+    else:
+        # No host sync: the bound check is one device op (torch._assert_async). On CPU it raises here
+        # (then re-checked for the detailed ValueError); on CUDA it is queued and fails as a device-side
+        # assertion at the next synchronisation, as F.cross_entropy's own check does.
+        bad = (target != options.ignore_index) & ((target < 0) | (target >= vocab_global))
+        try:
+            torch._assert_async(~bad.any(), "linear_cross_entropy: target ids outside [0, V) that are not ignore_index")
+        except RuntimeError:
+            if target.device.type != "cpu":
+                raise
+            check_targets(target, int(vocab_global), options.ignore_index)
+            raise
     out_shape = tuple(target.shape)
     if options.shift:
         # Predicting target[:, 1:] from hidden[:, :-1] == predicting target shifted left by one at

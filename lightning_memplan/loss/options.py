@@ -55,6 +55,7 @@ from lightning_memplan.model.terms import (  # noqa: E402
     auto_loss_chunk_tokens,
     loss_chunk_row_bytes,
 )
+from lightning_memplan.validation import check_number  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +88,12 @@ class LossOptions:
     backend: str = "auto"
     """One of :data:`BACKENDS` (chunked path only)."""
     validate_targets: bool = False
-    """Check target ids (``0 <= id < V`` or ``ignore_index``) and sequence-shard sizes. Costs one
-    host synchronisation per call, hence off by default; without it an out-of-range id raises an
-    indexing error on one process, and on the vocab-parallel path it silently counts as a target
-    logit of 0 (no rank owns it)."""
+    """Check target ids (``0 <= id < V`` or ``ignore_index``) and sequence-shard sizes eagerly, raising
+    ``ValueError`` that lists the bad ids; costs one host synchronisation per call on CUDA. Whatever
+    this flag, an out-of-range id never gives a loss: on CPU it is always checked eagerly
+    (``ValueError``); on CUDA without this flag the check is queued on the device
+    (``torch._assert_async``, no host sync), so a bad id fails as a device-side assertion at the next
+    synchronisation, as ``F.cross_entropy``'s own bound check does."""
     sequence_parallel: bool = False
     """With a plain-tensor ``hidden`` and ``process_group``: ``hidden`` is this rank's slice of the
     sequence dim (every rank the same length); ``target`` may be the same slice or the full sequence.
@@ -114,15 +117,10 @@ class LossOptions:
                 f"label_smoothing={self.label_smoothing!r} must be in [0, 1), as in F.cross_entropy; "
                 "typical values are 0.0 or 0.1"
             )
-        _check_float("z_loss", self.z_loss)
-        if float(self.z_loss) < 0.0:
-            raise ValueError(f"z_loss={self.z_loss!r} must be >= 0; PaLM uses 1e-4")
+        check_number("z_loss", self.z_loss, minimum=0.0, hint="a finite float >= 0; PaLM uses 1e-4, 0 disables it")
         if self.softcap is not None:
-            _check_float("softcap", self.softcap)
-            if not float(self.softcap) > 0.0:
-                raise ValueError(
-                    f"softcap={self.softcap!r} must be > 0 or None; Gemma 2 uses 30.0 for final logits"
-                )
+            check_number("softcap", self.softcap, minimum=0.0, min_inclusive=False,
+                         hint="a finite float > 0 or None; Gemma 2 uses 30.0 for final logits")
         if not isinstance(self.shift, bool):
             raise TypeError(f"shift={self.shift!r} must be a bool")
         if isinstance(self.chunk_size, str):
@@ -161,8 +159,7 @@ class LossOptions:
 
 
 def _check_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r} must be a float")
+    check_number(name, value, minimum=None, hint="a finite float")
 
 
 def chunk_row_bytes(vocab: int, compute_dtype: torch.dtype, *, softcap: bool = False) -> int:

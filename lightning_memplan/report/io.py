@@ -2,25 +2,32 @@
 is already on disk and replaced atomically), ``memory_report.md``, ``memory_report.html`` (self-contained,
 see :mod:`~lightning_memplan.report.html`) and ``memory_report.png``.
 
-Atomic means: write a temporary file in the same directory, flush and fsync it, then ``os.replace``
-it over the target. A crash in the middle leaves the previous complete file, never a torn one.
+Every file goes through :func:`~lightning_memplan.report.atomic.write_atomic` (temporary file, fsync,
+``os.replace``; stale temporaries of a killed writer are removed by the next write). A file already there
+that is not a readable report (invalid JSON, or valid JSON that is not a report) is moved aside to
+``memory_report.json.corrupt`` with a warning, never merged and never a crash.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_memplan.report.atomic import write_atomic
 from lightning_memplan.report.plot import matplotlib_available, render_png
 from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import render_markdown
+from lightning_memplan.validation import read_json_file
 
 __all__ = ["REPORT_BASENAME", "WrittenFiles", "load_report", "report_paths", "write_atomic", "write_report"]
 
 #: Stem of the report files in the run's log directory.
 REPORT_BASENAME = "memory_report"
+#: memplan_auto's plan record, written by rank 0 into the same log directory (the HTML report's plan map).
+PLAN_FILENAME = "memplan_plan.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,18 +51,6 @@ def report_paths(
     return d / f"{stem}.json", d / f"{stem}.md", d / f"{stem}.png"
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def load_report(path: str | os.PathLike[str]) -> MemoryReport:
     """Read a ``memory_report.json``.
 
@@ -66,16 +61,19 @@ def load_report(path: str | os.PathLike[str]) -> MemoryReport:
     path = Path(path)
     if path.is_dir():
         path = path / f"{REPORT_BASENAME}.json"
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"path={str(path)!r} is not valid JSON ({exc}); pass a memory_report.json") from exc
-    if not isinstance(data, dict) or "epochs" not in data:
+    data = read_json_file(path, what="a memory_report.json written by MemoryPlanCallback")
+    if not isinstance(data, dict) or not isinstance(data.get("epochs"), list):
         raise ValueError(
-            f"path={str(path)!r} is not a memory report (no 'epochs'); pass a memory_report.json"
+            f"path={str(path)!r} is not a memory report (no 'epochs' list); pass a memory_report.json"
         )
-    return MemoryReport.from_dict(data)
+    try:
+        return MemoryReport.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(
+            f"path={str(path)!r} is not a valid memory report ({detail:.300}); pass a memory_report.json "
+            "written by MemoryPlanCallback, or delete the file"
+        ) from None
 
 
 def write_report(
@@ -99,9 +97,11 @@ def write_report(
     if json_path.exists():
         try:
             merged = report.merged_with(load_report(json_path))
-        except ValueError:
+        except ValueError as exc:
             # An unreadable older file is not silently merged into garbage: keep it beside the new one.
-            os.replace(json_path, json_path.with_suffix(".json.corrupt"))
+            aside = json_path.with_suffix(".json.corrupt")
+            os.replace(json_path, aside)
+            warnings.warn(f"{exc}; it was moved to {str(aside)!r} and a new report started", UserWarning, stacklevel=2)
     write_atomic(json_path, json.dumps(merged.to_dict(), indent=1, sort_keys=False) + "\n")
     write_atomic(md_path, render_markdown(merged, units=units))
     written_html: Path | None = None

@@ -431,9 +431,9 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         if self.global_rank != 0:
             return
         if log_dir is not None:
-            os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, PLAN_FILENAME), "w") as fh:
-                json.dump(record(res), fh, indent=2, default=str)
+            from lightning_memplan.report.atomic import write_atomic
+
+            write_atomic(os.path.join(log_dir, PLAN_FILENAME), json.dumps(record(res), indent=2, default=str))
         params = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
         params["memplan/plan"] = res.plan.describe()
         for logger in trainer.loggers:

@@ -227,9 +227,9 @@ def test_bad_plans_for_the_model():
     with pytest.raises(ValueError, match=r"pp=9 exceeds n_layers=8"):
         estimate_memory(model, train, ParallelPlan(pp=9))
     # uneven interleaved stages are allowed (8 blocks over 2 x 3 stages); more stages than blocks are not
-    estimate_memory(model, train, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=3))
+    estimate_memory(model, train, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=3, microbatches=2))
     with pytest.raises(ValueError, match=r"virtual_stages=5 x pp=2 = 10 stages exceed n_layers=8.*<= 4"):
-        estimate_memory(model, train, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=5))
+        estimate_memory(model, train, ParallelPlan(pp=2, schedule="interleaved", virtual_stages=5, microbatches=2))
     with pytest.raises(ValueError, match=r"cp=3 does not divide seq_len=32"):
         estimate_memory(model, train, ParallelPlan(cp=3))
     with pytest.raises(TypeError, match=r"plan=.*ParallelPlan"):
