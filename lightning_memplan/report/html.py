@@ -442,7 +442,7 @@ def _incidents_section(report: MemoryReport, units: str) -> str:
 def plan_decision_beside(report_path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The ``"decision"`` of memplan_auto's ``memplan_plan.json`` in the directory of ``report_path``, or
     ``None`` when there is none or it is not a readable plan record (the page then has no plan map)."""
-    from lightning_memplan.strategies.record import PLAN_FILENAME
+    from lightning_memplan.report.io import PLAN_FILENAME
 
     path = Path(report_path)
     plan_file = (path if path.is_dir() else path.parent) / PLAN_FILENAME

@@ -13,13 +13,12 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memplan.model.specs import ParallelPlan
+from lightning_memplan.report.io import PLAN_FILENAME  # written into the log directory by rank 0
 from lightning_memplan.strategies.decision import Resolution
 from lightning_memplan.strategies.mesh import MeshAxis
 
 __all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "record", "stored_plan"]
 
-#: Written into the log directory by rank 0.
-PLAN_FILENAME = "memplan_plan.json"
 #: Key under which the applied plan is stored in checkpoints.
 CHECKPOINT_KEY = "memplan"
 
