@@ -37,6 +37,7 @@ from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model.specs import ModelSpec
 
 __all__ = [
+    "ATTENTION_HALF_LENGTH",
     "ATTENTION_PEAK_FRACTION",
     "ELEMENTWISE_BYTES_PER_FFN",
     "ELEMENTWISE_BYTES_PER_HIDDEN",
@@ -61,6 +62,10 @@ GEMM_TILE = 128
 #: Fraction of peak the fused attention kernel reaches forward + backward: FlashAttention-2 on A100
 #: [FA2], on H100 [FA3]; eager attention (score matmuls) is priced as a GEMM instead.
 ATTENTION_PEAK_FRACTION: dict[str, float] = {"volta": 0.40, "ampere": 0.60, "hopper": 0.35, "blackwell": 0.35, "other": 0.40}
+#: Key length at which the fused kernel runs at half its long-sequence rate: [FA2] Figure 4 (A100,
+#: head dim 128, causal, forward + backward) rises from ~110 TFLOP/s at 512 keys to ~190 at 16K, i.e.
+#: ``1 / (1 + L0 / L)`` with L0 ~ 400-500 tokens (fewer blocks per kernel, the tail wave idle).
+ATTENTION_HALF_LENGTH = 448
 #: Fraction of rated device-memory bandwidth streaming kernels (element-wise ops, the optimizer step)
 #: achieve (STREAM-like copy kernels reach 80-90 %).
 MEMORY_BW_EFFICIENCY = 0.8
@@ -98,9 +103,11 @@ def gemm_efficiency(hardware: HardwareSpec, tokens: float, width: float) -> floa
     return peak / (1.0 + GEMM_TILE / max(tokens, 1.0) + GEMM_TILE / max(width, 1.0))
 
 
-def attention_efficiency(hardware: HardwareSpec) -> float:
-    """Fraction of peak of the fused attention kernel, forward + backward [FA2, FA3]."""
-    return ATTENTION_PEAK_FRACTION[generation(hardware)]
+def attention_efficiency(hardware: HardwareSpec, kv_len: float | None = None) -> float:
+    """Fraction of peak of the fused attention kernel, forward + backward [FA2, FA3], for key blocks of
+    ``kv_len`` tokens (a context-parallel ring step sees ``s / c``): ``peak / (1 + L0 / kv_len)``."""
+    peak = ATTENTION_PEAK_FRACTION[generation(hardware)]
+    return peak if kv_len is None else peak / (1.0 + ATTENTION_HALF_LENGTH / max(kv_len, 1.0))
 
 
 def elementwise_bytes_per_token(model: ModelSpec, seq_len: int, *, eager_attention: bool) -> float:

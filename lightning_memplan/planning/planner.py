@@ -124,6 +124,9 @@ def plan(
 
         suggestions = tuple(suggest(search, chosen))
     notes += _baseline_note(search, chosen)
+    from lightning_memplan.planning.known import known_layout_notes
+
+    notes += known_layout_notes(search, chosen, fits)
     stats = dict(found["stats"])
     stats["memory_evaluations"] = search.evaluations
     stats["seconds"] = time.perf_counter() - t0

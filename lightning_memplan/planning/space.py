@@ -229,7 +229,8 @@ def enumerate_layouts(
     Early, shape-only rejections (no memory estimate needed): tp must divide the query and key/value
     heads (Megatron splits whole heads); pp <= L; cp must divide s (2c | s for the load-balanced
     causal split); sp needs (s/c) % t == 0; the global batch must divide by dp x micro-batch;
-    interleaving needs L >= p v (uneven stages allowed) and m % p == 0 (Megatron-LM's interleaved schedule). One reason is
+    interleaving needs L >= p v, even chunks (L % (p v) == 0) when the stages are even (L % p == 0), and
+    m % p == 0 (Megatron-LM's interleaved schedule). One reason is
     recorded per rejected axis value, not per combination, so the list stays readable.
     """
     layouts: list[LayoutChoice] = []
@@ -290,10 +291,11 @@ def enumerate_layouts(
                             if sched != "interleaved":
                                 schedules.append((sched, 1))
                                 continue
-                            # uneven stages are allowed (the first L mod (p v) stages take one more
-                            # block, as Llama 3's 126 layers on 16 stages); every stage needs a block
+                            # uneven chunks (the first L mod (p v) take one more block) where the
+                            # stages are uneven anyway (L mod p != 0: Llama 3's 126 layers on 16
+                            # stages); even stages keep even chunks (L mod (p v) == 0)
                             for v in range(2, min(MAX_VIRTUAL_STAGES, L // pp) + 1):
-                                if not _in(v, allow.virtual_stages):
+                                if (L % pp == 0 and L % (pp * v)) or not _in(v, allow.virtual_stages):
                                     continue
                                 if m % pp:
                                     break  # Megatron-LM's interleaved schedule needs m % p == 0

@@ -33,6 +33,8 @@ Sources (besides those of :mod:`.flops` and :mod:`.comm`):
          stages, the first and last stage one layer lighter; Table 4: 38-43 % BF16 MFU.
   [FA2]  Dao 2023, arXiv 2307.08691, section 3.1.1: causal masking skips the blocks above the diagonal.
   [P22]  Chowdhery et al. 2022 (PaLM), arXiv 2204.02311, Appendix B: MFU counts 12 L h s per token.
+  [NCCL] NVIDIA nccl-tests (doc/PERFORMANCE.md, sendrecv_perf): point-to-point latency of tens of
+         microseconds for small messages, launch and synchronisation included.
   [MFU]  Narayanan et al. 2021 Table 1: 44-52 % of A100 peak end to end (bubble and communication
          included); Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4: 38-43 % BF16 MFU on H100;
          Jiang et al. 2024 (MegaScale), arXiv 2402.15627: 55.2 % MFU.
@@ -61,6 +63,7 @@ from lightning_memplan.planning.comm import (
 __all__ = [
     "CAUSAL_KERNEL_SHARE",
     "CHUNK_OVERHEAD_S",
+    "CP_RING_STEP_OVERHEAD_S",
     "FSDP_UNIT_OVERHEAD_S",
     "OVERLAP_EFFICIENCY",
     "TIME_MODEL_OFF",
@@ -83,6 +86,10 @@ OVERLAP_EFFICIENCY = 0.9
 #: Share of the s x s score square a causal fused attention kernel computes (FlashAttention skips the
 #: blocks above the diagonal [FA2 section 3.1.1]); FLOP counts (and MFU) count the full square [P22].
 CAUSAL_KERNEL_SHARE = 0.5
+#: Fixed cost of one extra context-parallel ring step (a send/recv pair plus one more attention kernel
+#: launch and its stream synchronisation), seconds: NCCL point-to-point operations cost 10-30 us even for
+#: small messages [NCCL], the blockwise kernel's launch a few more [L23 section 3].
+CP_RING_STEP_OVERHEAD_S = 40e-6
 #: The one line the explanation prints instead of times when the step is not modelled.
 TIME_MODEL_OFF = "step time not modelled on CPU (no accelerator figures); layouts ranked by memory and fewest changes"
 #: Fixed critical-path cost per FSDP unit per collective: the copy-in before an all-gather, the
@@ -301,7 +308,7 @@ class StepTimeModel:
         self.eager = train.attention == "eager"
         self.elem_b = E.elementwise_bytes_per_token(model, s, eager_attention=False)
         self.score_b = E.elementwise_bytes_per_token(model, s, eager_attention=True) - self.elem_b
-        self.e_attn = E.gemm_efficiency(hardware, s, model.dim_head) if self.eager else E.attention_efficiency(hardware)
+        self.e_attn = E.gemm_efficiency(hardware, s, model.dim_head) if self.eager else E.attention_efficiency(hardware, s)
         self.attn_share = 1.0 if self.eager else CAUSAL_KERNEL_SHARE
         scale = F.param_scale(model)
         self.layer_p = terms.layer_param_count(model) * scale
@@ -318,13 +325,15 @@ class StepTimeModel:
         # memory model assumes the same gathered dtype.
         self.gather_b = self.pb.compute if self.pb.autocast_copy else self.pb.param
         self._links: dict[tuple[int, int], Any] = {}
-        self._block: dict[tuple[float, int], tuple[float, dict[str, float], float]] = {}
+        self._block: dict[tuple[float, int, int], tuple[float, dict[str, float], float]] = {}
         self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
 
-    def block_seconds(self, tokens: float, t: int) -> tuple[float, dict[str, float], float]:
+    def block_seconds(self, tokens: float, t: int, c: int = 1) -> tuple[float, dict[str, float], float]:
         """(one block's forward + backward seconds on a rank for ``tokens`` tokens, ``{recompute: extra
-        seconds}``, the lm_head's seconds), tensor-parallel size ``t``."""
-        key = (tokens, t)
+        seconds}``, the lm_head's seconds), tensor-parallel size ``t``, context-parallel size ``c`` (the
+        ring's attention kernels see key blocks of ``s / c``; each of its ``c - 1`` extra steps per pass
+        costs :data:`CP_RING_STEP_OVERHEAD_S`)."""
+        key = (tokens, t, c)
         hit = self._block.get(key)
         if hit is not None:
             return hit
@@ -332,7 +341,10 @@ class StepTimeModel:
         width = min(model.hidden, model.ffn / t, model.n_heads * model.dim_head / t)
         e = E.gemm_efficiency(hw, tokens, width)
         gemm = tokens * self.gemm_f / t / (peak * e)
-        attn = tokens * self.attn_f * self.attn_share / t / (peak * self.e_attn)
+        e_attn = self.e_attn if (self.eager or c == 1) else E.attention_efficiency(hw, self.train.seq_len / c)
+        attn = tokens * self.attn_f * self.attn_share / t / (peak * e_attn)
+        # ring steps: forward, backward and (recomputed) forward each run c - 1 extra kernel + send/recv pairs
+        ring = (c - 1) * CP_RING_STEP_OVERHEAD_S
         elem = tokens * self.elem_b / t / self.mem_bw
         score = tokens * self.score_b / t / self.mem_bw if self.eager else 0.0
         fwd = 1.0 / (1 + F.BACKWARD_TO_FORWARD)
@@ -341,13 +353,13 @@ class StepTimeModel:
             if rc == "none":
                 extra[rc] = 0.0
             elif rc == "selective":  # the attention core's forward again [K22]
-                extra[rc] = fwd * (attn + score)
+                extra[rc] = fwd * (attn + score) + ring
             elif rc == "selective_op":  # every second matmul and the element-wise ops again [TT-AC]
                 extra[rc] = tokens * self.rec_layer_f[rc] / t / (peak * e) + fwd * elem
             else:  # the whole block's forward again
-                extra[rc] = fwd * (gemm + attn + elem + score)
+                extra[rc] = fwd * (gemm + attn + elem + score) + ring
         head = tokens * self.head_f / t / (peak * E.gemm_efficiency(hw, tokens, model.vocab_size / t))
-        out = self._block[key] = (gemm + attn + elem + score, extra, head)
+        out = self._block[key] = (gemm + attn + elem + score + 2 * ring, extra, head)
         return out
 
     def rank_layers(self, p: int, v: int) -> tuple[int, int]:
@@ -368,7 +380,7 @@ class StepTimeModel:
     def stage_compute(self, lay: Layout, rc: str) -> float:
         """Seconds of one micro-batch's forward + backward (+ recompute) on the bottleneck pipeline rank."""
         first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
-        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp)
+        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp, lay.cp)
         per = block + extra[rc]
         return max(first * per, last * per + head)
 
@@ -377,7 +389,7 @@ class StepTimeModel:
         with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
         first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
-        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp)
+        block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp, lay.cp)
         per = block + min(extra.values())
         compute = max(first * per, last * per + head)
         tp = 0.0
@@ -404,7 +416,7 @@ class StepTimeModel:
 
         # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
         first_layers, last_layers = self.rank_layers(p, v if p > 1 else 1)
-        block_s, extra_s, head_s = self.block_seconds(b * s / c, t)
+        block_s, extra_s, head_s = self.block_seconds(b * s / c, t, c)
         compute_mb = {rc: max(first_layers * (block_s + extra_s[rc]), last_layers * (block_s + extra_s[rc]) + head_s)
                       for rc in recomputes}
         tokens_step = d * m * tokens_mb
@@ -423,7 +435,7 @@ class StepTimeModel:
             kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * pb.compute
             cp_total = layers_b * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
             # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
-            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * self.e_attn)
+            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(hardware, s / c))
             cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
             cp_hidden = cp_total - cp_mb
         else:

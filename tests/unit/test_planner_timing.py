@@ -94,7 +94,8 @@ def test_single_device_step_time_by_hand():
     tokens, mb = 2 * 256 * 3, 2 * 256
     e = E.GEMM_PEAK_FRACTION["hopper"] / (1 + E.GEMM_TILE / mb + E.GEMM_TILE / 512)  # narrowest width h = 512
     block = (F.layer_matmul_flops_per_token(m) / (989.5e12 * e)
-             + 0.5 * F.attention_flops_per_token(m, 256) / (989.5e12 * E.ATTENTION_PEAK_FRACTION["hopper"])
+             + 0.5 * F.attention_flops_per_token(m, 256)
+             / (989.5e12 * E.ATTENTION_PEAK_FRACTION["hopper"] / (1 + E.ATTENTION_HALF_LENGTH / 256))
              + (375 * 512 + 30 * 2048) / (3.35e12 * 0.8))
     e_head = E.GEMM_PEAK_FRACTION["hopper"] / (1 + E.GEMM_TILE / mb + E.GEMM_TILE / 1000)
     compute = tokens * (4 * block + F.head_flops_per_token(m) / (989.5e12 * e_head))

@@ -1,0 +1,124 @@
+"""The layouts people know, planned on the same cluster next to the choice, so the explanation can say
+how the choice compares with them in predicted time and memory.
+
+Three families, each searched with the planner itself (restricted ``allow=``, best fitting options):
+
+- ``FSDP only``: dp = world, ZeRO-3 (torchtitan's 1D default, ``docs/fsdp.md``);
+- ``FSDP x TP inside the node``: tp = the largest size up to the node's GPU count that divides the
+  heads, dp = world / tp, ZeRO-3 (torchtitan's 2D; Table 4 of ``benchmarks/llama3_h100_202412_torchtitan.md``);
+- ``Megatron TP x PP x DP``: tp as above, pp > 1 (any schedule), no CP, ZeRO <= 1 (Narayanan et al. 2021,
+  arXiv 2104.04473, section 3: TP inside a node, PP across nodes, the distributed optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_memplan.model.result import readable_bytes
+from lightning_memplan.planning.decision import Candidate
+from lightning_memplan.planning.space import Allow
+
+__all__ = ["KnownLayout", "known_layouts", "known_layout_notes"]
+
+
+@dataclass(frozen=True)
+class KnownLayout:
+    """One well-known family on this cluster: its best fitting candidate, or why there is none."""
+
+    name: str
+    candidate: Candidate | None
+    reason: str = ""
+
+
+def _node_tp(model: Any, hardware: Any) -> int:
+    for t in range(min(hardware.gpus_per_node, hardware.world_size), 0, -1):
+        if hardware.world_size % t == 0 and model.n_heads % t == 0 and model.kv_heads % t == 0:
+            return t
+    return 1
+
+
+def _families(search: Any) -> list[tuple[str, dict[str, Any]]]:
+    world = search.hardware.world_size
+    t = _node_tp(search.model, search.hardware)
+    out = [("FSDP only", {"dp": [world], "tp": [1], "pp": [1], "cp": [1], "zero": [3]})]
+    if t > 1:
+        out.append((f"FSDP x TP {t} inside the node", {"dp": [world // t], "tp": [t], "pp": [1], "cp": [1], "zero": [3]}))
+        pps = [p for p in range(2, min(world // t, search.model.n_layers) + 1) if (world // t) % p == 0]
+        if pps:
+            out.append((f"Megatron TP {t} x PP x DP", {"tp": [t], "pp": pps, "cp": [1], "zero": [0, 1]}))
+    return out
+
+
+def _restrict(base: Allow, extra: dict[str, Any]) -> Allow:
+    """``base`` with the family's axes; options the user allowed (recompute, loss, micro-batch) kept."""
+    data = {k: v for k, v in base.to_dict().items() if v is not None}
+    data.update(extra)
+    if base.zero:
+        data["zero"] = [z for z in extra["zero"] if z in base.zero] or extra["zero"]
+    return Allow.parse(data)
+
+
+def known_layouts(search: Any) -> list[KnownLayout]:
+    """Plan each well-known family on ``search``'s cluster and global batch (one small search each)."""
+    from lightning_memplan.planning.search import _Search
+
+    out = []
+    for name, extra in _families(search):
+        sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, extra), search.global_batch,
+                      search.headroom, search.explicit_budget, search.calibration, 1)
+        try:
+            found = sub.run()
+        except ValueError as exc:
+            out.append(KnownLayout(name, None, f"not applicable: {str(exc)[:160]}"))
+            continue
+        search.evaluations += sub.evaluations
+        if found["candidates"]:
+            out.append(KnownLayout(name, found["candidates"][0]))
+        else:
+            closest = found["closest"]
+            why = "does not fit"
+            if closest is not None:
+                why += (f": best {closest.describe()} needs {readable_bytes(closest.estimate.total)} > "
+                        f"{readable_bytes(closest.budget.budget)}")
+            out.append(KnownLayout(name, None, why))
+    return out
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    return a.plan == b.plan and a.train == b.train
+
+
+def known_layout_notes(search: Any, chosen: Candidate, fits: bool) -> list[str]:
+    """One line per well-known family: its best plan, predicted time and memory, and how the choice
+    compares (``"the choice is 12.3 % faster (2.41 s vs 2.71 s per step, 61.2 vs 58.0 GiB)"``)."""
+    if not fits:
+        return []
+    lines = []
+    for k in known_layouts(search):
+        if k.candidate is None:
+            lines.append(f"well-known layout {k.name}: {k.reason}")
+            continue
+        c = k.candidate
+        if _same(c, chosen):
+            lines.append(f"well-known layout {k.name}: {c.describe()} is the choice")
+            continue
+        mem = f"{readable_bytes(c.peak_bytes)} peak vs the choice's {readable_bytes(chosen.peak_bytes)}"
+        if not chosen.step.modelled:
+            lines.append(f"well-known layout {k.name}: {c.describe()} fits ({mem}); step time not modelled here")
+            continue
+        gain = chosen.step.tokens_per_s / c.step.tokens_per_s - 1
+        if gain >= 0.0005:
+            verdict = f"the choice is predicted {100 * gain:.1f}% faster"
+        elif gain > -0.0005:
+            verdict = "the same predicted speed; the choice needs fewer changes"
+        else:
+            verdict = (f"it is predicted {100 * -gain / (1 + gain):.1f}% faster but needs more machinery "
+                       f"(change cost {c.change_cost:g} vs {chosen.change_cost:g})")
+        terms = ", ".join(f"{key} {v:.3g} s" for key, v in c.step.exposed_s.items() if v > 0.01 * c.step.total_s)
+        lines.append(
+            f"well-known layout {k.name}: {c.describe()}: {c.step.total_s:.3g} s/step "
+            f"({c.step.tokens_per_s:,.0f} tokens/s; bubble {c.step.bubble_s:.3g} s"
+            f"{'; exposed ' + terms if terms else ''}), {mem}; {verdict}"
+        )
+    return lines
