@@ -162,6 +162,7 @@ def fit_forced(plan: ParallelPlan, model_kwargs: dict, train: TrainSpec | None =
         "dp_rank": strategy.device_mesh["data_parallel"].get_local_rank(),
         "mesh": strategy.resolution.mesh.shape,
         "lce_mode": module.loss_fn.mode if hasattr(module, "loss_fn") else None,
+        "checkpointed": sum("CheckpointWrapper" in type(m).__name__ for m in module.modules())  # FSDP2 renames it FSDPCheckpointWrapper,
     }
 
 
@@ -194,6 +195,11 @@ def check_case(results: list[dict], plan: ParallelPlan) -> None:
 
 RECOMPUTE_FULL = TrainSpec(micro_batch=4, seq_len=SEQ, precision="32-true", recompute="full")
 RECOMPUTE_SELECTIVE = TrainSpec(micro_batch=4, seq_len=SEQ, precision="32-true", recompute="selective")
+RECOMPUTE_SELECTIVE_OP = TrainSpec(micro_batch=4, seq_len=SEQ, precision="32-true", recompute="selective_op")
+NO_RECOMPUTE = TrainSpec(micro_batch=4, seq_len=SEQ, precision="32-true", recompute="none")
+LLAMA_KWARGS = {"ffn_kind": "swiglu", "n_kv_heads": 2, "norm": "rmsnorm", "position_embedding": "rope", "bias": False}
+#: index in WORLD2_CASES of torchtitan's op-level checkpointing, followed by the same run without it
+SELECTIVE_OP_CASE = 6
 
 WORLD2_CASES = [
     (ParallelPlan(dp=2), {}, None),
@@ -203,6 +209,8 @@ WORLD2_CASES = [
                           "bias": False}, RECOMPUTE_SELECTIVE),
     (ParallelPlan(tp=2), {"lce": True}, None),
     (ParallelPlan(dp=2, zero=3), {"lce": True}, None),
+    (ParallelPlan(dp=2, zero=3), LLAMA_KWARGS, RECOMPUTE_SELECTIVE_OP),
+    (ParallelPlan(dp=2, zero=3), LLAMA_KWARGS, NO_RECOMPUTE),
     (ParallelPlan(pp=2, microbatches=2), {}, None),
     (ParallelPlan(pp=2, microbatches=4, schedule="gpipe"), {}, None),
     (ParallelPlan(pp=2, microbatches=2, schedule="interleaved", virtual_stages=2), {}, None),
@@ -233,6 +241,12 @@ def test_forced_plans_match_single_process_world2():
     assert [r[4]["lce_mode"] for r in results] == ["vocab_parallel"] * 2
     assert [r[5]["lce_mode"] for r in results] == ["chunked"] * 2
     assert [r[-1]["lce_mode"] for r in results] == ["vocab_parallel"] * 2  # TP + SP
+    # op-level selective checkpointing (create_selective_checkpoint_contexts) recomputes the same numbers:
+    # per rank, the losses equal those of the same run without checkpointing
+    for per_rank in results:
+        sac, plain = per_rank[SELECTIVE_OP_CASE], per_rank[SELECTIVE_OP_CASE + 1]
+        torch.testing.assert_close(sac["losses"], plain["losses"], atol=1e-6, rtol=0)
+        assert sac["checkpointed"] > 0 and plain["checkpointed"] == 0  # the policy really ran
 
 
 @pytest.mark.distributed
