@@ -341,7 +341,9 @@ class StepTimeModel:
         width = min(model.hidden, model.ffn / t, model.n_heads * model.dim_head / t)
         e = E.gemm_efficiency(hw, tokens, width)
         gemm = tokens * self.gemm_f / t / (peak * e)
-        e_attn = self.e_attn if (self.eager or c == 1) else E.attention_efficiency(hw, self.train.seq_len / c)
+        # load-balanced causal CP: each rank holds 2 chunks of s / (2c), each ring kernel runs on one
+        # chunk pair [L3 section 3.3.2]
+        e_attn = self.e_attn if (self.eager or c == 1) else E.attention_efficiency(hw, self.train.seq_len / (2 * c))
         attn = tokens * self.attn_f * self.attn_share / t / (peak * e_attn)
         # ring steps: forward, backward and (recomputed) forward each run c - 1 extra kernel + send/recv pairs
         ring = (c - 1) * CP_RING_STEP_OVERHEAD_S
@@ -435,7 +437,7 @@ class StepTimeModel:
             kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * pb.compute
             cp_total = layers_b * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
             # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
-            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(hardware, s / c))
+            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(hardware, s / (2 * c)))
             cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
             cp_hidden = cp_total - cp_mb
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.planning import TIME_MODEL_OFF, plan
@@ -60,3 +62,33 @@ def test_nothing_fits_names_the_fewest_gpus_and_that_cluster_fits():
     smaller = bigger.replace(num_nodes=bigger.num_nodes - 1) if bigger.num_nodes > 1 else cluster_with(hw, gpus // 2)
     assert not plan(model, train, smaller).fits
     assert any(s.kind == "hardware" and "GiB per GPU" in s.change or "GiB device" in s.change for s in d.suggestions)
+
+
+def test_well_known_layouts_are_compared_in_numbers():
+    """Next to the choice: FSDP only, FSDP x TP inside the node and Megatron TP x PP x DP, each with its
+    predicted step, memory and the choice's margin, which matches the two predictions."""
+    import re
+
+    model, train = ModelSpec.preset("llama3-70b"), TrainSpec(micro_batch=1, seq_len=8192)
+    hw = HardwareSpec.preset("h100-sxm", gpus_per_node=8, num_nodes=32)
+    d = plan(model, train, hw, global_batch=256)
+    known = [n for n in d.notes if n.startswith("well-known layout")]
+    assert [n.split(":")[0] for n in known] == ["well-known layout FSDP only", "well-known layout FSDP x TP 8 inside the node",
+                                                "well-known layout Megatron TP 8 x PP x DP"]
+    for line in known:
+        if "is the choice" in line or "does not fit" in line:
+            continue
+        tok = float(re.search(r"\(([\d,]+) tokens/s", line).group(1).replace(",", ""))
+        m = re.search(r"the choice is predicted ([\d.]+)% faster", line)
+        assert m, line
+        assert float(m.group(1)) == pytest.approx(100 * (d.step.tokens_per_s / tok - 1), abs=0.06)
+    assert "well-known layout" in d.explain()
+
+
+def test_choices_on_published_clusters_are_recognisable():
+    """Llama 3 70B at 8K on 256 H100: no context parallelism at 8K and no pipeline of a handful of
+    layers per stage (issue 13 found TP 4 x PP 8 x CP 4)."""
+    model, train = ModelSpec.preset("llama3-70b"), TrainSpec(micro_batch=1, seq_len=8192)
+    d = plan(model, train, HardwareSpec.preset("h100-sxm", gpus_per_node=8, num_nodes=32), global_batch=256)
+    assert d.fits and d.plan.cp == 1 and d.plan.tp <= 8
+    assert d.plan.pp == 1 or model.n_layers // d.plan.pp >= 4
