@@ -50,6 +50,7 @@ from lightning_memplan.report.records import (
 from lightning_memplan.report.render import check_units, render_rich
 from lightning_memplan.tracking.compiled import AllocationMeter, compiled_parts, eager_view
 
+from lightning_memplan.validation import check_bool, check_mapping
 __all__ = ["MemoryPlanCallback"]
 
 #: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
@@ -146,7 +147,7 @@ class MemoryPlanCallback(Callback):
         self.tolerance = check_tolerance(tolerance)
         self.min_headroom = check_fraction("min_headroom", min_headroom, upper=1.0)
         self.units = check_units(units)
-        self.calibrate = bool(calibrate)
+        self.calibrate = check_bool("calibrate", calibrate)
         self.seq_len = check_optional_int("seq_len", seq_len, "the tokens per sequence, e.g. seq_len=2048")
         self.max_seq_len = check_optional_int("max_seq_len", max_seq_len, "e.g. max_seq_len=8192")
         self.memory_budget = check_optional_int("memory_budget", memory_budget, "bytes, e.g. 80 * 2**30")
@@ -156,8 +157,8 @@ class MemoryPlanCallback(Callback):
         if track_tensors not in (None, True, False):
             raise ValueError(f"track_tensors={track_tensors!r} must be None (CPU/MPS only), True or False")
         self.track_tensors = track_tensors
-        self.write_files = bool(write_files)
-        self.print_report = bool(print_report)
+        self.write_files = check_bool("write_files", write_files)
+        self.print_report = check_bool("print_report", print_report)
         # Run state (persisted by state_dict): the report so far, steps seen, warnings already given.
         self.report = MemoryReport()
         self._batches_seen = 0
@@ -632,7 +633,16 @@ class MemoryPlanCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.report = MemoryReport.from_dict(state_dict["report"])
+        check_mapping("MemoryPlanCallback.load_state_dict(state_dict)", state_dict, ("report",),
+                      hint="pass what MemoryPlanCallback.state_dict() returned (a checkpoint's callback state)")
+        try:
+            report = MemoryReport.from_dict(state_dict["report"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"MemoryPlanCallback.load_state_dict(state_dict): state_dict['report'] is not a memory report "
+                f"({type(exc).__name__}: {exc}); pass what MemoryPlanCallback.state_dict() returned"
+            ) from None
+        self.report = report
         self._batches_seen = int(state_dict.get("batches_seen", 0))
         self._warned = set(state_dict.get("warned", ()))
         self._max_shape_seen = tuple(int(x) for x in state_dict.get("max_shape_seen", (0, 0)))  # type: ignore[assignment]

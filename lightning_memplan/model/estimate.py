@@ -24,24 +24,24 @@ from dataclasses import dataclass
 from lightning_memplan.model import checkpointing, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.validation import check_optional_int, divisor_list
 
 __all__ = ["StageLayout", "check_compatible", "estimate_memory", "stage_layout"]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> None:
     """Raise ``ValueError`` when the plan cannot split this model/batch (names the rule and the fix)."""
     if model.n_heads % plan.tp:
-        ok = [t for t in _divisors(model.n_heads) if model.kv_heads % t == 0]
+        # t must divide both head counts: the divisors of their gcd (bounded-time, validation.divisors)
+        ok = divisor_list(math.gcd(model.n_heads, model.kv_heads), keep=12)
         raise ValueError(
             f"tp={plan.tp} does not divide n_heads={model.n_heads}; tensor parallelism splits whole "
             f"heads, use tp in {ok}"
         )
     if model.kv_heads % plan.tp:
-        ok = _divisors(model.kv_heads)
+        ok = divisor_list(model.kv_heads, keep=12)
         raise ValueError(
             f"tp={plan.tp} does not divide n_kv_heads={model.kv_heads}; each rank needs whole key/value "
             f"heads, use tp in {ok}"
@@ -63,6 +63,13 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
         raise ValueError(
             f"cp={plan.cp} does not divide seq_len={train.seq_len}; context parallelism splits the "
             f"sequence evenly, use a seq_len that is a multiple of {plan.cp}"
+        )
+    if plan.cp > 1 and train.attention == "eager":
+        # Ring attention exchanges key/value blocks inside the fused kernel: PyTorch's context_parallel
+        # replaces F.scaled_dot_product_attention (torch.distributed.tensor.experimental.context_parallel).
+        raise ValueError(
+            f"cp={plan.cp} needs attention='sdpa' (got attention='eager'): context parallelism splits the "
+            "fused attention kernel over ranks; use attention='sdpa' or cp=1"
         )
     if plan.sp and (train.seq_len // plan.cp) % plan.tp:
         raise ValueError(
@@ -406,6 +413,8 @@ def estimate_memory(
         raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
     if calibration is not None and not isinstance(calibration, Calibration):
         raise TypeError(f"calibration={calibration!r} must be a Calibration from trace.calibrate()")
+    check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
+                       hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
     check_compatible(model, train, plan)
     if calibration is None and model.hf_config is not None:
         # a spec read from a Hugging Face config: trace the real model class when transformers is there

@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning_memplan.model.hf_trace import canonical_config_json
 from lightning_memplan.model.specs import ModelSpec
+from lightning_memplan.validation import check_bool, check_int, check_number
 
 __all__ = ["spec_from_hf_config", "spec_from_module"]
 
@@ -99,27 +100,34 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         tied = model_type in _TIED_BY_DEFAULT
     positions = _first(cfg, _POSITIONS)
     dropout = max(
-        float(cfg.get(name) or 0.0)
+        check_number(f"config[{name!r}]", cfg.get(name) or 0.0, minimum=0.0, maximum=1.0, max_inclusive=False,
+                     hint="a dropout probability in [0, 1)")
         for name in ("attention_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout")
     )
+
+    def whole(names: tuple[str, ...], value: Any) -> int:
+        key = next((n for n in names if cfg.get(n) is not None), names[0])
+        return check_int(f"config[{key!r}]", value, hint="a whole number in the Hugging Face config")
+
     bias = model_type in ("gpt2", "gpt_neox", "opt", "bloom", "gpt_bigcode") or bool(
         cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias")
     )
+    hidden = whole(_HIDDEN, values["hidden"])
     return ModelSpec(
-        int(values["n_layers"]),
-        int(values["hidden"]),
-        int(values["n_heads"]),
-        int(values["vocab_size"]),
-        n_kv_heads=int(kv) if kv is not None else None,
-        head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
-        ffn_hidden=int(_first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * int(values["hidden"]),
+        whole(_LAYERS, values["n_layers"]),
+        hidden,
+        whole(_HEADS, values["n_heads"]),
+        whole(("vocab_size",), values["vocab_size"]),
+        n_kv_heads=whole(_KV_HEADS, kv) if kv is not None else None,
+        head_dim=whole(("head_dim",), cfg["head_dim"]) if cfg.get("head_dim") else None,
+        ffn_hidden=whole(_FFN, _first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * hidden,
         ffn_kind="swiglu" if gated else "gelu",
         norm="rmsnorm" if rms else "layernorm",
         bias=bias,
-        tied_embeddings=bool(tied),
+        tied_embeddings=check_bool("config['tie_word_embeddings']", tied),
         position_embedding="learned" if learned else "rope",
-        max_positions=int(positions) if positions else None,
-        dropout=min(dropout, 0.99),
+        max_positions=whole(_POSITIONS, positions) if positions else None,
+        dropout=dropout,
         name=model_type or cfg.get("_name_or_path") or None,
         # the traced path builds the real class from it (model/hf_trace.py); not for a nested text_config
         hf_config=canonical_config_json(cfg) if cfg is top_level else None,
@@ -294,4 +302,11 @@ def spec_from_module(module: Any) -> ModelSpec:
         # the live module is what runs (adapters, frozen parts, checkpointing): not the bare config
         return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1), hf_config=None)
     spec = _transformer_spec(module)
-    return spec if spec is not None else _generic_spec(module)
+    if spec is not None:
+        return spec
+    if n_params == 0:
+        raise ValueError(
+            f"module={type(module).__name__!r} has no parameters, so there is no memory to plan; pass the module "
+            "that is trained (built, e.g. after configure_model), or ModelSpec(..., n_params=N) directly"
+        )
+    return _generic_spec(module)

@@ -29,6 +29,7 @@ from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstima
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import TensorTracker
+from lightning_memplan.validation import check_int
 
 __all__ = ["TraceResult", "calibrate", "default_loss", "make_optimizer", "trace_memory"]
 
@@ -220,8 +221,7 @@ def _move(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+    check_int(name, value, hint="a positive int")
 
 
 def _run(

@@ -37,6 +37,7 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.decision import Candidate, PlanDecision, Suggestion
 from lightning_memplan.planning.search import CHANGE_COST, CHANGE_PENALTY, DEFAULT_TOP_K, _Search
 from lightning_memplan.planning.space import Allow
+from lightning_memplan.validation import check_int, check_number, check_optional_int
 
 __all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "plan"]
 
@@ -48,18 +49,15 @@ def _check_inputs(model: Any, train: Any, hardware: Any, global_batch: Any, memo
         if not isinstance(value, cls):
             hint = " (HardwareSpec.preset('h100-80gb', gpus_per_node=8))" if cls is HardwareSpec else ""
             raise TypeError(f"{name}={value!r} must be a {cls.__name__}{hint}")
-    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1):
-        raise ValueError(f"global_batch={global_batch!r} must be a positive int (sequences per optimizer step) or None")
+    check_optional_int("global_batch", global_batch, hint="sequences per optimizer step, or None")
     if memory_budget is not None:
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-            raise TypeError(f"memory_budget={memory_budget!r} must be a number of bytes per device")
-        if memory_budget <= 0:
-            raise ValueError(
-                f"memory_budget={memory_budget!r} must be > 0 bytes per device (e.g. 70 * 2**30); pass None "
-                "to derive it from the device memory, headroom and overheads"
-            )
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1 for 10 % of device memory")
+        check_number(
+            "memory_budget", memory_budget, minimum=1.0,
+            hint="a finite number of bytes per device (e.g. 70 * 2**30); pass None to derive it from the device "
+            "memory, headroom and overheads",
+        )
+    check_number("headroom", headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
+                 hint="a fraction, e.g. 0.1 for 10 % of device memory")
 
 
 def plan(
@@ -104,8 +102,7 @@ def plan(
     """
     t0 = time.perf_counter()
     _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r} must be a positive int")
+    check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
     allow_spec = Allow.parse(allow)
     explicit = None if memory_budget is None else int(memory_budget)
     search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memplan.validation import check_int
+
 if TYPE_CHECKING:
     from lightning_memplan.model.specs import ModelSpec
 
@@ -57,8 +59,7 @@ NORM_EPS = 1e-5
 
 
 def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+    check_int(name, value, hint="a positive int")
 
 
 @dataclass(frozen=True)
