@@ -18,7 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BrowserRun", "find_chromium", "open_in_browser"]
+__all__ = ["REPORT_SECTIONS", "BrowserRun", "check_report_page", "find_chromium", "open_in_browser"]
+
+#: The section headings every memory report page has.
+REPORT_SECTIONS = ("Step timeline", "Across the run", "Across ranks", "Tables")
 
 _CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 _FLAGS = (
@@ -96,3 +99,20 @@ def open_in_browser(
                 raise RuntimeError(f"chromium --screenshot {url} exited {proc2.returncode}: {proc2.stderr[-2000:]}")
             console += [m.group(1) for line in proc2.stderr.splitlines() if (m := _CONSOLE.search(line))]
     return BrowserRun(dom=proc.stdout, console=tuple(console), requests=tuple(requests), screenshot=shot)
+
+
+def check_report_page(
+    path: str | os.PathLike[str], screenshot: str | os.PathLike[str], *, sections: tuple[str, ...] = REPORT_SECTIONS
+) -> BrowserRun:
+    """Open the report page ``path`` and assert it rendered ``sections`` (one chart each at least), that
+    its switcher script ran (every view but the selected one of a group hidden), that it logged nothing
+    to the console and requested nothing, and that the screenshot was taken."""
+    run = open_in_browser(path, screenshot=screenshot)
+    assert run.console == (), run.console
+    assert run.requests == (), run.requests
+    for title in sections:
+        assert f">{title}</h2>" in run.dom, title
+    assert run.dom.count("<svg") >= len(sections) - 1
+    assert run.dom.count('style="display: none;"') >= run.dom.count("<select data-group=")
+    assert run.screenshot is not None and run.screenshot.stat().st_size > 20_000
+    return run

@@ -41,6 +41,18 @@ def test_gpt_example_trains_and_writes_the_report(tmp_path):
     report = _report(tmp_path)
     assert len(report["epochs"]) == 2  # one report per epoch, appended
     assert "final train loss" in out
+    # the pictures: the self-contained HTML page (with memplan_auto's plan map) and the PNG for loggers
+    (json_path,) = glob.glob(str(tmp_path / "**" / "memory_report.json"), recursive=True)
+    html, png = pathlib.Path(json_path).with_suffix(".html"), pathlib.Path(json_path).with_suffix(".png")
+    assert png.stat().st_size > 20_000
+    text = html.read_text(encoding="utf-8")
+    assert all(f'id="{s}"' in text for s in ("timeline", "run", "ranks", "plan", "tables"))
+    assert any(r["timeline"] for r in report["epochs"][-1]["ranks"][0]["tracked"])  # the step timeline's samples
+    from lightning_memplan.testing.browser import REPORT_SECTIONS, check_report_page, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no chromium on PATH to open the main job's memory_report.html (apt-get install chromium)")
+    check_report_page(html, tmp_path / "main_job_report.png", sections=(*REPORT_SECTIONS, "Plan map"))
 
 
 @pytest.mark.slow
