@@ -183,7 +183,7 @@ def _timeline_svg(view: TimelineView) -> str:
             ch.text(ch.x((a + b) / 2), ch.height - ch.bottom - 5, phase, anchor="middle", size=10, color="#fff", weight="bold")
         if view.estimated_peak:
             ch.hline(view.estimated_peak, stroke=_EST, label=f"estimated peak {_fmt(view.estimated_peak, unit)}",
-                     label_at="start")
+                     label_at="start" if kind == "estimated" else "end")
         if show_cap and cap:
             ch.hline(cap, stroke=_CAP, label=f"capacity / budget {_fmt(cap, unit)}", dash="2 2")
         ch.legend([(c, COMPONENT_COLORS[c]) for c in COMPONENTS if c in comps_drawn], y=ch.top - 16)
@@ -192,7 +192,7 @@ def _timeline_svg(view: TimelineView) -> str:
         charts.append(ch.svg())
     note = ""
     if cap and not show_cap:
-        note = f'<p class="note">Capacity / budget {_fmt(cap, unit)} is off the scale (more than {_CAPACITY_SCALE_LIMIT:g} x the peak).</p>'
+        note = f'<p class="note">Capacity / budget {_fmt(cap, auto_unit(cap))} is off the scale (more than {_CAPACITY_SCALE_LIMIT:g} x the peak).</p>'
     return "".join(charts) + note
 
 

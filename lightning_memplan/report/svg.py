@@ -166,11 +166,12 @@ class Chart:
         y0, y1 = self.y_range
         grid = []
         if self.log_y:
-            decades = range(math.floor(math.log10(y0)), math.ceil(math.log10(y1)) + 1)
-            ticks = [m * 10.0**k for k in decades for m in (1, 2, 5)]
+            u0, u1 = y0 / y_scale, y1 / y_scale  # 1, 2, 5 x 10^k of the display unit
+            decades = range(math.floor(math.log10(u0)), math.ceil(math.log10(u1)) + 1)
+            ticks = [m * 10.0**k * y_scale for k in decades for m in (1, 2, 5)]
             ticks = [t for t in ticks if y0 <= t <= y1] or [y0, y1]
             if len(ticks) > 9:
-                ticks = [t for t in ticks if round(t / 10 ** math.floor(math.log10(t))) == 1]
+                ticks = [t for t in ticks if round(t / y_scale / 10 ** math.floor(math.log10(t / y_scale))) == 1]
         else:
             ticks = [t * y_scale for t in nice_ticks(y0 / y_scale, y1 / y_scale)]  # round in display units
         for t in ticks:
