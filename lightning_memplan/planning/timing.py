@@ -90,8 +90,11 @@ CAUSAL_KERNEL_SHARE = 0.5
 #: launch and its stream synchronisation), seconds: NCCL point-to-point operations cost 10-30 us even for
 #: small messages [NCCL], the blockwise kernel's launch a few more [L23 section 3].
 CP_RING_STEP_OVERHEAD_S = 40e-6
+#: Placeholder seconds per token when the step is not modelled (a CPU host): equal for every layout,
+#: so the ranking falls to the change cost; never shown (the explanation prints :data:`TIME_MODEL_OFF`).
+UNMODELLED_S_PER_TOKEN = 1e-6
 #: The one line the explanation prints instead of times when the step is not modelled.
-TIME_MODEL_OFF = "step time not modelled on CPU (no accelerator figures); layouts ranked by memory and fewest changes"
+TIME_MODEL_OFF = "step time not modelled on CPU (no accelerator figures); layouts ranked by fewest changes among those that fit"
 #: Fixed critical-path cost per FSDP unit per collective: the copy-in before an all-gather, the
 #: copy-out after it and the stream synchronisation [Z23 section 4.2 and 7.2, where FSDP trails DDP on
 #: small models]; one unit per block plus the root (embedding/head).
@@ -389,6 +392,8 @@ class StepTimeModel:
     def compute_lower_bound(self, lay: Layout) -> float:
         """A cheap lower bound of every option's step time for ``lay``: the bottleneck stage's compute
         with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
+        if not self.modelled:
+            return lay.m * lay.dp * lay.b * self.train.seq_len * UNMODELLED_S_PER_TOKEN
         first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
         block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp, lay.cp)
@@ -528,6 +533,16 @@ class StepTimeModel:
         out.peak = self.peak
         out.notes = tuple(notes)
         out.modelled = self.modelled
+        if not self.modelled:  # every term flat: the score is the change cost alone (TIME_MODEL_OFF)
+            out.slots = float(m)
+            flat = d * tokens_mb * UNMODELLED_S_PER_TOKEN
+            out.compute_mb = {rc: flat for rc in recomputes}
+            out.tp_mb = {rc: 0.0 for rc in recomputes}
+            out.cp_mb = out.cp_hidden_mb = out.pp_mb = 0.0
+            out.loss_mb = {lm: 0.0 for lm in losses}
+            out.dp_exposed = {k: 0.0 for k in dp_exposed}
+            out.dp_overlapped = {k: 0.0 for k in dp_overlapped}
+            out.opt_s = {z: 0.0 for z in opt_s}
         return out
 
 
