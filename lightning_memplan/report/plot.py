@@ -118,7 +118,12 @@ def _draw_run(ax: Any, report: MemoryReport) -> None:
         if pts:
             ax.plot(*zip(*pts, strict=True), lw=1.5, label=f"{name}, rank {first.rank}", **style)
     if max(values) / max(min(values), 1) > 4:
-        ax.set_yscale("log")
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        ax.set_yscale("log")  # reserved (RSS on CPU) far above the tensor peaks
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     for step, epoch in first.epoch_starts:
         ax.axvline(step, color="0.7", lw=0.8, ls=":")
         ax.text(step, 0.98, f" epoch {epoch}", transform=ax.get_xaxis_transform(), fontsize=8, va="top", color="0.4")
@@ -189,8 +194,9 @@ def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str
     fig, axes = plt.subplots(3, 1, figsize=(11, 12), layout="constrained")
     try:
         model = report.run.get("model", "")
-        fig.suptitle(f"Memory report{f': {model}' if model else ''} ({len(report.epochs)} epochs, "
-                     f"{len(report_ranks(report))} ranks)", fontsize=12, weight="bold")
+        n_epochs, n_ranks = len(report.epochs), len(report_ranks(report))
+        fig.suptitle(f"Memory report{f': {model}' if model else ''} ({n_epochs} epoch{'s' if n_epochs != 1 else ''}, "
+                     f"{n_ranks} rank{'s' if n_ranks != 1 else ''})", fontsize=12, weight="bold")
         _draw_timeline(axes[0], _timeline_for(report))
         _draw_run(axes[1], report)
         _draw_ranks(axes[2], report)
