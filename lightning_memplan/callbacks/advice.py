@@ -134,7 +134,7 @@ def _largest(components: Mapping[str, int] | None) -> str | None:
     return max(components, key=lambda k: components[k])
 
 
-def culprit(record: StepRecord) -> tuple[str, str]:
+def culprit(record: StepRecord, units: str = "MiB") -> tuple[str, str]:
     """``(component, reason)`` most likely responsible for a measurement above the estimate.
 
     With a tensor-tracker breakdown, the component whose measured bytes exceed its estimate the most.
@@ -146,7 +146,7 @@ def culprit(record: StepRecord) -> tuple[str, str]:
     if meas:
         excess = {c: meas.get(c, 0) - est.get(c, 0) for c in set(meas) | set(est)}
         comp = max(excess, key=lambda c: excess[c])
-        return comp, f"measured {comp} exceeds its estimate by {format_bytes(excess[comp], 'MiB')}"
+        return comp, f"measured {comp} exceeds its estimate by {format_bytes(excess[comp], units)}"
     est_ph = record.estimated_phase_peaks or {}
     meas_ph = record.measured_phase_peaks or {}
     if meas_ph and est_ph:
@@ -158,32 +158,49 @@ def culprit(record: StepRecord) -> tuple[str, str]:
     return _largest(est) or "other", "no per-component measurement on this backend"
 
 
-def mismatch_message(record: StepRecord, tolerance: float) -> str | None:
-    """Warning text when ``record.measured_peak`` exceeds the estimate by more than ``tolerance``."""
+#: What to check after a mismatch, by how the estimate was made (``report.run["estimate_source"]`` and
+#: whether calibration was asked for): never "keep calibrate=True" when no calibration ran.
+_MISMATCH_ADVICE = {
+    "calibrated": "check that model_spec=, train_spec= and plan= describe the run",
+    "off": "check that model_spec=, train_spec= and plan= describe the run, or pass calibrate=True to fit the "
+    "estimate to the model with a traced step",
+    "skipped": "calibration did not run (the report's notes say why), so the estimate is the analytic model's; "
+    "check that model_spec=, train_spec= and plan= describe the run",
+}
+
+
+def mismatch_message(
+    record: StepRecord, tolerance: float, *, units: str = "GiB", calibration: str = "calibrated"
+) -> str | None:
+    """Warning text when ``record.measured_peak`` exceeds the estimate by more than ``tolerance``, with
+    byte figures in ``units``; ``calibration`` is ``"calibrated"``, ``"off"`` (``calibrate=False``) or
+    ``"skipped"`` (asked for, but it did not run), and picks the advice."""
     ratio = record.ratio
     if ratio is None or record.warmup or ratio <= 1.0 + tolerance:
         return None
-    comp, why = culprit(record)
+    comp, why = culprit(record, units)
+    advice = _MISMATCH_ADVICE.get(calibration, _MISMATCH_ADVICE["calibrated"])
     return (
-        f"measured peak {format_bytes(record.measured_peak)} is {ratio - 1.0:.1%} above the estimate "
-        f"{format_bytes(record.estimated_peak)} (tolerance {tolerance:.0%}) at step {record.step}, batch "
+        f"measured peak {format_bytes(record.measured_peak, units)} is {ratio - 1.0:.1%} above the estimate "
+        f"{format_bytes(record.estimated_peak, units)} (tolerance {tolerance:.0%}) at step {record.step}, batch "
         f"{record.micro_batch} x {record.seq_len} on rank {record.rank}; most likely component: {comp} ({why}); "
-        "check that model_spec=, train_spec= and plan= describe the run, and keep calibrate=True"
+        f"{advice}"
     )
 
 
 def headroom_message(
-    record: StepRecord, min_headroom: float, plan: ParallelPlan, train: TrainSpec | None
+    record: StepRecord, min_headroom: float, plan: ParallelPlan, train: TrainSpec | None, *, units: str = "GiB"
 ) -> str | None:
-    """Warning text when the step left less than ``min_headroom`` (a fraction of device memory) free."""
+    """Warning text when the step left less than ``min_headroom`` (a fraction of device memory) free,
+    with byte figures in ``units``."""
     if record.headroom is None or not record.device_memory:
         return None
     if record.headroom >= min_headroom * record.device_memory:
         return None
     comp = _largest(record.measured_components or record.estimated_components) or "activations"
     return (
-        f"headroom {format_bytes(record.headroom)} on rank {record.rank} is below min_headroom="
-        f"{min_headroom:.0%} of {format_bytes(record.device_memory)}; the largest component at the peak is "
+        f"headroom {format_bytes(record.headroom, units)} on rank {record.rank} is below min_headroom="
+        f"{min_headroom:.0%} of {format_bytes(record.device_memory, units)}; the largest component at the peak is "
         f"{comp}: {remedy(comp, plan, train)}"
     )
 
@@ -197,13 +214,14 @@ def forecast_message(
     train: TrainSpec | None,
     *,
     rank: int,
+    units: str = "GiB",
 ) -> str | None:
-    """Warning text when the estimate at ``seq_len`` would not fit in ``capacity`` bytes."""
+    """Warning text when the estimate at ``seq_len`` would not fit in ``capacity`` bytes (figures in ``units``)."""
     if estimated_peak <= capacity:
         return None
     comp = _largest(components) or "activations"
     return (
-        f"forecast: at seq_len={seq_len} rank {rank} would need {format_bytes(estimated_peak)} but only "
-        f"{format_bytes(capacity)} is usable, so it would run out of memory; the largest component would "
+        f"forecast: at seq_len={seq_len} rank {rank} would need {format_bytes(estimated_peak, units)} but only "
+        f"{format_bytes(capacity, units)} is usable, so it would run out of memory; the largest component would "
         f"be {comp}: {remedy(comp, plan, train)}"
     )

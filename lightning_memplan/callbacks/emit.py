@@ -2,8 +2,8 @@
 
 Metrics go to ``trainer.loggers`` with ``log_metrics`` (integers stay exact bytes; ``LightningModule.log``
 would turn them into float32 tensors, which round byte counts above 16 MiB), so every logger takes the
-scalars. Loggers that can show text also get the rendered report: TensorBoard (``add_text``), Weights &
-Biases (``log_text``, a table) and MLflow (``log_text``, a Markdown artifact).
+scalars. TensorBoard also gets the rendered report as text (``add_text``); the report files and images
+go to each logger through its own API in :mod:`~lightning_memplan.callbacks.artifacts`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,19 @@ from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.report.records import EpochReport, StepRecord
-from lightning_memplan.report.render import UNITS, epoch_markdown, format_bytes
+from lightning_memplan.report.render import UNITS, epoch_markdown
 
-__all__ = ["PREFIX", "epoch_metrics", "log_metrics", "log_report_text", "step_metrics", "unit_key"]
+__all__ = [
+    "PREFIX",
+    "accumulating",
+    "epoch_metrics",
+    "lightning_step",
+    "log_metrics",
+    "log_report_text",
+    "merge_window",
+    "step_metrics",
+    "unit_key",
+]
 
 #: Prefix of every metric key.
 PREFIX = "memplan"
@@ -45,7 +55,7 @@ def step_metrics(record: StepRecord, units: str) -> dict[str, float]:
     _put(m, f"{p}/measured_peak", record.measured_peak, units)
     _put(m, f"{p}/reserved", record.reserved, units)
     _put(m, f"{p}/headroom", record.headroom, units)
-    if record.ratio is not None:
+    if record.ratio is not None and not record.warmup:  # warm-up steps are not compared (no optimizer states)
         m[f"{p}/measured_to_estimated"] = record.ratio
     if record.micro_batch is not None:
         m[f"{p}/micro_batch"] = record.micro_batch
@@ -78,6 +88,47 @@ def epoch_metrics(epoch: EpochReport, units: str) -> dict[str, float]:
     return m
 
 
+def lightning_step(trainer: Any, *, epoch_end: bool = False) -> int:
+    """The step ``LightningModule.log`` writes at now: the fit loop's count of batches that stepped the
+    optimizer before this one (``_batches_that_stepped``, read by Lightning's logger connector after
+    ``on_train_batch_end``, before it is incremented); at epoch end one less, as Lightning logs epoch
+    metrics (``_FitLoop.on_advance_end`` decrements it around ``update_train_epoch_metrics``).
+    ``trainer.global_step`` is one ahead of it in ``on_train_batch_end``."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    if not isinstance(step, int):
+        return int(trainer.global_step)
+    return max(0, step - 1) if epoch_end else step
+
+
+def accumulating(trainer: Any, pl_module: Any) -> bool:
+    """Whether this batch only accumulates gradients (no optimizer step after it): Lightning logs
+    ``self.log`` values only after a batch that steps (automatic optimization), and so does the callback."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        return False
+    should = getattr(getattr(trainer, "fit_loop", None), "_should_accumulate", None)
+    return bool(should()) if callable(should) else False
+
+
+def merge_window(window: list[StepRecord], units: str) -> dict[str, float]:
+    """One set of step metrics for the micro-batches of one optimizer step (gradient accumulation): the
+    largest value of each byte and shape metric, the smallest headroom, and the ratio of the compared
+    (non-warm-up) micro-batch with the largest measurement."""
+    merged: dict[str, float] = {}
+    for record in window:
+        for key, value in step_metrics(record, units).items():
+            if key.endswith("measured_to_estimated"):
+                continue
+            low = "/headroom" in key
+            old = merged.get(key)
+            merged[key] = value if old is None else (min(old, value) if low else max(old, value))
+    compared = [r for r in window if r.ratio is not None and not r.warmup]
+    if compared:
+        best = max(compared, key=lambda r: r.measured_peak or 0)
+        merged[f"{PREFIX}/measured_to_estimated"] = best.ratio  # type: ignore[assignment]
+    return merged
+
+
 def log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
     """Send ``metrics`` to every logger of the trainer (loggers write on rank 0 only)."""
     if not metrics:
@@ -87,25 +138,11 @@ def log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
 
 
 def log_report_text(trainer: Any, epoch: EpochReport, units: str, step: int) -> None:
-    """Give the rendered epoch report to the loggers that display text (TensorBoard, W&B, MLflow)."""
-    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+    """Give the rendered epoch report to TensorBoard (``add_text``); MLflow and W&B get the report
+    files, W&B a numeric table (:func:`~lightning_memplan.callbacks.artifacts.log_report_files`)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
 
     text = epoch_markdown(epoch, units)
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_text(f"{PREFIX}/report", text, global_step=step)
-        elif isinstance(logger, WandbLogger):
-            columns = ["rank", "estimated_peak", "measured_peak", "reserved", "headroom"]
-            data = [
-                [
-                    str(r.rank),
-                    format_bytes(r.estimated_peak, units),
-                    format_bytes(r.measured_peak, units),
-                    format_bytes(r.reserved, units),
-                    format_bytes(r.headroom, units),
-                ]
-                for r in epoch.ranks
-            ]
-            logger.log_text(key=f"{PREFIX}/report", columns=columns, data=data, step=step)
-        elif isinstance(logger, MLFlowLogger):
-            logger.experiment.log_text(logger.run_id, text, f"memory_report_epoch{epoch.epoch}.md")

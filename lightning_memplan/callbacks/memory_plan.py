@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_memplan.callbacks import emit
 from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
+from lightning_memplan.callbacks.artifacts import log_report_files, report_dirs
 from lightning_memplan.callbacks.infer import (
     InferenceError,
     _calibration_shapes,
@@ -49,8 +50,8 @@ from lightning_memplan.report.records import (
 )
 from lightning_memplan.report.render import check_units, render_rich
 from lightning_memplan.tracking.compiled import AllocationMeter, compiled_parts, eager_view
-
 from lightning_memplan.validation import check_bool, check_mapping
+
 __all__ = ["MemoryPlanCallback"]
 
 #: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
@@ -74,9 +75,10 @@ class MemoryPlanCallback(Callback):
     ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
     ``default_root_dir``), prints a rich table on rank 0 and logs to every logger.
 
-    **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` batches and on
-    every tracked step; bytes are exact integers, and each byte metric also has a view in ``units``
-    named ``<key>_<units lower-case>``, e.g. ``memplan/measured_peak_gib``):
+    **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` optimizer steps
+    and on every tracked step, at the step ``self.log`` uses, one value per optimizer step; bytes are exact
+    integers, and each byte metric also has a view in ``units`` named ``<key>_<units lower-case>``, e.g.
+    ``memplan/measured_peak_gib``):
 
     - ``memplan/estimated_peak`` — the memory model's peak allocated tensor bytes for this step's shape
     - ``memplan/measured_peak`` — measured peak allocated tensor bytes of the step (CUDA allocator every
@@ -84,7 +86,7 @@ class MemoryPlanCallback(Callback):
     - ``memplan/reserved`` — peak reserved bytes (CUDA allocator), driver-allocated (MPS) or process RSS (CPU)
     - ``memplan/headroom`` — capacity (``memory_budget``, device memory, or RAM on CPU) minus ``reserved``
       (minus memory held outside the allocator on CUDA)
-    - ``memplan/measured_to_estimated`` — measured_peak / estimated_peak
+    - ``memplan/measured_to_estimated`` — measured_peak / estimated_peak (not for warm-up steps)
     - ``memplan/micro_batch``, ``memplan/seq_len`` — the step's batch shape
     - ``memplan/{forward,backward,optimizer}/estimated_peak`` — the estimate's peak within each phase
     - ``memplan/{forward,backward,optimizer}/measured_peak`` — the measured peak within each phase
@@ -185,6 +187,7 @@ class MemoryPlanCallback(Callback):
         self._stepped = False
         self._steady_tracked = False  # whether a step after the first optimizer step was tracked
         self._current: dict[str, Any] | None = None
+        self._window: list[StepRecord] = []  # records of the micro-batches of the optimizer step under way
         self._epoch_warnings: list[str] = []
 
     # ------------------------------------------------------------------------------------ set-up
@@ -194,6 +197,7 @@ class MemoryPlanCallback(Callback):
             return
         self._reset_fit_state()
         self._rank = trainer.global_rank
+        self._report_dirs: list[str] | None = None  # rank 0's report folders, resolved at the first write
         # trainer.log_dir broadcasts from rank 0: resolve it now, while every rank calls the hook, and
         # never from on_exception (where the other ranks would not join the collective).
         self._log_dir = trainer.log_dir or trainer.default_root_dir
@@ -273,9 +277,13 @@ class MemoryPlanCallback(Callback):
             and "guessed" in (spec.name or "")
             and source == "analytic"
         ):
+            fix = (
+                "or pass calibrate=True" if not self.calibrate
+                else "(calibration was asked for but did not run: see the note above)"
+            )
             self._note(
                 f"the ModelSpec was guessed ({spec.name}) and no traced step calibrated it, so the {source} "
-                "estimate of activations is unreliable; pass MemoryPlanCallback(model_spec=...) or keep calibrate=True"
+                f"estimate of activations is unreliable; pass MemoryPlanCallback(model_spec=...) {fix}"
             )
         run = {
             "model": spec.name or type(pl_module).__name__ if spec is not None else type(pl_module).__name__,
@@ -504,21 +512,32 @@ class MemoryPlanCallback(Callback):
             self._acc = RankAccumulator(rank=self._rank, epoch=trainer.current_epoch, backend=self._backend())
         self._acc.add(record)
         self._check(record)
-        # Trainer(log_every_n_steps=...) is stored on the trainer by its logger connector; same rule as
-        # Lightning's own `should_update_logs`: log when (batch + 1) is a multiple of it.
-        every = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]
-        should_log = (self._batches_seen + 1) % every == 0 or record.tracked
-        if should_log and self._rank == 0:
-            emit.log_metrics(trainer, emit.step_metrics(record, self.units), step=trainer.global_step)
+        self._window.append(record)
         self._batches_seen += 1
         if self._current.get("stepped"):
             self._stepped = True
         self._current = None
+        if emit.accumulating(trainer, pl_module):
+            return  # one value per optimizer step, at the step self.log uses (as Lightning logs)
+        window, self._window = self._window, []
+        # Trainer(log_every_n_steps=...) is stored on the trainer by its logger connector; same rule as
+        # Lightning's own `should_update_logs`: log when (optimizer steps + 1) is a multiple of it.
+        step = emit.lightning_step(trainer)
+        every = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]
+        should_log = (step + 1) % every == 0 or any(r.tracked for r in window)
+        if should_log and self._rank == 0:
+            emit.log_metrics(trainer, emit.merge_window(window, self.units), step=step)
+
+    def _calibration_state(self) -> str:
+        """``"calibrated"``, ``"off"`` (``calibrate=False``) or ``"skipped"`` (asked for, did not run)."""
+        if self._calibration is not None:
+            return "calibrated"
+        return "skipped" if self.calibrate else "off"
 
     def _check(self, record: StepRecord) -> None:
         """Mismatch, headroom and forecast warnings (each once per run)."""
         if record.tracked or record.backend == "cuda":
-            text = mismatch_message(record, self.tolerance)
+            text = mismatch_message(record, self.tolerance, units=self.units, calibration=self._calibration_state())
             if text:
                 self._warn_once("mismatch", text)
         plan = self._plan_ or ParallelPlan()
@@ -527,7 +546,7 @@ class MemoryPlanCallback(Callback):
             if (self._train is not None and record.micro_batch and record.seq_len)
             else self._train
         )
-        text = headroom_message(record, self.min_headroom, plan, train)
+        text = headroom_message(record, self.min_headroom, plan, train, units=self.units)
         if text:
             self._warn_once("headroom", text)
         if record.micro_batch is None or record.seq_len is None or not record.device_memory:
@@ -549,6 +568,7 @@ class MemoryPlanCallback(Callback):
                 plan,
                 self._train.replace(micro_batch=b, seq_len=target) if self._train is not None else None,
                 rank=self._rank,
+                units=self.units,
             )
             if text:
                 self._warn_once("forecast", text)
@@ -573,14 +593,43 @@ class MemoryPlanCallback(Callback):
         self._epoch_warnings = []
         if self._rank != 0:
             return
-        if self.write_files and self._log_dir:
-            write_report(self.report, self._log_dir, units=self.units)
+        files = self._write_files(trainer)
         if self.print_report:
             import rich
 
             rich.get_console().print(render_rich(self.report, epoch=epoch.epoch, units=self.units))
-        emit.log_metrics(trainer, emit.epoch_metrics(epoch, self.units), step=trainer.global_step)
-        emit.log_report_text(trainer, epoch, self.units, step=trainer.global_step)
+        step = emit.lightning_step(trainer, epoch_end=True)
+        emit.log_metrics(trainer, emit.epoch_metrics(epoch, self.units), step=step)
+        emit.log_report_text(trainer, epoch, self.units, step=step)
+        if files is not None:
+            log_report_files(trainer, files, epoch, self.units, step=step)
+
+    def _png_possible(self) -> bool:
+        """Whether matplotlib imports; if not, say once that no PNG is written (it is a dependency, so a
+        broken or removed install is worth a word, not a silent gap)."""
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            self._note(
+                f"memory_report.png is not written: matplotlib cannot be imported ({exc}); the JSON, Markdown "
+                "and HTML reports are; pip install matplotlib for the picture"
+            )
+            return False
+        return True
+
+    def _write_files(self, trainer: Trainer) -> Any:
+        """Write the report to every logger's own run folder (``report_dirs``, rank 0); the first
+        folder's :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written."""
+        if not self.write_files or not self._log_dir:
+            return None
+        if self._report_dirs is None:
+            self._report_dirs = report_dirs(trainer, self._log_dir)
+        png = self._png_possible()
+        first = None
+        for directory in self._report_dirs:
+            _, written = write_report(self.report, directory, units=self.units, png=png)
+            first = first or written
+        return first
 
     # ------------------------------------------------------------------------------------ failures
     @override
@@ -615,7 +664,7 @@ class MemoryPlanCallback(Callback):
         if self.write_files and self._log_dir:
             write_report(
                 self.report,
-                self._log_dir,
+                (self._report_dirs or [self._log_dir])[0],
                 units=self.units,
                 rank_suffix=None if self._rank == 0 else self._rank,
             )

@@ -284,7 +284,7 @@ def test_logging_follows_log_every_n_steps_plus_tracked_steps(tmp_path):
     trainer.fit(LitGPT(config), token_loader(config, 2, [16], 6))
     rows = [r for r in read_metrics(trainer.log_dir) if r.get("memplan/estimated_peak")]
     # batch n is logged when (n + 1) % 2 == 0 (n = 1, 3, 5) or tracked (n = 0, the first steady-state
-    # step n = 1, and (n + 1) % 3 == 0: 2, 5); the logged step is trainer.global_step after the batch's
-    # optimizer step, n + 1.
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 6]
-    assert [int(r["step"]) for r in rows if r["memplan/measured_peak"]] == [1, 2, 3, 6]
+    # step n = 1, and (n + 1) % 3 == 0: 2, 5); the logged step is the one self.log uses, n (optimizer
+    # steps before the batch's own; trainer.global_step would be n + 1).
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 5]
+    assert [int(r["step"]) for r in rows if r["memplan/measured_peak"]] == [0, 1, 2, 5]

@@ -56,3 +56,34 @@ def test_manual_optimization_is_calibrated_like_automatic(tmp_path):
     assert rank_m.measured_to_estimated is not None and abs(rank_m.measured_to_estimated - 1) < 0.01
     steady = [t for t in rank_m.tracked if not t.warmup]
     assert steady and steady[0].estimated_phase_peaks.keys() == {"forward", "backward", "optimizer"}
+
+
+class LitLogged(LitGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
+def test_metrics_share_self_logs_steps_one_value_per_optimizer_step(tmp_path):
+    """accumulate_grad_batches=2, 6 batches: 3 optimizer steps, logged at self.log's steps 0, 1, 2."""
+    from test_callback_helpers import read_metrics
+
+    config = gpt2_style(n_layers=1)
+    cb = MemoryPlanCallback(measure_every_n_steps=1, calibrate=False, print_report=False, write_files=False)
+    trainer = make_trainer(tmp_path, [cb], limit_train_batches=6, accumulate_grad_batches=2)
+    trainer.fit(LitLogged(config), token_loader(config, 2, [16], 6))
+    rows = read_metrics(trainer.log_dir)
+    loss_steps = [int(r["step"]) for r in rows if r.get("loss")]
+    memplan_steps = [int(r["step"]) for r in rows if r.get("memplan/estimated_peak")]
+    assert loss_steps == [0, 1, 2]
+    assert memplan_steps == loss_steps  # one row per optimizer step, no off-by-one
+    ratios = {int(r["step"]): r["memplan/measured_to_estimated"] for r in rows if r.get("memplan/estimated_peak")}
+    # step 0 (batches 0 and 1) ran before the first optimizer step finished: warm-up, not compared
+    assert ratios[0] == "" and ratios[1] != "" and ratios[2] != ""
+    # the logged peak of an optimizer step is the largest of its micro-batches
+    tracked = {t.step: t for t in cb.report.epochs[-1].ranks[0].tracked}
+    by_step = {int(r["step"]): int(r["memplan/measured_peak"]) for r in rows if r.get("memplan/measured_peak")}
+    assert by_step[1] == max(tracked[2].measured_peak, tracked[3].measured_peak)
+    epoch_rows = [int(r["step"]) for r in rows if r.get("memplan/epoch/ranks")]
+    assert epoch_rows == [2]
