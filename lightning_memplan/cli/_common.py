@@ -18,8 +18,43 @@ from lightning_memplan.model.specs import (
     ModelSpec,
     TrainSpec,
 )
+from lightning_memplan.validation import read_json_file
 
-__all__ = ["add_model_arguments", "add_train_arguments", "model_from_args", "train_from_args"]
+__all__ = [
+    "add_model_arguments",
+    "add_train_arguments",
+    "finite_float",
+    "int_at_least",
+    "model_from_args",
+    "train_from_args",
+]
+
+
+def int_at_least(minimum: int) -> Any:
+    """An argparse ``type=``: a whole number ``>= minimum`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; use e.g. {max(minimum, 1)}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type=``: a finite number (``nan``, ``inf`` and ``1e400`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +72,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default: int | None = 1) -> None:
     group = parser.add_argument_group("training")
-    group.add_argument("--micro-batch", type=int, default=micro_batch_default, help="b: sequences per micro-batch")
-    group.add_argument("--seq-len", type=int, required=True, help="s: tokens per sequence")
+    group.add_argument("--micro-batch", type=int_at_least(1), default=micro_batch_default,
+                       help="b: sequences per micro-batch")
+    group.add_argument("--seq-len", type=int_at_least(1), required=True, help="s: tokens per sequence")
     group.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS) + ["32", "16", "bf16"])
     group.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     group.add_argument("--optimizer-impl", default="foreach", choices=["foreach", "fused", "for_loop"])
@@ -46,8 +82,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
     group.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES))
     group.add_argument("--attention", default="sdpa", choices=list(ATTENTION_KINDS))
     group.add_argument("--loss", default="naive", choices=list(LOSS_MODES))
-    group.add_argument("--loss-chunk-size", type=int, default=None, help="tokens per chunk for --loss chunked")
-    group.add_argument("--grad-accumulation", type=int, default=1)
+    group.add_argument("--loss-chunk-size", type=int_at_least(1), default=None, help="tokens per chunk for --loss chunked")
+    group.add_argument("--grad-accumulation", type=int_at_least(1), default=1)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -56,8 +92,13 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     if source.endswith(".json") or os.path.isfile(source):
         if not os.path.isfile(source):
             raise FileNotFoundError(f"--model={source!r}: no such config file")
-        with open(source, encoding="utf-8") as fh:
-            return ModelSpec.from_hf_config(json.load(fh))
+        config = read_json_file(source, what="a Hugging Face config.json (a JSON object)", argument="--model")
+        if not isinstance(config, dict):
+            raise ValueError(f"--model={source!r} holds a JSON {type(config).__name__}, not an object; pass a config.json")
+        try:
+            return ModelSpec.from_hf_config(config)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"--model={source!r}: {exc}") from None
     if ":" in source:
         module_name, _, attr = source.partition(":")
         try:

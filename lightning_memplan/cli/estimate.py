@@ -19,6 +19,7 @@ from typing import Any
 from lightning_memplan.cli._common import (
     add_model_arguments,
     add_train_arguments,
+    int_at_least,
     model_from_args,
     train_from_args,
 )
@@ -37,13 +38,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_train_arguments(parser)
     group = parser.add_argument_group("parallel plan")
     for axis, text in (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline stages"), ("cp", "context parallel")):
-        group.add_argument(f"--{axis}", type=int, default=1, help=text)
+        group.add_argument(f"--{axis}", type=int_at_least(1), default=1, help=text)
     group.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     group.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage / FSDP sharding")
-    group.add_argument("--microbatches", type=int, default=None, help="m per step (default: pp)")
+    group.add_argument("--microbatches", type=int_at_least(1), default=None, help="m per step (default: pp)")
     group.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    group.add_argument("--virtual-stages", type=int, default=1)
-    parser.add_argument("--rank", type=int, default=None, help="one global rank instead of every stage")
+    group.add_argument("--virtual-stages", type=int_at_least(1), default=1)
+    parser.add_argument("--rank", type=int_at_least(0), default=None, help="one global rank instead of every stage")
     parser.add_argument("--units", default="GiB", choices=["B", "KiB", "MiB", "GiB", "GB"])
     parser.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
     parser.set_defaults(func=run)

@@ -27,6 +27,8 @@ from typing import Any
 from lightning_memplan.cli._common import (
     add_model_arguments,
     add_train_arguments,
+    finite_float,
+    int_at_least,
     model_from_args,
     train_from_args,
 )
@@ -42,11 +44,22 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise ValueError(f"--memory-budget={text!r} is not a size; use e.g. 70GiB, 75GB or a byte count")
     value, unit = float(m.group(1)), m.group(2).lower()
+    if value == float("inf"):
+        raise ValueError(f"--memory-budget={text!r} exceeds the float range; use e.g. 70GiB")
     if unit:
         if unit not in _UNITS:
             raise ValueError(f"--memory-budget={text!r}: unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, GB")
         return int(value * _UNITS[unit])
     return int(value * 2**30) if value < 4096 else int(value)
+
+
+def _budget_arg(text: str) -> int:
+    """``--memory-budget``'s argparse type: :func:`parse_bytes`, its message shown by argparse (the range,
+    >= 1 byte, is checked by ``plan``)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _typed(key: str, raw: str) -> Any:
@@ -102,18 +115,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     group = parser.add_argument_group("cluster")
     group.add_argument("--hardware", default=None,
                        help="a preset such as h100-80gb, a100-80gb, h200, l4 (default: detect the local device)")
-    group.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default 8 for a preset)")
-    group.add_argument("--nodes", type=int, default=1, help="number of nodes")
-    group.add_argument("--inter-node-bw", type=float, default=None, help="per-GPU network bytes/s (overrides the preset)")
+    group.add_argument("--gpus-per-node", type=int_at_least(1), default=None, help="GPUs per node (default 8 for a preset)")
+    group.add_argument("--nodes", type=int_at_least(1), default=1, help="number of nodes")
+    group.add_argument("--inter-node-bw", type=finite_float, default=None, help="per-GPU network bytes/s (overrides the preset)")
     search = parser.add_argument_group("search")
-    search.add_argument("--global-batch", type=int, default=None,
+    search.add_argument("--global-batch", type=int_at_least(1), default=None,
                         help="sequences per optimizer step (default: micro-batch x grad-accumulation per replica)")
-    search.add_argument("--memory-budget", type=parse_bytes, default=None,
+    search.add_argument("--memory-budget", type=_budget_arg, default=None,
                         help="per-device budget for tensors (e.g. 70GiB); replaces the derived budget")
-    search.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    search.add_argument("--headroom", type=finite_float, default=0.1, help="fraction of device memory kept free")
     search.add_argument("--allow", action="append", default=None, metavar="NAMES|KEY=V,...",
                         help="restrict the search (repeatable; see the description)")
-    search.add_argument("--top", type=int, default=5, help="alternatives to show")
+    search.add_argument("--top", type=int_at_least(1), default=5, help="alternatives to show")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print PlanDecision.to_dict() as JSON")
     out.add_argument("--markdown", action="store_true", help="print the explanation as Markdown")
@@ -131,7 +144,8 @@ def _hardware(args: argparse.Namespace) -> Any:
         if args.gpus_per_node is not None:
             hw = hw.replace(gpus_per_node=args.gpus_per_node)
     else:
-        hw = HardwareSpec.preset(args.hardware, gpus_per_node=args.gpus_per_node or 8, num_nodes=args.nodes)
+        gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
+        hw = HardwareSpec.preset(args.hardware, gpus_per_node=gpus, num_nodes=args.nodes)
     if args.inter_node_bw is not None:
         hw = hw.replace(inter_node_bw=args.inter_node_bw)
     return hw

@@ -17,6 +17,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from lightning_memplan.cli._common import int_at_least
     from lightning_memplan.report.render import UNITS
 
     parser = subparsers.add_parser(
@@ -26,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("path", help="memory_report.json, or the log directory that holds it")
-    parser.add_argument("--epoch", type=int, default=None, help="epoch to show (default: the latest)")
+    parser.add_argument("--epoch", type=int_at_least(0), default=None, help="epoch to show (default: the latest)")
     parser.add_argument("--units", default="GiB", choices=list(UNITS), help="display unit (default GiB)")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="print the whole report as Markdown")
