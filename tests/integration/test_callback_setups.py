@@ -3,6 +3,8 @@ steps with gradient accumulation, messages in the chosen units, a missing matplo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from test_callback_helpers import LitGPT, make_trainer, token_loader
 
@@ -87,3 +89,42 @@ def test_metrics_share_self_logs_steps_one_value_per_optimizer_step(tmp_path):
     assert by_step[1] == max(tracked[2].measured_peak, tracked[3].measured_peak)
     epoch_rows = [int(r["step"]) for r in rows if r.get("memplan/epoch/ranks")]
     assert epoch_rows == [2]
+
+
+def test_warnings_use_the_callbacks_units_and_honest_advice():
+    from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
+    from lightning_memplan.model.specs import ParallelPlan
+    from lightning_memplan.report.records import StepRecord
+
+    mib = 2**20
+    record = StepRecord(
+        step=3, epoch=0, rank=0, micro_batch=2, seq_len=16, estimated_peak=3 * mib, measured_peak=int(3.4 * mib),
+        device_memory=4 * mib, headroom=mib // 10, estimated_components={"activations": 2 * mib, "params": mib},
+    )
+    text = mismatch_message(record, 0.1, units="MiB", calibration="skipped")
+    assert "3.400 MiB" in text and "3.000 MiB" in text and "GiB" not in text
+    assert "keep calibrate" not in text and "calibration did not run" in text
+    assert "calibrate=True" in mismatch_message(record, 0.1, units="MiB", calibration="off")
+    assert "calibrate" not in mismatch_message(record, 0.1, units="MiB", calibration="calibrated")
+    text = headroom_message(record, 0.1, ParallelPlan(), None, units="MiB")
+    assert "0.100 MiB" in text and "4.000 MiB" in text and "GiB" not in text
+    text = forecast_message(64, 5 * mib, 4 * mib, {"activations": 4 * mib}, ParallelPlan(), None, rank=0, units="MiB")
+    assert "5.000 MiB" in text and "GiB" not in text
+
+
+def test_missing_matplotlib_is_said_once_and_the_other_files_written(tmp_path, monkeypatch):
+    import sys
+    import warnings
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    config = gpt2_style(n_layers=1)
+    cb = MemoryPlanCallback(calibrate=False, print_report=False)
+    trainer = make_trainer(tmp_path, [cb], max_epochs=2, limit_train_batches=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LitGPT(config), token_loader(config, 2, [16], 2))
+    said = [w for w in caught if "matplotlib cannot be imported" in str(w.message)]
+    assert len(said) == 1  # two epochs, said once
+    assert any("matplotlib" in n for n in cb.report.notes)
+    names = {p.name for p in Path(trainer.log_dir).iterdir()}
+    assert "memory_report.json" in names and "memory_report.md" in names and "memory_report.png" not in names
