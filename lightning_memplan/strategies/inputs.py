@@ -1,10 +1,11 @@
 """What memplan_auto reads from the Trainer before it plans: the model's shape, one batch, the precision.
 
-Planning happens in ``setup_environment`` (the mesh must exist before ``configure_model``), which is
-before Lightning has built the dataloaders. The batch shape therefore comes from, in order: the
-``train=`` TrainSpec given to the strategy, the LightningModule's ``example_input_array``, or the first
-batch of the training dataloader, drawn under ``torch.random.fork_rng`` so that building the loader here
-does not shift the random stream the real fit loop will see.
+Planning happens after the DataModule's and LightningModule's ``setup`` hooks and before
+``configure_model`` (the mesh must exist by then), which is before Lightning has built the dataloaders.
+The batch shape therefore comes from, in order: the ``train=`` TrainSpec given to the strategy, the
+LightningModule's ``example_input_array``, or the first batch of the training dataloader (a DataModule
+that builds its datasets in ``setup`` has done so by then), drawn under ``torch.random.fork_rng`` so that
+building the loader here does not shift the random stream the real fit loop will see.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from torch import nn
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.strategies.layouts import TransformerLayout
 
-__all__ = ["BatchShapeUnknown", "lce_loss_mode", "model_spec_for", "peek_batch", "train_spec_for"]
+__all__ = [
+    "RUN_FIELDS",
+    "BatchShapeUnknown",
+    "lce_loss_mode",
+    "model_spec_for",
+    "optimizer_of",
+    "peek_batch",
+    "train_spec_for",
+]
 
 
 class BatchShapeUnknown(ValueError):
@@ -67,18 +76,61 @@ def peek_batch(trainer: Any) -> Any:
             return None
 
 
+#: TrainSpec fields that describe the run itself; each one left at its TrainSpec default in ``train=``
+#: is read from the Trainer and the LightningModule instead (the fields the user set win).
+RUN_FIELDS = ("precision", "grad_accumulation", "device", "optimizer", "optimizer_impl", "loss", "loss_chunk_size")
+
+
 def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) -> TrainSpec:
     """The :class:`TrainSpec` to plan with.
 
-    ``base`` wins for every field; its batch shape too. Otherwise the shape is read from
-    ``example_input_array`` or the first batch, precision from the trainer, accumulation from
-    ``accumulate_grad_batches``; the optimizer is assumed to be AdamW (it is created after planning).
+    The run's own settings come from the Trainer: precision (``trainer.precision``), accumulation
+    (``accumulate_grad_batches``), the device kind, the optimizer of ``configure_optimizers``
+    (:func:`optimizer_of`; AdamW when it cannot be read before setup) and the loss mode
+    (``LinearCrossEntropy`` found or not). ``base`` (the strategy's ``train=``) overrides: its batch
+    shape always, and every :data:`RUN_FIELDS` field whose value differs from the TrainSpec default
+    (a field left at its default is read from the run); a precision that contradicts the Trainer's is
+    warned about. Without ``base`` the shape is read from ``example_input_array`` or the first batch
+    (which, after the DataModule's ``setup``, is readable for an ordinary DataModule too).
 
     Raises:
         BatchShapeUnknown: neither ``base``, ``example_input_array`` nor a batch gives the shape.
     """
     if base is not None:
-        return base
+        b, s = base.micro_batch, base.seq_len
+    else:
+        b, s = _batch_shape_of(trainer, lightning_module)
+    from lightning_memplan.callbacks.infer import kernel_device
+
+    device = kernel_device(trainer)
+    loss, chunk = lce_loss_mode(lightning_module)
+    optimizer, impl = optimizer_of(lightning_module, device)
+    run = TrainSpec(
+        micro_batch=b,
+        seq_len=s,
+        precision=str(trainer.precision),
+        grad_accumulation=int(trainer.accumulate_grad_batches),
+        device=device,
+        optimizer=optimizer,
+        optimizer_impl=impl,
+        loss=loss,
+        loss_chunk_size=chunk,
+    )
+    if base is None:
+        return run
+    defaults = TrainSpec(micro_batch=1, seq_len=1)
+    taken = {name: getattr(run, name) for name in RUN_FIELDS if getattr(base, name) == getattr(defaults, name)}
+    if "precision" not in taken and base.precision != run.precision:
+        warnings.warn(
+            f"memplan_auto: train=TrainSpec(precision={base.precision!r}) plans for another precision than "
+            f"the Trainer runs ({run.precision!r}); the estimate describes {base.precision!r}. Leave "
+            "TrainSpec.precision at its default to take the Trainer's",
+            stacklevel=2,
+        )
+    return base.replace(**taken)
+
+
+def _batch_shape_of(trainer: Any, lightning_module: Any) -> tuple[int, int]:
     from lightning_memplan.callbacks.infer import InferenceError, batch_shape
 
     sample = getattr(lightning_module, "example_input_array", None)
@@ -86,32 +138,66 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
         sample = peek_batch(trainer)
     if sample is None:
         raise BatchShapeUnknown(
-            "memplan_auto needs the batch shape before setup to plan, and found neither "
-            "LightningModule.example_input_array nor a training dataloader it could read; pass "
+            "memplan_auto needs the batch shape to plan, and found neither LightningModule.example_input_array "
+            "nor a training dataloader it could read after the DataModule's setup; pass "
             "MemplanAutoStrategy(train=TrainSpec(micro_batch=..., seq_len=...)) or "
             "MemplanAutoStrategy(plan=ParallelPlan(...))"
         )
     try:
-        b, s = batch_shape(sample)
+        return batch_shape(sample)
     except InferenceError as exc:
         raise BatchShapeUnknown(
             f"{exc}; for memplan_auto pass MemplanAutoStrategy(train=TrainSpec(micro_batch=..., seq_len=...))"
         ) from exc
-    from lightning_memplan.callbacks.infer import kernel_device
 
-    device = kernel_device(trainer)
-    loss, chunk = lce_loss_mode(lightning_module)
-    return TrainSpec(
-        micro_batch=b,
-        seq_len=s,
-        precision=str(trainer.precision),
-        grad_accumulation=int(trainer.accumulate_grad_batches),
-        device=device,
-        # the optimizer is not built yet; torch.optim defaults to foreach only for CUDA tensors
-        optimizer_impl="for_loop" if device == "cpu" else "foreach",
-        loss=loss,
-        loss_chunk_size=chunk,
-    )
+
+def optimizer_of(lightning_module: Any, device: str) -> tuple[str, str]:
+    """``(optimizer, optimizer_impl)`` of the module's ``configure_optimizers``, read before setup.
+
+    Lightning builds the real optimizers after the layout is applied (they must hold the sharded
+    parameters), so this calls ``configure_optimizers`` once on the unwrapped module and discards the
+    result (creating a ``torch.optim`` optimizer allocates no state). It is not called when the hook
+    reads ``trainer.estimated_stepping_batches``, which would load the training dataloader (and enter
+    a barrier) from rank 0 alone; then, or when the hook fails or returns an optimizer the memory
+    model does not know, AdamW (the heaviest common state) is assumed and ``setup`` warns if the real
+    optimizer differs. The implementation follows ``torch.optim``'s default for the run's device
+    (foreach on CUDA, the for-loop on CPU) unless the optimizer was built with ``fused``/``foreach``.
+    """
+    from lightning_memplan.callbacks.infer import infer_optimizer
+
+    default_impl = "for_loop" if device == "cpu" else "foreach"
+    fallback = ("adamw", default_impl)
+    hook = getattr(type(lightning_module), "configure_optimizers", None)
+    code = getattr(hook, "__code__", None)
+    if code is None or "estimated_stepping_batches" in code.co_names:
+        return fallback
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            conf = lightning_module.configure_optimizers()
+            optimizer = _first_optimizer(conf)
+            if optimizer is None:
+                return fallback
+            kind, impl = infer_optimizer(optimizer)
+    except Exception:  # noqa: BLE001 - the user's hook (or an InferenceError): "unknown here"
+        return fallback
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    explicit = bool(defaults.get("fused")) or defaults.get("foreach") is not None
+    return kind, impl if explicit else default_impl
+
+
+def _first_optimizer(conf: Any) -> Any:
+    """The first ``torch.optim.Optimizer`` in any of the return forms ``configure_optimizers`` allows."""
+    if isinstance(conf, torch.optim.Optimizer):
+        return conf
+    if isinstance(conf, dict):
+        return _first_optimizer(conf.get("optimizer"))
+    if isinstance(conf, (list, tuple)):
+        for item in conf:
+            found = _first_optimizer(item)
+            if found is not None:
+                return found
+    return None
 
 
 def lce_loss_mode(module: Any) -> tuple[str, int | None]:

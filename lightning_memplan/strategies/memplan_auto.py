@@ -4,7 +4,8 @@ A thin adapter (house style 10) over Lightning's :class:`~lightning.pytorch.stra
 (process group, DTensor checkpointing, optimizer handling) and PyTorch's FSDP2 ``fully_shard``, DTensor
 ``parallelize_module``, ``torch.distributed.pipelining`` and ``checkpoint_wrapper``. What it adds:
 
-1. ``setup_environment``: rank 0 reads the model, the batch shape, the precision and the hardware, asks
+1. after the setup hooks (the DataModule's ``setup`` has built its data), before ``configure_model``:
+   rank 0 reads the model, the batch shape, the precision and the hardware, asks
    :func:`lightning_memplan.planning.plan` (or takes ``plan=``), checks the plan can be applied to this
    module, and broadcasts the result; every rank builds the same ``pp x dp_replicate x dp_shard x tp``
    DeviceMesh and the ranks compare a fingerprint of plan and model (all-gather): a mismatch raises on
@@ -20,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,12 +55,17 @@ from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
 from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
 from lightning_memplan.strategies.pipeline import PipelineRunner
 from lightning_memplan.strategies.record import CHECKPOINT_KEY, PLAN_FILENAME, explain, record, stored_plan
+from lightning_memplan.strategies.stall import RankRendezvous
 from lightning_memplan.strategies.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["PLAN_FILENAME", "MemplanAutoStrategy"]
+
+#: The barrier ``lightning.pytorch.trainer.call._call_setup_hook`` enters after the DataModule's, the
+#: callbacks' and the LightningModule's ``setup``: the earliest point the batch shape is readable.
+_AFTER_SETUP_HOOKS = "post_setup"
 
 class MemplanAutoStrategy(ModelParallelStrategy):
     """Chooses DP / FSDP / TP / PP / activation checkpointing from the memory model and applies it.
@@ -127,6 +135,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         self._train = train
         self._headroom = float(headroom)
         self.resolution: Resolution | None = None
+        self._plan_pending = False
         self._layout: TransformerLayout | None = None
         self._pipeline: PipelineRunner | None = None
         self._applied = False
@@ -152,6 +161,30 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._check_accelerator()
         self._setup_distributed()
+        # Planning needs the batch shape, which an ordinary DataModule knows only after its ``setup``.
+        # ``Trainer._run`` calls this, then the setup hooks (ending with ``barrier("post_setup")``), then
+        # ``configure_model`` inside ``model_sharded_context`` (which needs the mesh), then ``setup``:
+        # the plan is made at the first of the last three.
+        self._plan_pending = True
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        super().barrier(name)
+        if name == _AFTER_SETUP_HOOKS:
+            self._plan_if_pending()
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Plans first when the setup hooks' barrier was not seen, so ``configure_model`` gets the mesh."""
+        self._plan_if_pending()
+        with super().model_sharded_context():
+            yield
+
+    def _plan_if_pending(self) -> None:
+        if not self._plan_pending:
+            return
+        self._plan_pending = False
         resolution = self._resolve_on_rank_zero()
         self.resolution = resolution
         for note in resolution.notes:
@@ -187,6 +220,12 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     def _resolve_on_rank_zero(self) -> Resolution:
         trainer = self._require_lightning_module().trainer
         payload: list[Any] = [None]
+        distributed = torch.distributed.is_initialized() and self.world_size > 1
+        # Bounded waits (strategies/stall.py): a rank that hangs makes every rank fail within
+        # MEMPLAN_STALL_TIMEOUT_S, naming it, instead of waiting out the 30-minute collective timeout.
+        rendezvous = RankRendezvous("plan agreement", self.global_rank, self.world_size) if distributed else None
+        if rendezvous is not None:
+            rendezvous.arrive()
         if self.global_rank == 0:
             try:
                 payload[0] = ("ok", self._resolve(trainer))
@@ -194,7 +233,11 @@ class MemplanAutoStrategy(ModelParallelStrategy):
                 payload[0] = ("error", exc if _picklable(exc) else f"{type(exc).__name__}: {exc}")
                 if self.world_size == 1:
                     raise
-        if torch.distributed.is_initialized() and self.world_size > 1:
+            if rendezvous is not None:
+                rendezvous.publish()
+        elif rendezvous is not None:
+            rendezvous.await_rank_zero()
+        if distributed:
             torch.distributed.broadcast_object_list(payload, src=0)
         status, value = payload[0]
         if status == "error":
@@ -212,6 +255,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         stored = stored_plan(getattr(trainer, "ckpt_path", None))
         if stored is not None and forced is None:
             forced, source = stored, "checkpoint"
+        batch_known = True
         try:
             train = train_spec_for(trainer, lm, self._train)
         except BatchShapeUnknown:
@@ -220,6 +264,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             # A given plan needs no search; the shape only feeds its estimate, which is then rough.
             rank_zero_warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
             train = TrainSpec(micro_batch=1, seq_len=1, precision=str(trainer.precision))
+            batch_known = False
 
         # Dimensions never planned: what a self-parallelising module decides itself, and SP where the
         # layout cannot take it (the rest is found by ``decide`` and re-planned without).
@@ -240,11 +285,11 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             self_parallel=self_parallel,
             forced=forced,
             forced_source=source,
+            batch_known=batch_known,
             planner=planner,
         )
 
     def _call_planner(self, model_spec: Any, train: TrainSpec, exclude: set[str], has_lce: bool) -> Any:
-        batch_known = True
         from lightning_memplan.strategies.planner_bridge import run_planner
 
         return run_planner(
@@ -253,7 +298,6 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             hardware=self._hardware,
             devices=self.num_processes,
             num_nodes=self.num_nodes,
-            batch_known = False
             memory_budget=self._memory_budget,
             headroom=self._headroom,
             allow=self._allow,
@@ -274,7 +318,6 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             for rank, d in enumerate(digests):
                 groups.setdefault(d, []).append(rank)
             raise RuntimeError(
-            batch_known=batch_known,
                 "memplan_auto: ranks disagree on the plan or the model "
                 f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build the same "
                 "LightningModule (same config and parameter shapes) before fit"
@@ -284,6 +327,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        self._plan_if_pending()
         assert self.model is not None and self.accelerator is not None and self.resolution is not None
         self.accelerator.setup(trainer)
         lm = self._require_lightning_module()
@@ -307,10 +351,29 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._check_planned_optimizer()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._publish(trainer)
+
+    def _check_planned_optimizer(self) -> None:
+        """Warn when the optimizer Lightning built is not the one the plan assumed (see ``optimizer_of``)."""
+        from lightning_memplan.callbacks.infer import InferenceError, infer_optimizer
+
+        planned = getattr(getattr(self.decision, "train", None), "optimizer", None)
+        if planned is None or not self.optimizers:
+            return
+        try:
+            kind, _ = infer_optimizer(self.optimizers[0])
+        except InferenceError:
+            return
+        if kind != planned:
+            rank_zero_warn(
+                f"memplan_auto: the plan assumed optimizer={planned!r} (configure_optimizers could not be read "
+                f"before setup) but the run uses {kind!r}; pass MemplanAutoStrategy(train=TrainSpec(..., "
+                f"optimizer={kind!r})) to plan for it"
+            )
 
     def _apply(self, lm: torch.nn.Module) -> None:
         res = self.resolution
@@ -473,16 +536,22 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if path.is_dir() and (self._pipeline is not None or not _has_dtensor_modules(self.model)):
-            checkpoint = self._load_sharded(path, weights_only)
+        # A pipeline writes its optimizer states with flattened keys (see optimizer_state), every other
+        # layout with Lightning's nested ones; the load must ask for the keys the checkpoint has, whatever
+        # the layout it is loaded into (the distributed checkpoint reshards the tensors by name).
+        written = stored_plan(path) if path.is_dir() else None
+        flat = written.pp > 1 if written is not None else self._pipeline is not None
+        if path.is_dir() and (self._pipeline is not None or flat or not _has_dtensor_modules(self.model)):
+            checkpoint = self._load_sharded(path, weights_only, flatten=flat)
         else:
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
         stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan")
         if stored is not None and self.resolution is not None and stored != self.resolution.plan.to_dict():
             rank_zero_warn(
                 f"memplan_auto: the checkpoint was written under plan {ParallelPlan.from_dict(stored).describe()} "
-                f"and is loaded into {self.resolution.plan.describe()} (distributed checkpoint reshards it). "
-                "Set trainer.ckpt_path before fit to resume with the stored plan"
+                f"and is loaded into {self.resolution.plan.describe()} (the distributed checkpoint reshards "
+                "parameters and optimizer states by name). fit(ckpt_path=...) reveals the path only after the "
+                "layout is applied; set trainer.ckpt_path = path before fit to resume with the stored plan"
             )
         return checkpoint
 
@@ -497,15 +566,17 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return get_optimizer_state_dict(self._require_model(), optimizer, options=self._sharded_options())
 
-    def _sharded_options(self) -> Any:
+    def _sharded_options(self, flatten: bool | None = None) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=self._pipeline is not None)
+        flat = self._pipeline is not None if flatten is None else flatten
+        return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=flat)
 
-    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+    def _load_sharded(self, path: Path, weights_only: bool | None, *, flatten: bool) -> dict[str, Any]:
         # Lightning's loader insists on DTensor parameters and unflattened optimizer states; a module
-        # without DTensors (one device, pipeline stages without FSDP/TP) or a pipeline stage (flattened
-        # optimizer states, see optimizer_state) is loaded through the same distributed-checkpoint calls.
+        # without DTensors (one device, pipeline stages without FSDP/TP), a pipeline stage, or a
+        # checkpoint written by one (flattened optimizer states, see optimizer_state) is loaded through
+        # the same distributed-checkpoint calls, asking for the checkpoint's keys (``flatten``).
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -516,11 +587,17 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         state = {"state_dict": get_model_state_dict(module)}
         _distributed_checkpoint_load(state, path)
         module.load_state_dict(state["state_dict"], strict=self._require_lightning_module().strict_loading)
-        options = self._sharded_options()
+        options = self._sharded_options(flatten)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
-            optim_state = {key: get_optimizer_state_dict(module, optimizer, options=options)}
+            template = get_optimizer_state_dict(module, optimizer, options=options)
+            own_groups = [list(group.get("params", ())) for group in template.get("param_groups", ())]
+            optim_state = {key: template}
             _distributed_checkpoint_load(optim_state, path)
+            # Nested keys store each group's parameter names as one object, the writer's full list; a
+            # pipeline stage holds only its own parameters, so it keeps its own names.
+            for group, names in zip(optim_state[key].get("param_groups", ()), own_groups, strict=False):
+                group["params"] = names
             set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
         # As Lightning's ModelParallelStrategy (fabric ``_load_checkpoint``): ``weights_only`` is passed as
         # given, so None means torch's default (True since torch 2.6) and only an explicit

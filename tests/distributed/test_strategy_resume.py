@@ -31,7 +31,7 @@ def _loader(dp: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=PER_RANK_BATCH)
 
 
-def _fit(strategy, loader, epochs, ckpt_path=None, recorder=None, checkpoint_dir=None):
+def _fit(strategy, loader, epochs, ckpt_path=None, recorder=None, checkpoint_dir=None, fit_ckpt_path=None):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = TinyLM(optimizer="adamw", lr=1e-2)
@@ -41,7 +41,7 @@ def _fit(strategy, loader, epochs, ckpt_path=None, recorder=None, checkpoint_dir
     trainer = make_trainer(strategy, steps=-1, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=checkpoint_dir is not None)
     if ckpt_path is not None:
         trainer.ckpt_path = ckpt_path
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=fit_ckpt_path)
     return trainer
 
 
@@ -85,3 +85,78 @@ def test_resume_matches_uninterrupted(tmp_path):
         torch.testing.assert_close(r["first"], r["full"][:STEPS_PER_EPOCH], atol=1e-6, rtol=0)
         torch.testing.assert_close(r["second"], r["full"][STEPS_PER_EPOCH:], atol=1e-6, rtol=0)
         assert r["full"][-1] != r["full"][STEPS_PER_EPOCH - 1]
+
+
+class StateRecorder(LossRecorder):
+    """Full parameters and AdamW ``exp_avg`` states (DTensors gathered), at the end of a fit and at the
+    start of a resumed one: a resharded load must give back exactly what was saved."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when, self.params, self.exp_avg = when, {}, {}
+
+    def _record(self, trainer, pl_module):
+        from test_strategy_parity import full_parameters
+        from torch.distributed.tensor import DTensor
+
+        self.params = full_parameters(pl_module)
+        optimizer = trainer.optimizers[0]
+        names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in pl_module.named_parameters()}
+        for p, state in optimizer.state.items():
+            avg = state["exp_avg"]
+            self.exp_avg[names[id(p)]] = (avg.full_tensor() if isinstance(avg, DTensor) else avg).detach().clone()
+
+    def on_train_start(self, trainer, pl_module):
+        if self.when == "start":
+            self._record(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.when == "end":
+            self._record(trainer, pl_module)
+
+
+def reshard_worker(rank: int, world: int, root: str, saved: ParallelPlan, resumed_plan: ParallelPlan) -> dict:
+    import warnings
+
+    from lightning_memplan.strategies import MemplanAutoStrategy
+
+    ckpt_dir = os.path.join(root, "ckpt")
+    before = StateRecorder("end")
+    _fit(MemplanAutoStrategy(plan=saved), _loader(saved.dp), 1, recorder=before, checkpoint_dir=ckpt_dir)
+    after = StateRecorder("start")
+    strategy = MemplanAutoStrategy(memory_budget=2**30)  # plans afresh: fit(ckpt_path=) is not seen before setup
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(strategy, _loader(resumed_plan.dp), 2, ckpt_path=None, recorder=after, fit_ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))
+    return {
+        "before": (before.params, before.exp_avg),
+        "after": (after.params, after.exp_avg),
+        "applied": strategy.applied_plan,
+        "steps": len(after.losses),
+        "epoch": trainer.current_epoch,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fit_ckpt_path_into_another_layout_reshards_and_warns(tmp_path):
+    """``fit(ckpt_path=...)`` of a pp=2 checkpoint under a strategy that plans dp=2: Lightning reveals the
+    path only after the layout is applied, so the checkpoint is loaded into the new layout. Before, both
+    ranks died with ``CheckpointException: Missing key ... optimizer_0.param_groups.0.lr`` (the pipeline
+    writes flattened optimizer keys); now it is resharded by the distributed checkpoint with the keys it
+    was written with, with a warning, and every parameter and AdamW state comes back exactly."""
+    saved, resumed = ParallelPlan(pp=2, microbatches=2), ParallelPlan(dp=2)
+    results = run_distributed(reshard_worker, 2, str(tmp_path), saved, resumed, timeout_s=420)
+    before_params = {k: v for r in results for k, v in r["before"][0].items()}
+    before_avg = {k: v for r in results for k, v in r["before"][1].items()}
+    assert any("was written under plan" in m and "reshard" in m for m in results[0]["warnings"]), results[0]["warnings"]
+    for r in results:
+        assert r["applied"].dp == 2 and r["applied"].pp == 1
+        params, avg = r["after"]
+        assert params.keys() == before_params.keys() and avg.keys() == before_avg.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(value, before_params[name], atol=0, rtol=0, msg=name)
+        for name, value in avg.items():
+            torch.testing.assert_close(value, before_avg[name], atol=0, rtol=0, msg=name)
+        assert r["steps"] == STEPS_PER_EPOCH and r["epoch"] == 2  # resumed at epoch 1, ran one more
