@@ -109,6 +109,46 @@ def rows() -> list[Row]:
     ]
 
 
+#: The other rows of Narayanan et al. 2021 Table 1: (params B, heads, hidden, layers, t, p, GPUs, batch,
+#: TFLOP/s per GPU); the 145.6B and 1T rows are in :func:`rows`.
+MEGATRON_TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155), (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+]
+
+
+def more_rows() -> list[Row]:
+    """Published runs beyond issue 13's table."""
+    l8, l405 = ModelSpec.preset("llama3-8b"), ModelSpec.preset("llama3-405b")
+    out = [
+        Row("Llama 3.1 8B, FSDP 128, 128 x H100 (500 W)",
+            "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 3 (row 'FSDP': local batch 2, global 256, "
+            "seq 8192, selective (op) AC, no compile)",
+            l8, TrainSpec(micro_batch=2, seq_len=8192, recompute="selective_op"), grand_teton_h100(16),
+            ParallelPlan(128, zero=3), 256, "tokens/s/GPU", 5605),
+        Row("Llama 3 405B, TP 8 x PP 16 x DP 64, 8,192 H100",
+            "Dubey et al. 2024 (arXiv 2407.21783) Table 4: 8,192 GPUs, TP 8, CP 1, PP 16, DP 64, seq 8192, "
+            "16M tokens per batch (32 sequences per DP rank), 43 % BF16 MFU",
+            l405, TrainSpec(micro_batch=1, seq_len=8192, recompute="selective_op"),
+            HardwareSpec.preset("h100-sxm", gpus_per_node=8, num_nodes=1024),
+            ParallelPlan(64, 8, 16, zero=1, microbatches=32, schedule="interleaved", virtual_stages=7), 2048, "MFU %", 43,
+            note="v not published; v = 7 as in the 16,384-GPU row"),
+    ]
+    for params_b, heads, hidden, layers, t, p, gpus, batch, tflops in MEGATRON_TABLE1:
+        d = gpus // (t * p)
+        out.append(Row(
+            f"{params_b:g}B GPT, TP {t} x PP {p}, {gpus:,} A100",
+            f"Narayanan et al. 2021 (arXiv 2104.04473) Table 1: {params_b:g}B, t={t}, p={p}, batch {batch}, "
+            f"{tflops} TFLOP/s/GPU",
+            megatron_gpt(layers, hidden, heads), _MEGATRON_TRAIN if t > 1 else _MEGATRON_TRAIN.replace(loss="naive"),
+            HardwareSpec.preset("a100-80gb", gpus_per_node=8, num_nodes=gpus // 8),
+            ParallelPlan(d, t, p, microbatches=batch // d if p > 1 else 1), batch, "TFLOP/s/GPU", tflops,
+            note="micro-batch not published; b = 1"))
+    return out
+
+
 def predicted(row: Row) -> float:
     """The model's figure for the published layout, in the row's metric."""
     st = predict_step_time(row.model, row.train.replace(grad_accumulation=max(1, row.global_batch // row.plan.dp // row.train.micro_batch))
@@ -136,14 +176,16 @@ def main(out: Path) -> None:
         f"{time.strftime('%Y-%m-%d')}.",
         "",
         "`predicted` is the step-time model on the published layout; `forced fits` is `plan(allow=<the published "
-        "layout>)`; `planner` is `plan()` over the full space on the same cluster and global batch.",
+        "layout>)`; `planner` is `plan()` over the full space on the same cluster and global batch. Rows marked "
+        "(more) are published runs beyond issue 13's table; none of them was used to set a constant.",
         "",
         "| run | metric | published | predicted | error | forced fits (peak / budget GiB) | planner's choice | planner step vs published layout |",
         "|---|---|---|---|---|---|---|---|",
     ]
     sources: list[str] = []
     why: list[str] = []
-    for r in rows():
+    issue = {r.name for r in rows()}
+    for r in rows() + more_rows():
         pred = predicted(r)
         err = pred / r.published - 1
         forced = plan(r.model, r.train, r.hardware, global_batch=r.global_batch, allow=_allow_of(r.plan, r.train), top_k=1)
@@ -151,7 +193,7 @@ def main(out: Path) -> None:
         fit = f"{'yes' if forced.fits else 'NO'} ({forced.estimate.total / GiB:.1f} / {forced.budget.budget / GiB:.1f})"
         speed = forced.step.total_s / full.step.total_s - 1 if full.fits else float("nan")
         choice = full.chosen.describe() if full.fits else "nothing fits"
-        lines.append(f"| {r.name} | {r.metric} | {r.published:,.4g} | {pred:,.4g} | {100 * err:+.1f}% | {fit} | "
+        lines.append(f"| {r.name}{'' if r.name in issue else ' (more)'} | {r.metric} | {r.published:,.4g} | {pred:,.4g} | {100 * err:+.1f}% | {fit} | "
                      f"{choice} | {100 * speed:+.1f}% faster |")
         sources.append(f"- **{r.name}**: {r.source}." + (f" {r.note}." if r.note else ""))
         why.append(f"- **{r.name}**: published layout forced: {forced.chosen.describe()}, "

@@ -175,6 +175,7 @@ class _Search:
                 if j is None or lc.b < layouts[j].b:
                     first_in_family[fam] = i
         self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
+        self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
         self._bounds_done: set[tuple] = set()
         done: set[int] = set()
         candidates: list[Candidate] = []
@@ -363,6 +364,11 @@ class _Search:
         budget or None, reason, kind)``; a miss is recorded so :meth:`_dominated` prunes what it bounds."""
         rc, z, lm, sp = self._max_saving_opts(lc, recomputes)
         dom = self._dominated(lc, rc, z, lm, sp)
+        if dom is not None and dom[0] == lc and dom[1:] == (rc, z, lm, sp) and dom in self._misses:
+            # checked already (as its family's bound): report that estimate, not "as much as itself"
+            est, bud = self._misses[dom]
+            opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
+            return est, bud, f"even with {', '.join(o for o in opts if o)}: " + self.miss_reason(est, bud), "memory"
         if dom is not None:
             return None, None, f"needs at least as much as {self._failure_text(dom)}, which does not fit", "memory"
         plan, tr = self.materialise(lc, rc, z, lm, sp)
@@ -383,6 +389,7 @@ class _Search:
         """Record a combination that does not fit (for :meth:`_dominated`) and keep the closest miss:
         the smallest worst-rank peak / budget ratio, which the decision reports when nothing fits."""
         self._record_failure(lc, rc, z, lm, sp)
+        self._misses[(lc, rc, z, lm, sp)] = (est, bud)
         best = self._closest
         if best is not None and best[0] <= est.total / bud.budget:
             return  # ``est`` may be a stage-0 lower bound; the full worst rank is only larger

@@ -92,3 +92,14 @@ def test_choices_on_published_clusters_are_recognisable():
     d = plan(model, train, HardwareSpec.preset("h100-sxm", gpus_per_node=8, num_nodes=32), global_batch=256)
     assert d.fits and d.plan.cp == 1 and d.plan.tp <= 8
     assert d.plan.pp == 1 or model.n_layers // d.plan.pp >= 4
+
+
+def test_no_rejection_is_bounded_by_itself():
+    """A layout checked first as its family's bound reports its own estimate, not "needs at least as much
+    as <itself>"."""
+    d = plan(ModelSpec.preset("llama3-8b"), TrainSpec(micro_batch=1, seq_len=8192), HardwareSpec.preset("h100-sxm"),
+             global_batch=32)
+    assert not d.fits
+    for r in d.rejected:
+        assert not r.reason.startswith(f"needs at least as much as {r.layout} "), r
+    assert any(r.reason.startswith("even with") for r in d.rejected)
