@@ -194,7 +194,7 @@ def main(out: Path) -> None:
         speed = forced.step.total_s / full.step.total_s - 1 if full.fits else float("nan")
         choice = full.chosen.describe() if full.fits else "nothing fits"
         lines.append(f"| {r.name}{'' if r.name in issue else ' (more)'} | {r.metric} | {r.published:,.4g} | {pred:,.4g} | {100 * err:+.1f}% | {fit} | "
-                     f"{choice} | {100 * speed:+.1f}% faster |")
+                     f"{choice} | {abs(100 * speed):.1f}% {'faster' if speed >= 0 else 'slower'} |")
         sources.append(f"- **{r.name}**: {r.source}." + (f" {r.note}." if r.note else ""))
         why.append(f"- **{r.name}**: published layout forced: {forced.chosen.describe()}, "
                    f"{'fits' if forced.fits else 'does not fit'} ({forced.estimate.total / GiB:.1f} GiB peak, "
