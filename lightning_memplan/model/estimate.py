@@ -184,6 +184,9 @@ def _dynamic(
         # grad of the probabilities and of the scores, fp32, for one layer [PT softmax_backward].
         eager_bwd_ws = 2 * b * (model.n_heads // t) * s * s * terms.FP32_BYTES
     linear_bwd_ws = tokens * max(model.hidden, model.ffn // t) * pb.compute
+    # While a checkpointed block is rebuilt and runs its backward, the gradient of its output (residual
+    # dtype) and the widest matmul's input gradient exist next to the rebuilt activations.
+    rebuild_grads = tokens * model.hidden * pb.residual // (t if sp else 1) + linear_bwd_ws if rebuild else 0
     return {
         "forward": {
             "activations": acts_fwd,
@@ -205,7 +208,7 @@ def _dynamic(
             "activations": acts_fwd,
             "attention": attn_fwd,
             "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
-            "workspace": rebuild + eager_bwd_ws,
+            "workspace": rebuild + eager_bwd_ws + rebuild_grads,
             "other": copies,
         },
         "backward_end": {
