@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -13,6 +14,7 @@ from typing_extensions import override
 from lightning_memplan.callbacks import emit
 from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
 from lightning_memplan.callbacks.artifacts import log_report_files, report_dirs
+from lightning_memplan.callbacks.handoff import load_handoff, runs_in_children, save_handoff
 from lightning_memplan.callbacks.infer import (
     InferenceError,
     _calibration_shapes,
@@ -162,15 +164,32 @@ class MemoryPlanCallback(Callback):
         self.write_files = check_bool("write_files", write_files)
         self.print_report = check_bool("print_report", print_report)
         # Run state (persisted by state_dict): the report so far, steps seen, warnings already given.
-        self.report = MemoryReport()
+        self._report = MemoryReport()
+        # Shared with the copies a spawning launcher pickles into its processes (callbacks.handoff).
+        self._handoff_token = uuid.uuid4().hex
         self._batches_seen = 0
         self._warned: set[str] = set()
         self._acc: RankAccumulator | None = None
         self._max_shape_seen = (0, 0)
         self._reset_fit_state()
 
+    @property
+    def report(self) -> MemoryReport:
+        """The memory report so far (every rank, every epoch). After a fit that ran in child processes
+        (``ddp_spawn``), the calling process's callback reads what rank 0 handed back."""
+        if getattr(self, "_probe", None) is None:  # this process ran no fit: maybe its children did
+            recovered = load_handoff(self._handoff_token)
+            if recovered is not None:
+                self._report = recovered
+        return self._report
+
+    @report.setter
+    def report(self, value: MemoryReport) -> None:
+        self._report = value
+
     def _reset_fit_state(self) -> None:
         self._rank = 0
+        self._spawned = False  # the fit runs in processes a spawning launcher started (callbacks.handoff)
         self._log_dir: str | None = None
         self._probe: PhaseProbe | None = None
         self._tracker: Any = None
@@ -198,6 +217,7 @@ class MemoryPlanCallback(Callback):
         self._reset_fit_state()
         self._rank = trainer.global_rank
         self._report_dirs: list[str] | None = None  # rank 0's report folders, resolved at the first write
+        self._spawned = runs_in_children(trainer)
         # trainer.log_dir broadcasts from rank 0: resolve it now, while every rank calls the hook, and
         # never from on_exception (where the other ranks would not join the collective).
         self._log_dir = trainer.log_dir or trainer.default_root_dir
@@ -593,6 +613,8 @@ class MemoryPlanCallback(Callback):
         self._epoch_warnings = []
         if self._rank != 0:
             return
+        if self._spawned:
+            save_handoff(self._handoff_token, self.report)
         files = self._write_files(trainer)
         if self.print_report:
             import rich
@@ -661,6 +683,8 @@ class MemoryPlanCallback(Callback):
         )
         self.report = self.report.with_incident(incident)
         self._current = None
+        if self._rank == 0 and self._spawned:
+            save_handoff(self._handoff_token, self.report)
         if self.write_files and self._log_dir:
             write_report(
                 self.report,
