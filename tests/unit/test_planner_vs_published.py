@@ -30,3 +30,16 @@ def test_rows_cover_the_issue_table():
     names = " ".join(r.name for r in bench.rows())
     for needle in ("8B, FSDP 8", "8B, FSDP 64", "70B, FSDP 64", "145.6B", "1T", "405B"):
         assert needle in names
+
+
+@pytest.mark.parametrize("row", bench.rows()[:3], ids=[r.name for r in bench.rows()[:3]])
+def test_choice_at_least_as_fast_and_published_layout_fits(row):
+    """On the torchtitan clusters (global batch as published) the planner's own choice is predicted at
+    least as fast as the published layout, and the published layout forced with allow= fits."""
+    from lightning_memplan.planning import plan
+
+    forced = plan(row.model, row.train, row.hardware, global_batch=row.global_batch,
+                  allow=bench._allow_of(row.plan, row.train), top_k=1)
+    assert forced.fits and forced.plan == row.plan
+    full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1)
+    assert full.fits and full.step.tokens_per_s >= forced.step.tokens_per_s
