@@ -57,6 +57,9 @@ def _timeline_for(report: MemoryReport) -> TimelineView | None:
         rec = timeline_record(summary) if summary is not None else None
         if rec is not None:
             return timeline_view(rec)
+    for inc in report.incidents:  # a run that failed before its first epoch ended
+        if inc.step_record is not None and inc.step_record.timeline is not None:
+            return timeline_view(inc.step_record)
     return None
 
 
@@ -116,7 +119,7 @@ def _draw_run(ax: Any, report: MemoryReport) -> None:
                                 ("reserved", first.reserved, dict(color="0.55", ls=":"))):
         pts = [(s, v / scale) for s, v in zip(first.steps, series, strict=True) if v]
         if pts:
-            ax.plot(*zip(*pts, strict=True), lw=1.5, label=f"{name}, rank {first.rank}", **style)
+            ax.plot(*zip(*pts, strict=True), lw=1.5, marker=".", label=f"{name}, rank {first.rank}", **style)
     if max(values) / max(min(values), 1) > 4:
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
