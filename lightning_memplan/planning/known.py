@@ -70,7 +70,7 @@ def known_layouts(search: Any) -> list[KnownLayout]:
         try:
             found = sub.run()
         except ValueError as exc:
-            out.append(KnownLayout(name, None, f"not applicable: {str(exc)[:160]}"))
+            out.append(KnownLayout(name, None, f"not applicable: {str(exc).split('; ')[0]}"))
             continue
         search.evaluations += sub.evaluations
         if found["candidates"]:
