@@ -28,7 +28,25 @@ if TYPE_CHECKING:
 
     from lightning_memplan.model.specs import ParallelPlan
 
-__all__ = ["LIGHTNING_DP_ALIAS", "LIGHTNING_TP_ALIAS", "MeshAxis", "MeshLayout", "alias_mesh", "build_device_mesh"]
+__all__ = [
+    "CP_NOT_APPLIED",
+    "LIGHTNING_DP_ALIAS",
+    "LIGHTNING_TP_ALIAS",
+    "MeshAxis",
+    "MeshLayout",
+    "alias_mesh",
+    "build_device_mesh",
+]
+
+#: Why a plan's context parallelism is not applied (checked by tests/distributed/test_context_parallel.py).
+#: PyTorch's ring attention (``torch.distributed.tensor.experimental.context_parallel``) dispatches only
+#: the CUDA SDPA kernels (flash, memory-efficient, cuDNN: ``_context_parallel/_attention.py``); on CPU
+#: it raises ``NotImplementedError`` for ``aten._scaled_dot_product_flash_attention_for_cpu``.
+CP_NOT_APPLIED = (
+    "PyTorch's context_parallel ring attention has no rule for the CPU SDPA kernel "
+    "(aten._scaled_dot_product_flash_attention_for_cpu), and memplan_auto does not shard the sequence "
+    "buffers for it on CUDA either (not validated on a GPU)"
+)
 
 #: Flattened mesh names that Lightning's ``ModelParallelStrategy`` exposes to ``configure_model``.
 LIGHTNING_DP_ALIAS = "data_parallel"
@@ -92,17 +110,14 @@ class MeshLayout:
         ``zero=0`` -> all DP ranks replicate (DDP); ``zero=3`` -> all shard with resharding after
         forward (FSDP ``FULL_SHARD``); ``zero=2`` -> shard, keep parameters gathered until backward
         (``SHARD_GRAD_OP``); ``zero=1`` has no FSDP2 form, so it is applied as ``zero=2`` (it shards
-        gradients too, so it never uses more memory than planned). Context parallelism is not applied:
-        its ranks become data-parallel ranks (same world size), with a note.
+        gradients too, so it never uses more memory than planned). Context parallelism is planner-only:
+        its ranks become data-parallel ranks (same world size), with :data:`CP_NOT_APPLIED` as the note.
         """
         notes: list[str] = []
         dp = plan.dp
         if plan.cp > 1:
             dp *= plan.cp
-            notes.append(
-                f"cp={plan.cp} is not applied by memplan_auto (no ring attention for arbitrary modules); "
-                f"its ranks are used as data-parallel ranks instead (dp={dp})"
-            )
+            notes.append(f"cp={plan.cp} is planner-only: {CP_NOT_APPLIED}; its ranks are used as data-parallel ranks instead (dp={dp})")
         if plan.zero == 1 and dp > 1:
             notes.append(
                 "zero=1 (optimizer states only) has no FSDP2 form; applied as zero=2 (gradients sharded too), "
