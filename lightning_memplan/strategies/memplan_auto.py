@@ -161,6 +161,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._check_accelerator()
         self._setup_distributed()
+        self._rendezvous("start of fit")  # before Lightning's first collective of the fit
         # Planning needs the batch shape, which an ordinary DataModule knows only after its ``setup``.
         # ``Trainer._run`` calls this, then the setup hooks (ending with ``barrier("post_setup")``), then
         # ``configure_model`` inside ``model_sharded_context`` (which needs the mesh), then ``setup``:
@@ -169,9 +170,21 @@ class MemplanAutoStrategy(ModelParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
+        if name == _AFTER_SETUP_HOOKS:
+            self._rendezvous("end of the setup hooks (prepare_data, setup)")
         super().barrier(name)
         if name == _AFTER_SETUP_HOOKS:
             self._plan_if_pending()
+
+    def _rendezvous(self, what: str) -> RankRendezvous | None:
+        """Every rank checks in with a bounded wait (strategies/stall.py): a rank that hangs makes every
+        rank fail within ``MEMPLAN_STALL_TIMEOUT_S``, naming it, instead of waiting out the collective
+        timeout (30 minutes by default). ``None`` on one process."""
+        if not (torch.distributed.is_initialized() and self.world_size > 1):
+            return None
+        rendezvous = RankRendezvous(what, self.global_rank, self.world_size)
+        rendezvous.arrive()
+        return rendezvous
 
     @contextmanager
     @override
@@ -221,11 +234,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         trainer = self._require_lightning_module().trainer
         payload: list[Any] = [None]
         distributed = torch.distributed.is_initialized() and self.world_size > 1
-        # Bounded waits (strategies/stall.py): a rank that hangs makes every rank fail within
-        # MEMPLAN_STALL_TIMEOUT_S, naming it, instead of waiting out the 30-minute collective timeout.
-        rendezvous = RankRendezvous("plan agreement", self.global_rank, self.world_size) if distributed else None
-        if rendezvous is not None:
-            rendezvous.arrive()
+        rendezvous = self._rendezvous("plan agreement")
         if self.global_rank == 0:
             try:
                 payload[0] = ("ok", self._resolve(trainer))
