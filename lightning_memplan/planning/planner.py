@@ -136,9 +136,11 @@ def plan(
 
 
 def _notes(search: _Search, hardware: HardwareSpec) -> list[str]:
+    from lightning_memplan.planning.timing import time_model_applies
+
     notes = []
     assumed = hardware.assumed()
-    if assumed or hardware.fallback:
+    if (assumed or hardware.fallback) and time_model_applies(hardware, search.train):
         notes.append(
             f"hardware figures assumed (fallback values, no datasheet): {', '.join(assumed) or 'all speeds'}; "
             "the time ranking is approximate, the memory check is not affected"
@@ -160,6 +162,8 @@ def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
     if chosen.plan == base_plan and chosen.train == base_train:
         if chosen.estimate.total > chosen.budget.budget:
             return [f"plain data parallelism (dp={world}) with your settings is the closest plan"]
+        if not chosen.step.modelled:
+            return ["plain data parallelism with your settings fits and needs no changes"]
         return ["plain data parallelism with your settings fits and is the fastest choice"]
     try:
         est = search.worst(base_plan, base_train)
@@ -168,6 +172,8 @@ def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
     bud = search.budget(base_plan)
     if est.total > bud.budget:
         return [f"plain data parallelism (dp={world}, your settings): {search.miss_reason(est, bud)}"]
+    if not chosen.step.modelled:
+        return [f"plain data parallelism (dp={world}, your settings) would fit ({readable_bytes(est.total)})"]
     return [f"plain data parallelism (dp={world}, your settings) would fit ({readable_bytes(est.total)}) but is "
             "predicted slower than the choice"]
 

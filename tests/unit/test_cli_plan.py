@@ -85,4 +85,4 @@ def test_without_hardware_detects_the_local_machine(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["plan", "--model", "gpt2", "--seq-len", "256"]) == 0
     out = capsys.readouterr().out
-    assert "hardware cpu (" in out and "fallback values" in out  # speeds unknown: said, not hidden
+    assert "hardware cpu (" in out and "step time not modelled on CPU" in out  # speeds unknown: said, not hidden
