@@ -4,9 +4,8 @@ the tensor tracker samples) and the per-step peaks over an epoch (:class:`StepSe
 Both hold at most a fixed number of points whatever the length of the step or the epoch. They are
 built by *max-preserving decimation*: consecutive samples are grouped in buckets of ``stride`` and a
 bucket keeps its largest value; when the buffer is full, neighbouring buckets are merged pairwise and
-``stride`` doubles (the same halving scheme as a min/max envelope in the PyTorch profiler's memory
-timeline, which also keeps peaks while thinning points). So the peak of the step or the epoch is
-always a point of the series, and the cost per sample is O(1) amortised.
+``stride`` doubles. So the peak of the step or the epoch is always a point of the series, the points
+stay evenly spread over the step (or epoch), and the cost per sample is O(1) amortised.
 
 Pure Python, integer bytes, JSON round-trip (``to_dict`` / ``from_dict``), so every picture is drawn
 from the saved ``memory_report.json``.
