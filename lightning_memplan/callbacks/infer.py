@@ -255,6 +255,13 @@ def infer_train_spec(
         value = getattr(resolution, name, None)
         if value in allowed:
             changes[name] = value
+    if "recompute" not in changes:
+        # checkpointing the user applied (HF gradient_checkpointing_enable, checkpoint_wrapper, composable)
+        from lightning_memplan.model.introspect import recompute_of
+
+        detected = recompute_of(getattr(trainer, "lightning_module", None))
+        if detected != "none":
+            changes["recompute"] = detected
     return spec.replace(**changes) if changes else spec
 
 

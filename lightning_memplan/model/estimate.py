@@ -271,11 +271,18 @@ def _estimate_stage(
     local, matmul, largest = _local_params(model, plan, layout)
     shard = plan.dp * plan.cp  # ZeRO/FSDP shards over the data-parallel (and context-parallel) ranks
     states = terms.model_state_bytes(local, train)
+    frozen = model.n_trainable_params is not None
+    if frozen:  # frozen parameters (LoRA base weights): no gradients, optimizer states or master copies
+        trainable_local = round(local * model.trainable_fraction)
+        states = {**terms.model_state_bytes(trainable_local, train), "params": states["params"]}
+        local_for_optimizer = trainable_local
+    else:
+        local_for_optimizer = local
     params = math.ceil(states["params"] / shard) if plan.zero >= 3 else states["params"]
     grads = math.ceil(states["grads"] / shard) if plan.zero >= 2 else states["grads"]
     optimizer = math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"]
     master = math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"]
-    opt_local = math.ceil(local / shard) if plan.zero >= 1 else local
+    opt_local = math.ceil(local_for_optimizer / shard) if plan.zero >= 1 else local_for_optimizer
     opt_ws = terms.optimizer_workspace_bytes(train, opt_local, largest)
 
     # Communication buffers.
@@ -325,7 +332,7 @@ def _estimate_stage(
     head_grads = 0
     if layout.has_head:
         head_params = terms.norm_param_count(model) + math.ceil(model.vocab_size * model.hidden / plan.tp)
-        head_grads = head_params * pb.grad
+        head_grads = round(head_params * model.trainable_fraction) * pb.grad if frozen else head_params * pb.grad
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard)
     if plan.pp == 1:

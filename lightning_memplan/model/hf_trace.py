@@ -43,6 +43,7 @@ Nothing here is a fallback to a real allocation: a config that cannot be built o
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -67,6 +68,8 @@ __all__ = [
     "clear_cache",
     "hf_trace_available",
     "hf_trace_estimate",
+    "model_class",
+    "vision_tokens",
 ]
 
 #: Environment variable naming a directory for the on-disk coefficient cache (unset: memory only).
@@ -104,6 +107,11 @@ def hf_trace_available() -> bool:
     """Whether the traced path can run: ``transformers`` is installed and :data:`DISABLE_ENV` is not ``"0"``."""
     if os.environ.get(DISABLE_ENV, "1").strip() == "0":
         return False
+    return _transformers_installed()
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_installed() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
@@ -111,6 +119,7 @@ def clear_cache() -> None:
     """Forget the in-memory coefficients (the on-disk cache is left alone)."""
     with _LOCK:
         _MEMORY.clear()
+        _PARSED.clear()
 
 
 def canonical_config_json(config: Mapping[str, Any]) -> str:
@@ -119,6 +128,7 @@ def canonical_config_json(config: Mapping[str, Any]) -> str:
     return json.dumps(clean, sort_keys=True, separators=(",", ":"), default=str)
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> tuple[str, str]:
     import torch
 
@@ -191,7 +201,13 @@ def _config_object(cfg: Mapping[str, Any]) -> Any:
     return CONFIG_MAPPING[model_type].from_dict(data)
 
 
-def _model_class(config: Any) -> Any:
+def model_class(config: Any) -> Any:
+    """The transformers class a config is trained as: ``config.architectures[0]``, else the first auto
+    class (causal LM, seq2seq, masked LM, image classification) that maps the config.
+
+    Raises:
+        ValueError: no class builds it (names the model type and what to pass instead).
+    """
     import transformers
 
     for arch in getattr(config, "architectures", None) or ():
@@ -214,7 +230,7 @@ def _build(cfg: Mapping[str, Any], depth: int, train: TrainSpec) -> Any:
     import torch
 
     config = _config_object(_reduced_config(cfg, depth))
-    cls = _model_class(config)
+    cls = model_class(config)
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": train.attention}
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -309,6 +325,7 @@ def _fake_cpu_grouped_mm() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------- tracing + cache
+@functools.lru_cache(maxsize=4096)  # frozen input; the planner asks for the same few steps many times
 def _traced_train(train: TrainSpec) -> TrainSpec:
     """T0: the step the trace runs for ``train`` (see the module docstring)."""
     return train.replace(
@@ -334,6 +351,7 @@ def _cuda_ok() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@functools.lru_cache(maxsize=1024)  # hashing the config JSON once per (config, traced step)
 def _trace_key(config_json: str, t0: TrainSpec) -> str:
     torch_v, tf_v = _versions()
     knobs = {
@@ -437,10 +455,23 @@ def _coefficients(spec: ModelSpec, t0: TrainSpec) -> dict[str, Any]:
     return data
 
 
+_PARSED: dict[str, tuple[Calibration, Calibration]] = {}
+
+
+def _calibrations(data: Mapping[str, Any]) -> tuple[Calibration, Calibration]:
+    """The depth-1 and depth-2 :class:`Calibration` of a cache entry, parsed once."""
+    key = str(data["key"])
+    parsed = _PARSED.get(key)
+    if parsed is None:
+        one, two = (Calibration.from_dict(data["depths"][str(d)]["calibration"]) for d in TRACED_DEPTHS)
+        parsed = _PARSED[key] = (one, two)
+    return parsed
+
+
 def _full_depth(data: Mapping[str, Any], n_layers: int, b: int, s: int) -> tuple[dict[str, dict[str, int]], int]:
     """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)``, and its parameter count."""
     one, two = (data["depths"][str(d)] for d in TRACED_DEPTHS)
-    c1, c2 = Calibration.from_dict(one["calibration"]), Calibration.from_dict(two["calibration"])
+    c1, c2 = _calibrations(data)
     if one.get("vision_tokens"):
         s = int(one["vision_tokens"])  # the image fixes the sequence: only b scales
     by_phase: dict[str, dict[str, int]] = {}
@@ -473,11 +504,17 @@ def hf_trace_estimate(
     data = _coefficients(model, t0)
     traced, n_params = _full_depth(data, model.n_layers, train.micro_batch, train.seq_len)
     base = replace(model, hf_config=None, n_params=n_params)
-    reference = estimate_memory(base, t0.replace(device=train.device), ParallelPlan())
-    one_rank = t0.replace(device=train.device) == train and plan == ParallelPlan()
+    if base.n_trainable_params is not None and base.n_trainable_params > n_params:
+        raise ValueError(
+            f"n_trainable_params={base.n_trainable_params!r} exceeds the {n_params} parameters traced for "
+            f"{data.get('class')!r}; pass at most {n_params}"
+        )
+    traced_spec = replace(base, n_trainable_params=None)  # the traced copy trains every parameter
+    reference = estimate_memory(traced_spec, t0.replace(device=train.device), ParallelPlan())
+    one_rank = t0.replace(device=train.device) == train and plan == ParallelPlan() and base == traced_spec
     cpu_ref = None
     if t0.device != train.device:  # traced on the CPU for a CUDA step: scale by the CUDA/CPU terms too
-        cpu_ref = estimate_memory(base, t0, ParallelPlan())
+        cpu_ref = estimate_memory(traced_spec, t0, ParallelPlan())
 
     def scaled(target: MemoryEstimate) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

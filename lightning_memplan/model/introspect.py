@@ -25,13 +25,13 @@ from lightning_memplan.model.hf_trace import canonical_config_json
 from lightning_memplan.model.specs import ModelSpec
 from lightning_memplan.validation import check_bool, check_int, check_number
 
-__all__ = ["spec_from_hf_config", "spec_from_module"]
+__all__ = ["recompute_of", "spec_from_hf_config", "spec_from_module"]
 
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-_FFN = ("intermediate_size", "n_inner", "ffn_dim")
+_FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 # Families whose MLP has three matrices (gate, up, down): SwiGLU (Llama, Mistral, Qwen2) and
 # GeGLU (Gemma) have the same shapes and memory, so both map to ffn_kind="swiglu".
@@ -61,6 +61,34 @@ def _as_dict(config: Any) -> dict[str, Any]:
     )
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _require_trace_for(cfg: Mapping[str, Any], model_type: str, vision: bool) -> None:
+    """Architectures the hand-written decoder terms cannot describe need the traced path (transformers).
+
+    Mixture-of-experts (expert parameters and routed activations), encoder-decoder (T5's decoder and
+    cross-attention) and vision (patches, no vocabulary) configs would come out silently wrong from the
+    analytic terms, so without ``transformers`` they raise instead.
+    """
+    from lightning_memplan.model.hf_trace import hf_trace_available
+
+    experts = _first(cfg, _EXPERT_KEYS)
+    reason = None
+    if isinstance(experts, int) and experts > 1:
+        reason = f"a mixture-of-experts model ({experts} experts)"
+    elif cfg.get("is_encoder_decoder"):
+        reason = "an encoder-decoder model"
+    elif vision:
+        reason = "a vision model (image patches, no vocabulary)"
+    if reason is not None and not hf_trace_available():
+        raise ValueError(
+            f"model_type={model_type!r} is {reason}, which the analytic terms cannot model; install "
+            "transformers (pip install transformers) for the traced config-only estimate, trace the model with "
+            "trace_memory(model, example_input=batch), or pass ModelSpec(..., n_params=N) with the exact count"
+        )
+
+
 def spec_from_hf_config(config: Any) -> ModelSpec:
     """A :class:`ModelSpec` from a Hugging Face config (Llama, Mistral, Qwen2, Gemma, GPT-2, GPT-NeoX, ...).
 
@@ -75,9 +103,14 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         ValueError: a required field is missing, naming the field names looked for.
     """
     cfg = _as_dict(config)
-    top_level = cfg
+    top_level = dict(cfg)
     if isinstance(cfg.get("text_config"), Mapping) and _first(cfg, _LAYERS) is None:
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    vision = cfg.get("vocab_size") is None and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
+    if vision:
+        # ViT-style: no vocabulary; the classifier's labels stand in for V, the patches for positions
+        labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
+        cfg = {**cfg, "vocab_size": int(labels)}
     required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
     values = {key: _first(cfg, names) for key, names in required.items()}
     missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
@@ -87,14 +120,15 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
             "such as Llama's config.json or build ModelSpec(n_layers, hidden, n_heads, vocab_size) directly"
         )
     model_type = str(cfg.get("model_type") or "").lower()
+    _require_trace_for(cfg, model_type, vision)
     gated = model_type in _GATED or (
         model_type not in _LAYERNORM and str(cfg.get("hidden_act", "")).lower() in ("silu", "swiglu")
     )
     rms = model_type in _GATED or ("rms_norm_eps" in cfg and model_type not in _LAYERNORM)
     learned = model_type in _LEARNED_POS
     kv = _first(cfg, _KV_HEADS)
-    if kv is None and cfg.get("multi_query"):
-        kv = 1
+    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
+        kv = 1  # Falcon-7B style multi-query attention: one k/v head whatever num_kv_heads says
     tied = cfg.get("tie_word_embeddings")
     if tied is None:
         tied = model_type in _TIED_BY_DEFAULT
@@ -130,7 +164,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         dropout=dropout,
         name=model_type or cfg.get("_name_or_path") or None,
         # the traced path builds the real class from it (model/hf_trace.py); not for a nested text_config
-        hf_config=canonical_config_json(cfg) if cfg is top_level else None,
+        hf_config=canonical_config_json(top_level) if _first(top_level, _LAYERS) is not None else None,
     )
 
 
@@ -283,6 +317,9 @@ def _generic_spec(module: Any) -> ModelSpec:
 def spec_from_module(module: Any) -> ModelSpec:
     """A :class:`ModelSpec` for a live ``nn.Module`` (a LightningModule's submodules are searched too).
 
+    Parameters with ``requires_grad=False`` (peft LoRA's base weights, frozen embeddings) are left out
+    of ``n_trainable_params``: they get no gradients or optimizer states.
+
     Order: a Hugging Face ``config`` attribute (read by :func:`spec_from_hf_config`, ``n_params`` exact);
     a recognised transformer tree (embedding, repeated blocks with q/k/v projections, MLP, norms, head);
     otherwise a best-effort spec with the exact parameter count (its ``name`` lists what was guessed).
@@ -296,17 +333,49 @@ def spec_from_module(module: Any) -> ModelSpec:
         raise TypeError(f"module={type(module).__name__!r} must be a torch.nn.Module (or a LightningModule)")
     n_params = _count_params(module)
     cfg = _hf_config(module)
-    if cfg is not None:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen: dict[str, Any] = {"n_trainable_params": trainable} if trainable < n_params else {}
+    if cfg is not None:
         # the live module is what runs (adapters, frozen parts, checkpointing): not the bare config
-        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1), hf_config=None)
+        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1), hf_config=None, **frozen)
+    from lightning_memplan.model.litgpt_spec import spec_from_litgpt
+
+    litgpt = spec_from_litgpt(module)  # litgpt keeps its architecture in a dataclass Config
+    if litgpt is not None:
+        return replace(litgpt, n_params=max(n_params, 1), **frozen)
     spec = _transformer_spec(module)
     if spec is not None:
-        return spec
+        return replace(spec, **frozen)
     if n_params == 0:
         raise ValueError(
             f"module={type(module).__name__!r} has no parameters, so there is no memory to plan; pass the module "
             "that is trained (built, e.g. after configure_model), or ModelSpec(..., n_params=N) directly"
         )
-    return _generic_spec(module)
+    return replace(_generic_spec(module), **frozen)
+
+
+def recompute_of(module: Any) -> str:
+    """``"full"`` when activation checkpointing is applied to ``module``'s blocks the ways users apply it,
+    else ``"none"`` (the ``TrainSpec.recompute`` value that describes the run).
+
+    Recognised: Hugging Face ``model.gradient_checkpointing_enable()`` (``is_gradient_checkpointing`` on
+    the model, ``gradient_checkpointing=True`` on its layer stack), ``checkpoint_wrapper`` from
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (a ``CheckpointWrapper`` module) and
+    the composable ``torch.distributed._composable.checkpoint(block)``. A ``torch.utils.checkpoint`` call
+    written inside a ``forward`` is not visible from the module tree; a traced calibration measures it.
+    """
+    import torch.nn as nn
+
+    if not isinstance(module, nn.Module):
+        return "none"
+    for sub in module.modules():
+        if getattr(sub, "is_gradient_checkpointing", False) is True or getattr(sub, "gradient_checkpointing", False) is True:
+            return "full"
+        if type(sub).__name__ == "CheckpointWrapper":
+            return "full"
+        state = getattr(sub, "_forward_pre_hooks", {})
+        if any("checkpoint" in getattr(hook, "__qualname__", "") for hook in state.values()):
+            return "full"
+    return "none"

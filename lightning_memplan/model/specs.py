@@ -107,6 +107,10 @@ class ModelSpec:
             (:meth:`from_hf_config` sets it); with ``transformers`` installed, :func:`estimate_memory`
             then traces the real model class (``model/hf_trace.py``, ``source="hf_trace"``) instead of
             using the hand-written activation terms. ``None``: the analytic terms.
+        n_trainable_params: parameters that train (``requires_grad``); the rest are frozen (peft LoRA's
+            base weights, frozen embeddings) and have no gradients, optimizer states or master copy.
+            ``None`` means all of them train. :meth:`from_module` counts them; for a config-only
+            LoRA estimate pass the adapter's count (peft's ``print_trainable_parameters()``).
     """
 
     n_layers: int
@@ -127,6 +131,7 @@ class ModelSpec:
     n_params: int | None = field(default=None, kw_only=True)
     name: str | None = field(default=None, kw_only=True)
     hf_config: str | None = field(default=None, kw_only=True, repr=False)
+    n_trainable_params: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_int("n_layers", self.n_layers, hint="a transformer has at least one block")
@@ -167,6 +172,14 @@ class ModelSpec:
             _check_bool(name, getattr(self, name))
         if self.n_params is not None:
             _check_int("n_params", self.n_params, hint="the total number of parameters")
+        if self.n_trainable_params is not None:
+            _check_int("n_trainable_params", self.n_trainable_params, minimum=0,
+                       hint="the number of parameters with requires_grad=True")
+            if self.n_trainable_params > self.num_params:
+                raise ValueError(
+                    f"n_trainable_params={self.n_trainable_params!r} exceeds the {self.num_params} parameters of "
+                    "the model; pass at most n_params (or None when everything trains)"
+                )
         if self.hf_config is not None and (not isinstance(self.hf_config, str) or not self.hf_config.startswith("{")):
             raise TypeError(
                 f"hf_config={self.hf_config!r:.80} must be a Hugging Face config as a JSON object string (what "
@@ -202,6 +215,13 @@ class ModelSpec:
         from lightning_memplan.model.terms import param_count
 
         return param_count(self)
+
+    @property
+    def trainable_fraction(self) -> float:
+        """Share of the parameters that train: ``n_trainable_params / N`` (1.0 when it is ``None``)."""
+        if self.n_trainable_params is None:
+            return 1.0
+        return self.n_trainable_params / self.num_params
 
     # Constructors --------------------------------------------------------------------------------
     @classmethod

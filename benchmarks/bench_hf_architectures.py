@@ -1,0 +1,171 @@
+"""Config-only and traced estimates against a real CPU training step, for real Hugging Face architectures.
+
+For every architecture in :data:`lightning_memplan.testing.hf_architectures.ARCHITECTURES` (GPT-2,
+Llama, Mistral, Qwen2, Qwen3, Gemma-2 with softcaps, OLMo-2, Phi-3, GPT-NeoX, Mixtral, Qwen2-MoE, BERT
+MLM, T5, ViT; 4 blocks, width 256, V=32000) x precision {32-true, bf16-mixed} x attention {sdpa, eager}
+x dropout {0, 0.1} x {without, with HF ``gradient_checkpointing_enable()``}: one steady-state CPU step
+(AdamW, Lightning's order) is measured by PyTorch's ``MemTracker`` and compared with
+
+- the config-only estimate ``estimate_memory(ModelSpec.from_hf_config(model.config), TrainSpec(...))``
+  (``source`` says which path it took: ``hf_trace`` with transformers installed): target within 3%;
+- the traced estimate ``trace_memory(model, example_input=batch)`` (fake tensors): target within 0.5%.
+
+Run: ``python benchmarks/bench_hf_architectures.py [--quick] [--arch NAME ...] [--out PATH]``. Writes
+``benchmarks/results/cpu_<date>_hf_architectures.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+# Runnable from a checkout without installing: the repository root after any installed copy.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
+from lightning_memplan.model.hf_trace import vision_tokens  # noqa: E402
+from lightning_memplan.model.specs import ModelSpec, TrainSpec  # noqa: E402
+from lightning_memplan.model.trace import trace_memory  # noqa: E402
+from lightning_memplan.testing.hf_architectures import (  # noqa: E402
+    ARCHITECTURES,
+    build_model,
+    example_batch,
+    loss_of,
+    measure_step,
+)
+
+CONFIG_TARGET = 0.03
+TRACED_TARGET = 0.005
+QUICK = ("gpt2", "llama", "gemma2", "mixtral", "bert_mlm", "t5", "vit")
+
+
+@dataclass(frozen=True)
+class Row:
+    arch: str
+    precision: str
+    attention: str
+    dropout: float
+    checkpointing: bool
+    measured: int
+    config_only: int
+    source: str
+    traced: int
+
+    @property
+    def config_error(self) -> float:
+        return self.config_only / self.measured - 1
+
+    @property
+    def traced_error(self) -> float:
+        return self.traced / self.measured - 1
+
+
+def run_row(name: str, precision: str, attention: str, dropout: float, checkpointing: bool, *,
+            micro_batch: int = 2, seq_len: int = 128) -> Row:
+    """Measure one configuration and estimate it both ways."""
+    arch = ARCHITECTURES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(arch, dropout=dropout, attention=attention, checkpointing=checkpointing)
+        batch = example_batch(model, micro_batch, seq_len)
+        s = vision_tokens(model.config.to_dict()) if arch.vision else seq_len
+        train = TrainSpec(micro_batch=micro_batch, seq_len=s, precision=precision, attention=attention,
+                          recompute="full" if checkpointing else "none", optimizer_impl="for_loop", device="cpu")
+        estimate = estimate_memory(ModelSpec.from_hf_config(model.config), train)
+        traced = trace_memory(model, example_input=batch, loss_fn=loss_of, precision=precision, seq_len=s)
+        measured = measure_step(model, batch, precision=precision)
+    return Row(name, precision, attention, dropout, checkpointing, measured, estimate.total, estimate.source,
+               traced.total)
+
+
+def grid(names: list[str], quick: bool) -> list[tuple[str, str, str, float, bool]]:
+    """Every architecture at each variant before the next variant (a cut-short run still covers them all)."""
+    out = []
+    variants = itertools.product(
+        (0.0,) if quick else (0.0, 0.1), (False,) if quick else (False, True), ("sdpa",) if quick else ("sdpa", "eager"),
+        ("32-true", "bf16-mixed"),
+    )
+    for dropout, ckpt, attention, precision in variants:
+        for name in names:
+            if attention == "eager" and not ARCHITECTURES[name].eager:
+                continue
+            out.append((name, precision, attention, dropout, ckpt))
+    return out
+
+
+def render(rows: list[Row], failures: list[str], seconds: float) -> str:
+    lines = [
+        f"# Hugging Face architectures: config-only and traced estimates vs MemTracker ({datetime.date.today()})",
+        "",
+        "One steady-state CPU training step (AdamW for-loop, Lightning's order), b=2, s=128 (ViT: 64x64 "
+        "images, 65 tokens), 4 blocks, width 256, V=32000, measured by `torch.distributed._tools.mem_tracker."
+        "MemTracker`. Config-only: `estimate_memory(ModelSpec.from_hf_config(model.config), TrainSpec(...))`; "
+        "traced: `trace_memory(model, example_input=batch)`. Targets: config-only within 3%, traced within 0.5%.",
+        "",
+        f"Generated by `python benchmarks/bench_hf_architectures.py` in {seconds:.0f} s.",
+        "",
+        "| model | precision | attention | dropout | HF checkpointing | measured (B) | config-only | source | traced |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.arch} | {r.precision} | {r.attention} | {r.dropout:g} | {'yes' if r.checkpointing else 'no'} | "
+            f"{r.measured:,} | {r.config_error:+.2%} | {r.source} | {r.traced_error:+.2%} |"
+        )
+    misses = [r for r in rows if abs(r.config_error) > CONFIG_TARGET or abs(r.traced_error) > TRACED_TARGET]
+    worst_c = max((abs(r.config_error) for r in rows), default=0.0)
+    worst_t = max((abs(r.traced_error) for r in rows), default=0.0)
+    lines += ["", f"Rows: {len(rows)}; worst config-only error {worst_c:.2%}, worst traced error {worst_t:.2%}.", ""]
+    lines += ["## Misses", ""]
+    if not misses and not failures:
+        lines.append("None: every row meets both targets.")
+    for r in misses:
+        lines.append(f"- {r.arch} {r.precision} {r.attention} dropout={r.dropout:g} ckpt={r.checkpointing}: "
+                     f"config-only {r.config_error:+.2%}, traced {r.traced_error:+.2%}")
+    lines += [f"- {f}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few architectures, sdpa, no dropout/checkpointing")
+    parser.add_argument("--arch", nargs="*", default=None, choices=sorted(ARCHITECTURES))
+    parser.add_argument("--out", default=None, help="markdown path (default benchmarks/results/cpu_<date>_hf_architectures.md)")
+    args = parser.parse_args(argv)
+    names = args.arch or (list(QUICK) if args.quick else list(ARCHITECTURES))
+    start = time.time()
+    rows: list[Row] = []
+    failures: list[str] = []
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parent / "results" / f"cpu_{datetime.date.today()}_hf_architectures.md")
+    write = not args.quick or args.out
+    from lightning_memplan.report.io import write_atomic
+
+    for spec in grid(names, args.quick):
+        try:
+            row = run_row(*spec)
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports every failure and goes on
+            failures.append(f"{spec}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            print("FAILED", spec, failures[-1], flush=True)
+            continue
+        rows.append(row)
+        print(f"{row.arch:10s} {row.precision:10s} {row.attention:5s} p={row.dropout:g} ckpt={row.checkpointing!s:5s} "
+              f"config {row.config_error:+.2%} ({row.source}) traced {row.traced_error:+.2%}", flush=True)
+        if write:  # after every row, so an interrupted run keeps what it measured
+            write_atomic(out, render(rows, failures, time.time() - start))
+    text = render(rows, failures, time.time() - start)
+    if write:
+        write_atomic(out, text)
+        print(f"wrote {out}")
+    print(text)
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Tiny Hugging Face architectures and one measured CPU training step, for tests and benchmarks.
+
+:data:`ARCHITECTURES` builds each family's config at a common small size (4 blocks, width 256,
+vocabulary 32000; ViT: 64x64 images in 8x8 patches), with a dropout probability applied to every
+dropout field the family has. :func:`measure_step` runs one steady-state training step in
+Lightning's order (forward + loss, ``zero_grad(set_to_none=True)``, backward, AdamW step; the measured
+step is the second, so optimizer states exist and the previous gradients are alive in its forward)
+and measures its peak with PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` -- an
+independent reference for this project's estimates.
+
+Needs ``transformers`` (imported where used). Nothing is downloaded: every model is built from a
+config with random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
+
+__all__ = ["ARCHITECTURES", "Architecture", "build_model", "example_batch", "measure_step", "loss_of"]
+
+HIDDEN = 256
+LAYERS = 4
+HEADS = 4
+VOCAB = 32000
+IMAGE, PATCH = 64, 8
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family: ``config(dropout)`` builds its tiny config; ``eager``: it has an eager attention path
+    distinct from SDPA; ``vision``: it takes ``pixel_values``."""
+
+    name: str
+    config: Callable[[float], Any]
+    eager: bool = True
+    vision: bool = False
+
+
+def _t(name: str) -> Any:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _gpt2(p: float) -> Any:
+    return _t("GPT2Config")(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=512,
+                            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+
+
+def _decoder(cls: str, **extra: Any) -> Callable[[float], Any]:
+    def make(p: float) -> Any:
+        return _t(cls)(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=2,
+                       intermediate_size=688, vocab_size=VOCAB, attention_dropout=p, **extra)
+
+    return make
+
+
+def _phi3(p: float) -> Any:
+    return _t("Phi3Config")(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            num_key_value_heads=2, intermediate_size=688, vocab_size=VOCAB, attention_dropout=p,
+                            resid_pdrop=p, embd_pdrop=p, pad_token_id=0)
+
+
+def _gemma2(p: float) -> Any:
+    return _t("Gemma2Config")(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                              num_key_value_heads=2, head_dim=64, intermediate_size=688, vocab_size=VOCAB,
+                              attention_dropout=p, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+
+
+def _neox(p: float) -> Any:
+    return _t("GPTNeoXConfig")(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               intermediate_size=1024, vocab_size=VOCAB, attention_dropout=p, hidden_dropout=p)
+
+
+def _bert(p: float) -> Any:
+    return _t("BertConfig")(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            intermediate_size=1024, vocab_size=VOCAB, hidden_dropout_prob=p,
+                            attention_probs_dropout_prob=p, architectures=["BertForMaskedLM"])
+
+
+def _t5(p: float) -> Any:
+    return _t("T5Config")(num_layers=LAYERS, num_decoder_layers=LAYERS, d_model=HIDDEN, d_ff=1024, d_kv=64,
+                          num_heads=HEADS, vocab_size=VOCAB, dropout_rate=p, decoder_start_token_id=0,
+                          architectures=["T5ForConditionalGeneration"])
+
+
+def _vit(p: float) -> Any:
+    return _t("ViTConfig")(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                           intermediate_size=1024, image_size=IMAGE, patch_size=PATCH, num_labels=10,
+                           hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+                           architectures=["ViTForImageClassification"])
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("gpt2", _gpt2),
+        Architecture("llama", _decoder("LlamaConfig")),
+        Architecture("mistral", _decoder("MistralConfig")),
+        Architecture("qwen2", _decoder("Qwen2Config")),
+        Architecture("qwen3", _decoder("Qwen3Config", head_dim=64)),
+        Architecture("gemma2", _gemma2),
+        Architecture("olmo2", _decoder("Olmo2Config")),
+        Architecture("phi3", _phi3),
+        Architecture("gpt_neox", _neox),
+        Architecture("mixtral", _decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)),
+        Architecture("qwen2_moe", _decoder("Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=344, shared_expert_intermediate_size=688)),
+        Architecture("bert_mlm", _bert),
+        Architecture("t5", _t5),
+        Architecture("vit", _vit, vision=True),
+    )
+}
+
+
+def build_model(arch: Architecture, *, dropout: float, attention: str, checkpointing: bool, seed: int = 0) -> Any:
+    """The real model (random weights, fp32) for ``arch``; HF gradient checkpointing when asked."""
+    from lightning_memplan.model.hf_trace import model_class
+
+    torch.manual_seed(seed)
+    config = arch.config(dropout)
+    model = model_class(config)._from_config(config, attn_implementation=attention, dtype=torch.float32)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def example_batch(model: Any, micro_batch: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Token ids with labels (or images with class labels) for ``model``."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    if getattr(cfg, "image_size", None) and not getattr(cfg, "vocab_size", None):
+        return {
+            "pixel_values": torch.randn(micro_batch, cfg.num_channels, cfg.image_size, cfg.image_size, generator=gen),
+            "labels": torch.randint(0, cfg.num_labels, (micro_batch,), generator=gen),
+        }
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def loss_of(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own loss (``model(**batch).loss``), as a Trainer's ``training_step`` returns it."""
+    return model(**batch).loss
+
+
+def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) -> int:
+    """Peak bytes of one steady-state CPU training step (Lightning's order), measured by MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    emulation = PrecisionEmulation(precision=precision)
+    model = emulation.convert_module(model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run_training_step(model, batch, loss_of, opt, precision=emulation)  # optimizer states exist after this
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        inputs = {k: v.clone() for k, v in batch.items()}  # the batch is live during the step
+        run_training_step(model, inputs, loss_of, opt, precision=emulation)
+        del inputs
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
