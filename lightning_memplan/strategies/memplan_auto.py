@@ -599,9 +599,9 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         options = self._sharded_options(flatten)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
-            template = get_optimizer_state_dict(module, optimizer, options=options)
+            template: Any = get_optimizer_state_dict(module, optimizer, options=options)
             own_groups = [list(group.get("params", ())) for group in template.get("param_groups", ())]
-            optim_state = {key: template}
+            optim_state: dict[str, Any] = {key: template}
             _distributed_checkpoint_load(optim_state, path)
             # Nested keys store each group's parameter names as one object, the writer's full list; a
             # pipeline stage holds only its own parameters, so it keeps its own names.
