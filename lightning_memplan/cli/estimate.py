@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "model": model.to_dict(),
-            "n_params": model.num_params,
+            "n_params": worst.details.get("traced_params", model.num_params),
+            "source": worst.source,
             "train": train.to_dict(),
             "plan": plan.to_dict(),
             "worst_rank": worst.rank,
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from lightning_memplan.report.render import format_bytes
 
     title = (
-        f"{model.name or 'model'} ({model.num_params / 1e9:.2f}B params) | b={train.micro_batch} "
+        f"{model.name or 'model'} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B params) | "
+        f"b={train.micro_batch} "
         f"s={train.seq_len} {train.precision} {train.optimizer} | {plan.describe()}"
     )
     table = Table()
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(
         f"worst rank: {worst.rank} (stage {worst.stage}), {format_bytes(worst.total, args.units)} at the "
-        f"{worst.peak_phase} peak; largest component: {worst.largest_component()}"
+        f"{worst.peak_phase} peak; largest component: {worst.largest_component()}; estimate: {worst.source}"
+        + (" (traced from the Hugging Face class)" if worst.source == "hf_trace" else "")
     )
     return 0

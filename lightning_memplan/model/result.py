@@ -49,7 +49,10 @@ class MemoryEstimate:
         by_phase: ``{phase: {component: bytes}}`` at each phase's own peak.
         details: named sub-terms (e.g. ``"autocast_weight_copies"``, ``"inflight_microbatches"``),
             for reports; informational, not added to the total.
-        source: ``"analytic"`` or ``"calibrated"`` (dynamic terms fitted from a traced step).
+        source: which path produced it: ``"analytic"`` (the hand-written terms), ``"calibrated"``
+            (dynamic terms fitted from a traced step), ``"hf_trace"`` (config-only, traced from the
+            real Hugging Face class: ``model/hf_trace.py``), ``"traced"`` (:func:`trace_memory`) or
+            ``"measured"``.
     """
 
     params: int = 0
