@@ -74,8 +74,9 @@ def _draw_timeline(ax: Any, view: TimelineView | None) -> None:
     unit = _auto_unit(max(top, cap or 0))
     scale = UNITS[unit]
     comps = [c for c in COMPONENTS if c in view.stacks]
-    ax.stackplot(view.ops, *[[v / scale for v in view.stacks[c]] for c in comps],
-                 colors=[COMPONENT_COLORS[c] for c in comps], labels=comps, alpha=0.85)
+    if comps:  # a tracked step whose storages were all outside the tracked device has no stack
+        ax.stackplot(view.ops, *[[v / scale for v in view.stacks[c]] for c in comps],
+                     colors=[COMPONENT_COLORS[c] for c in comps], labels=comps, alpha=0.85)
     xs: list[float] = []
     ys: list[float] = []
     for _phase, a, b, block in view.estimate:

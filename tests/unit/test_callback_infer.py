@@ -363,11 +363,12 @@ def test_cuda_probe_phase_peaks_with_a_scripted_allocator(monkeypatch):
     assert fake.resets == 5  # at the step start and at every boundary
 
 
-def test_report_text_goes_to_loggers_that_show_text():
-    """TensorBoard gets add_text, W&B a table, MLflow a Markdown artifact (packages not installed here:
-    the loggers' ``experiment`` is replaced by a recorder, the dispatch and payloads are real)."""
+def test_report_text_goes_to_tensorboard_and_the_wandb_table_is_numeric():
+    """TensorBoard gets add_text of the epoch table; MLflow and W&B get the report files instead (real
+    loggers: tests/integration/test_callback_loggers.py), W&B's table in numbers, not "1.000 GiB"."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
+    from lightning_memplan.callbacks.artifacts import table_rows
     from lightning_memplan.callbacks.emit import log_report_text
     from lightning_memplan.report import EpochReport, RankSummary
 
@@ -377,27 +378,25 @@ def test_report_text_goes_to_loggers_that_show_text():
         def add_text(self, tag, text, global_step):
             calls.append(("tb", tag, text, global_step))
 
-        def log_text(self, run_id, text, artifact_file):
-            calls.append(("mlflow", run_id, text, artifact_file))
+        def log_text(self, *args, **kwargs):
+            calls.append(("text", args, kwargs))
 
     def bare(cls, **attrs):
         sub = type(cls.__name__, (cls,), {"experiment": Recorder(), **attrs})
         return object.__new__(sub)
 
-    wandb = bare(
-        WandbLogger,
-        log_text=lambda self, key, columns, data, step: calls.append(("wandb", key, columns, data, step)),
-    )
+    wandb = bare(WandbLogger, log_text=lambda self, **kw: calls.append(("wandb", kw)))
     mlflow = bare(MLFlowLogger, run_id="run-1")
     trainer = SimpleNamespace(loggers=[bare(TensorBoardLogger), wandb, mlflow, object.__new__(CSVLogger)])
     epoch = EpochReport(
         epoch=2, ranks=(RankSummary(rank=0, epoch=2, estimated_peak=2**30, measured_peak=2**29),)
     )
     log_report_text(trainer, epoch, "GiB", step=40)
-    tb, wb, mf = calls
+    (tb,) = calls
     assert tb[0] == "tb" and tb[1] == "memplan/report" and "## Epoch 2" in tb[2] and tb[3] == 40
-    assert wb[0] == "wandb" and wb[3] == [["0", "1.000 GiB", "0.500 GiB", "-", "-"]] and wb[4] == 40
-    assert mf[:2] == ("mlflow", "run-1") and mf[3] == "memory_report_epoch2.md" and "| 0 |" in mf[2]
+    columns, data = table_rows(epoch, "GiB")
+    assert columns[:3] == ["rank", "estimated_peak_gib", "measured_peak_gib"]
+    assert data == [[0, 1.0, 0.5, None, None, None]]
 
 
 def test_calibration_shapes_stay_within_the_real_sequence_and_avoid_the_head_width():
