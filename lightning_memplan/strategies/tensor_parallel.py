@@ -130,8 +130,8 @@ def sequence_parallel_blocker(layout: TransformerLayout | None, tp: int, pp: int
         return "no recognised transformer layout"
     if layout.sp_blocker is not None:
         return layout.sp_blocker
-    if pp > 1:
-        return "with pipeline parallelism the stages exchange whole-sequence activations; SP is applied with pp=1 only"
+    # pp > 1 is fine: a stage boundary passes the sequence-sharded residual stream ([b, s/tp, h] local
+    # tensors, torchtitan's layout too) and only the model's first block slices the whole sequence.
     if tp == 1:
         return "sequence parallelism splits over the tensor-parallel group, and tp=1"
     return None
