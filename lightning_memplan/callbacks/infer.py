@@ -358,7 +358,47 @@ def infer_model_spec(trainer: Any, pl_module: Any) -> ModelSpec:
     planned = getattr(getattr(getattr(trainer, "strategy", None), "decision", None), "model", None)
     if isinstance(planned, ModelSpec):
         return planned
-    return ModelSpec.from_module(pl_module)
+    with _global_head_counts(pl_module):
+        return ModelSpec.from_module(pl_module)
+
+
+class _global_head_counts:
+    """Within the block: the attention head counts of a tensor-parallel zoo GPT (Lightning's
+    ``ModelParallelStrategy`` with a ``configure_model`` that shards it) as whole-model counts.
+
+    Its attention reshapes the rank's local q/k/v with ``view(b, s, self.n_heads, d)``, so under TP
+    ``n_heads``/``kv_heads`` hold per-rank counts, while the DTensor weights report their global shapes;
+    the spec is read from the global view, the counts multiplied by the q projection's global/local
+    rows (its tp degree) and restored afterwards.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.changes: list[tuple[Any, str, int]] = []
+        from torch.distributed.tensor import DTensor
+
+        from lightning_memplan.strategies.layouts import find_layout
+
+        layout = find_layout(module) if isinstance(module, torch.nn.Module) else None
+        if layout is None or not layout.head_count_attrs or layout.attn is None:
+            return
+        q_path = next((p for p in layout.colwise if p.endswith("q_proj")), None)
+        for block in layout.block_list:
+            attn = block.get_submodule(layout.attn)
+            weight = getattr(block.get_submodule(q_path), "weight", None) if q_path else None
+            if not isinstance(weight, DTensor) or weight.to_local().shape[0] == 0:
+                continue
+            factor = weight.shape[0] // weight.to_local().shape[0]
+            if factor > 1:
+                self.changes += [(attn, n, int(getattr(attn, n))) for n in layout.head_count_attrs if hasattr(attn, n)]
+        self.factor = factor if self.changes else 1
+
+    def __enter__(self) -> None:
+        for attn, name, value in self.changes:
+            setattr(attn, name, value * self.factor)
+
+    def __exit__(self, *exc: Any) -> None:
+        for attn, name, value in self.changes:
+            setattr(attn, name, value)
 
 
 def pipeline_split(trainer: Any) -> str | None:

@@ -207,3 +207,18 @@ def test_a_budget_that_says_fits_holds_when_measured_on_every_rank(tmp_path):
                   f"measured {case['measured']:,} B ({case['measured'] / case['budget']:.1%} of the budget)")
             assert case["fits"] and "estimate margin" in case["explain"], case
             assert case["measured"] <= case["budget"], (rank, case)
+
+
+# ------------------------------------------------------------------------------ dp x tp x pp, 8 ranks
+#: dp x tp x pp needs 2 x 2 x 2 = 8 processes (2 nodes of 4). On the 2-core CI machine that run takes
+#: several minutes, so it is opt-in (MEMPLAN_DISTRIBUTED_8=1); the world-4 cases above cover every pair.
+WORLD8_CASES = [(ParallelPlan(dp=2, tp=2, pp=2, microbatches=2), ADAMW)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MEMPLAN_DISTRIBUTED_8") != "1", reason="8 processes: set MEMPLAN_DISTRIBUTED_8=1")
+def test_dp_tp_pp_on_two_nodes_of_four(tmp_path):
+    results = run_distributed(worker_3d, 8, WORLD8_CASES, str(tmp_path), num_nodes=NODES, timeout_s=600)
+    for line in check_3d([per_rank[0] for per_rank in results], WORLD8_CASES[0][0]):
+        print(line)
