@@ -20,6 +20,7 @@ Usage::
     python benchmarks/bench_loss.py                    # CPU, N=8192, h=1024, V in {32000, 128256}
     python benchmarks/bench_loss.py --vocab 32000 --repeats 2 --no-write
     python benchmarks/bench_loss.py --device cuda
+    python benchmarks/bench_loss.py --issue12          # issue 12's two shapes vs torch's kernel
 """
 
 from __future__ import annotations
@@ -60,11 +61,47 @@ def torch_loss(**opts: object) -> Callable[[torch.Tensor, torch.Tensor, torch.Te
     return fn
 
 
-def memplan_loss(chunk: int | str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def memplan_loss(chunk: int | str, accum_dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
     def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(h, w, y, chunk_size=chunk)
+        return linear_cross_entropy(h, w, y, chunk_size=chunk, accum_dtype=accum_dtype)
 
     return fn
+
+
+#: The two shapes of issue 12: (dtype, N, h, V). Targets: extra peak <= 1.25x and time <= 0.95x torch's
+#: ``F.linear_cross_entropy`` (default options), both measured in this one run.
+ISSUE12_SHAPES = (("float32", 8192, 512, 32000), ("bfloat16", 4096, 1024, 65536))
+ISSUE12_MEM, ISSUE12_TIME = 1.25, 0.95
+
+
+def run_issue12(args: argparse.Namespace) -> str:
+    """torch's ``F.linear_cross_entropy`` vs ``linear_cross_entropy(chunk_size="auto")`` at the two
+    shapes, with the fp32 weight-gradient accumulator (the default) and with it off
+    (``accum_dtype`` = the weight's dtype, which is what torch's own kernel accumulates in)."""
+    lines = ["| shape | method | extra peak MiB | fwd+bwd s | peak / torch | time / torch | verdict |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for dtype_name, n, hdim, vocab in ISSUE12_SHAPES:
+        dtype = getattr(torch, dtype_name)
+        torch.manual_seed(0)
+        h = (torch.randn(n, hdim, dtype=dtype) * 0.5).requires_grad_()
+        w = (torch.randn(vocab, hdim, dtype=dtype) * hdim**-0.5).requires_grad_()
+        y = torch.randint(0, vocab, (n,))
+        shape = f"{dtype_name} N={n} h={hdim} V={vocab}"
+        print(f"  {shape}: torch ...", flush=True)
+        ref = measure(torch_loss(), h, w, y, args.repeats)
+        lines.append(f"| {shape} | torch F.linear_cross_entropy | {ref['peak'] / 2**20:,.0f} | {ref['time']:.3f} | 1 | 1 | reference |")
+        auto = auto_chunk_size(n, hdim, vocab, dtype)
+        variants = [(f"memplan auto (={auto}), fp32 accumulator", memplan_loss("auto"))]
+        if dtype != torch.float32:
+            variants.append((f"memplan auto (={auto}), accum_dtype={dtype_name}", memplan_loss("auto", dtype)))
+        for name, fn in variants:
+            print(f"  {shape}: {name} ...", flush=True)
+            r = measure(fn, h, w, y, args.repeats)
+            mem, tim = r["peak"] / ref["peak"], r["time"] / ref["time"]
+            ok = mem <= ISSUE12_MEM and tim <= ISSUE12_TIME
+            lines.append(f"| {shape} | {name} | {r['peak'] / 2**20:,.0f} | {r['time']:.3f} | {mem:.3f} | {tim:.3f} | "
+                         f"{'pass' if ok else 'FAIL'} (<= {ISSUE12_MEM}x, <= {ISSUE12_TIME}x) |")
+    return "\n".join(lines)
 
 
 def liger_loss() -> Callable | None:
@@ -236,9 +273,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--issue12", action="store_true",
+                        help="only the two shapes of issue 12 against torch's F.linear_cross_entropy")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.issue12:
+        text = run_issue12(args)
+        print(text, flush=True)
+        if not args.no_write:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            path = RESULTS / f"{args.device}_{datetime.date.today().isoformat()}_loss_issue12.md"
+            path.write_text(
+                f"# chunked loss vs torch's F.linear_cross_entropy (issue 12 shapes)\n\nCommand: "
+                f"`python benchmarks/bench_loss.py --issue12`  \ntorch {torch.__version__}, "
+                f"{torch.get_num_threads()} threads, repeats={args.repeats} (median). Extra peak = largest live "
+                "allocation total during forward+backward above the inputs (profiler allocator events).\n\n"
+                + text + "\n")
+            print(f"wrote {path}")
+        return 0
     sections = []
     for vocab in args.vocab:
         rows = run_vocab(args, vocab)

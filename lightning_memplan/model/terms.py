@@ -34,6 +34,7 @@ __all__ = [
     "MASK_BYTES",
     "PrecisionBytes",
     "AUTO_CHUNK_BUDGET_BYTES",
+    "AUTO_CHUNK_GRAD_FRACTION",
     "AUTO_MIN_CHUNKS",
     "CHUNK_ROW_MULTIPLE",
     "auto_loss_chunk_tokens",
@@ -445,6 +446,10 @@ AUTO_CHUNK_BUDGET_BYTES = 512 * 2**20
 AUTO_MIN_CHUNKS = 16
 #: ``chunk_size="auto"`` rounds down to a multiple of this many rows (GEMM-friendly, deterministic).
 CHUNK_ROW_MULTIPLE = 64
+#: ``chunk_size="auto"`` keeps the per-chunk working set within this fraction of the gradients the loss
+#: returns, ``(N*h + V*h) * e`` (dh and dW): torch's ``F.linear_cross_entropy`` needs just those, so the
+#: chunked loss's extra peak stays within 1 + this fraction of torch's (64 rows at least).
+AUTO_CHUNK_GRAD_FRACTION = 0.25
 
 
 def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = False) -> int:
@@ -465,15 +470,20 @@ def auto_loss_chunk_tokens(
     *,
     budget_bytes: int = AUTO_CHUNK_BUDGET_BYTES,
     softcap: bool = False,
+    grad_fraction: float = AUTO_CHUNK_GRAD_FRACTION,
 ) -> int:
     """Tokens per chunk of ``chunk_size="auto"`` (the rule the loss, the planner and the estimate
-    share): ``rows = min(budget // row_bytes, N / 16)`` rounded down to a multiple of 64 (at least
-    64); no chunking (one chunk of N rows) when ``N <= max(h, 64)``, where the [N, V] logits are no
-    larger than the [V, h] weight and its fp32 gradient that exist anyway (the break-even torch's
-    ``LinearCrossEntropyOptions`` documents)."""
+    share): ``rows = min(budget, grad_fraction * (N*h + V*h) * e) // row_bytes``, at most N / 16,
+    rounded down to a multiple of 64 (at least 64); no chunking (one chunk of N rows) when
+    ``N <= max(h, 64)``, where the [N, V] logits are no larger than the [V, h] weight and its fp32
+    gradient that exist anyway (the break-even torch's ``LinearCrossEntropyOptions`` documents).
+    The gradient cap keeps the working set within 25 % of the gradients' bytes (dh + dW), the whole
+    extra memory of torch's ``F.linear_cross_entropy``."""
     if n_tokens <= max(hidden, CHUNK_ROW_MULTIPLE):
         return max(n_tokens, 1)
-    rows = budget_bytes // max(loss_chunk_row_bytes(vocab, compute_bytes, softcap=softcap), 1)
+    grads = (n_tokens + vocab) * hidden * compute_bytes
+    budget = min(budget_bytes, int(grad_fraction * grads))
+    rows = budget // max(loss_chunk_row_bytes(vocab, compute_bytes, softcap=softcap), 1)
     rows = min(rows, n_tokens // AUTO_MIN_CHUNKS)
     rows = max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
     return min(rows, n_tokens)
