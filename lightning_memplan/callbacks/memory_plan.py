@@ -208,6 +208,7 @@ class MemoryPlanCallback(Callback):
         self._current: dict[str, Any] | None = None
         self._window: list[StepRecord] = []  # records of the micro-batches of the optimizer step under way
         self._epoch_warnings: list[str] = []
+        self._epoch_warning_steps: list[int] = []  # the step each of _epoch_warnings was raised at
 
     # ------------------------------------------------------------------------------------ set-up
     @override
@@ -240,6 +241,7 @@ class MemoryPlanCallback(Callback):
             return
         self._warned.add(key)
         self._epoch_warnings.append(text)
+        self._epoch_warning_steps.append(int((self._current or {}).get("step", self._batches_seen)))
         rank_zero_warn(f"MemoryPlanCallback: {text}")
 
     def _initialise(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
@@ -601,16 +603,23 @@ class MemoryPlanCallback(Callback):
         acc = self._acc or RankAccumulator(
             rank=self._rank, epoch=trainer.current_epoch, backend=self._backend()
         )
-        gathered = gather_objects((acc.summary().to_dict(), list(self._epoch_warnings)))
-        ranks = tuple(sorted((RankSummary.from_dict(s) for s, _ in gathered), key=lambda r: r.rank))
-        warnings = list(dict.fromkeys(text for _, ws in gathered for text in ws))
+        gathered = gather_objects((acc.summary().to_dict(), list(self._epoch_warnings), list(self._epoch_warning_steps)))
+        ranks = tuple(sorted((RankSummary.from_dict(s) for s, _, _ in gathered), key=lambda r: r.rank))
+        first_at: dict[str, int] = {}  # each warning, in order of appearance, at the first step any rank raised it
+        for _, ws, steps in gathered:
+            for text, at in zip(ws, steps, strict=True):
+                first_at[text] = min(at, first_at.get(text, at))
+        warnings = list(first_at)
         for text in warnings:  # other ranks' warnings surface on rank 0 (rank_zero_warn) once each
             if text not in self._epoch_warnings:
                 self._warn_once(f"peer:{text[:80]}", text)
-        epoch = EpochReport(epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings))
+        epoch = EpochReport(
+            epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings), warning_steps=tuple(first_at[t] for t in warnings)
+        )
         self.report = self.report.with_epoch(epoch)
         self._acc = None
         self._epoch_warnings = []
+        self._epoch_warning_steps = []
         if self._rank != 0:
             return
         if self._spawned:

@@ -255,8 +255,9 @@ def _run_svg(view: RunView) -> str:
                   title=f"sequence length changes to {seq} at step {step}")
         ch.text(ch.x(step) + 6, ch.height - ch.bottom - 10, f"s={seq}", size=10, color="#5c940d")
     for i, (step, text) in enumerate(view.warnings):
-        ch.marker(step, 0, fill=_WARN, shape="diamond", r=6, px=(ch.x(step) + 10 + 14 * i, ch.top + 24),
-                  title=f"warning (epoch starting at step {step}): {text}")
+        ch.vline(step, stroke=_WARN, dash="1 3", title=f"warning at step {step}: {text}")
+        ch.marker(step, 0, fill=_WARN, shape="diamond", r=6, px=(ch.x(step), ch.top + 24 + 12 * (i % 3)),
+                  title=f"warning at step {step}: {text}")
     for step, text in view.incidents:
         ch.marker(step, 0, fill=_OOM, shape="cross", r=6, px=(ch.x(step), ch.top + 40), title=f"step {step}: {text}")
         ch.text(ch.x(step) - 6, ch.top + 58, "OOM" if text.startswith("oom") else "error", anchor="end", size=11,

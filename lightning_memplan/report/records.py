@@ -371,11 +371,16 @@ class Spread:
 
 @dataclass(frozen=True, kw_only=True)
 class EpochReport:
-    """Every rank's :class:`RankSummary` for one epoch, and the warnings raised during it."""
+    """Every rank's :class:`RankSummary` for one epoch, and the warnings raised during it.
+
+    ``warning_steps[i]`` is the step at which ``warnings[i]`` was first raised (on any rank); it may be
+    shorter than ``warnings`` (reports of format version 1 have none), the pictures then place the
+    warning at the start of the epoch."""
 
     epoch: int
     ranks: tuple[RankSummary, ...]
     warnings: tuple[str, ...] = ()
+    warning_steps: tuple[int, ...] = ()
 
     def spread(self, name: str) -> Spread | None:
         """:class:`Spread` of a :class:`RankSummary` field (``"measured_peak"``, ``"headroom"``, ...)."""
@@ -391,6 +396,7 @@ class EpochReport:
             "ranks": [r.to_dict() for r in self.ranks],
             "across_ranks": across,
             "warnings": list(self.warnings),
+            "warning_steps": list(self.warning_steps),
         }
 
     @classmethod
@@ -399,6 +405,7 @@ class EpochReport:
             epoch=int(data["epoch"]),
             ranks=tuple(RankSummary.from_dict(r) for r in data.get("ranks", ())),
             warnings=tuple(data.get("warnings", ())),
+            warning_steps=tuple(int(s) for s in data.get("warning_steps", ())),
         )
 
 

@@ -113,7 +113,8 @@ class RunView:
     """Attributes:
     rank: the rank drawn. steps, estimated, measured, reserved, seq_len: one entry per point (all
     epochs in order). epoch_starts: ``(step, epoch)``. seq_changes: ``(step, new seq_len)``.
-    warnings: ``(step, text)``, at the start of the epoch that raised them. incidents: ``(step,
+    warnings: ``(step, text)``, where they were first raised (the epoch's start in version 1 reports).
+    incidents: ``(step,
     "kind: error")`` on this rank."""
 
     rank: int
@@ -141,35 +142,37 @@ def run_view(report: MemoryReport, rank: int = 0) -> RunView:
     """Per-step figures of ``rank`` over every epoch of ``report`` (and its incidents)."""
     view = RunView(rank=rank)
     last_seq: int | None = None
+
+    def add(step: int, est: int | None, meas: int | None, res: int | None, seq: int | None) -> None:
+        nonlocal last_seq
+        view.steps.append(step)
+        view.estimated.append(est)
+        view.measured.append(meas)
+        view.reserved.append(res)
+        view.seq_len.append(seq)
+        if seq is not None and seq != last_seq:
+            if last_seq is not None:
+                view.seq_changes.append((step, seq))
+            last_seq = seq
+
     for epoch in report.epochs:
         summary = next((r for r in epoch.ranks if r.rank == rank), None)
         if summary is None:
             continue
         points = _summary_points(summary)
         view.epoch_starts.append((points[0][0], epoch.epoch))
-        for text in epoch.warnings:
-            view.warnings.append((points[0][0], text))
-        for step, est, meas, res, seq in points:
-            view.steps.append(step)
-            view.estimated.append(est)
-            view.measured.append(meas)
-            view.reserved.append(res)
-            view.seq_len.append(seq)
-            if seq is not None and seq != last_seq:
-                if last_seq is not None:
-                    view.seq_changes.append((step, seq))
-                last_seq = seq
+        for i, text in enumerate(epoch.warnings):
+            at = epoch.warning_steps[i] if i < len(epoch.warning_steps) else points[0][0]
+            view.warnings.append((at, text))
+        for point in points:
+            add(*point)
     for inc in report.incidents:
         if inc.rank != rank:
             continue
         view.incidents.append((inc.step, f"{inc.kind}: {inc.error}"))
         rec = inc.step_record
         if rec is not None and not (view.steps and view.steps[-1] >= inc.step):
-            view.steps.append(inc.step)
-            view.estimated.append(rec.estimated_peak)
-            view.measured.append(rec.measured_peak)
-            view.reserved.append(rec.reserved)
-            view.seq_len.append(rec.seq_len)
+            add(inc.step, rec.estimated_peak, rec.measured_peak, rec.reserved, rec.seq_len)
     return view
 
 

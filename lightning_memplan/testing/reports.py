@@ -108,7 +108,9 @@ def synthetic_report(
                 ))
             summaries.append(acc.summary())
         texts = (f"epoch {epoch}: rank {ranks - 1} has the least headroom",) if warnings and epoch == epochs - 1 else ()
-        report = report.with_epoch(EpochReport(epoch=epoch, ranks=tuple(summaries), warnings=texts))
+        report = report.with_epoch(EpochReport(
+            epoch=epoch, ranks=tuple(summaries), warnings=texts, warning_steps=(epoch * steps + 1,) if texts else (),
+        ))
     if oom:
         rank = ranks - 1
         record = synthetic_step(total_steps, epoch=epochs - 1, rank=rank, seq_len=512, params=(8 + 2 * rank) * MIB,

@@ -230,7 +230,9 @@ def test_warnings_name_the_component_and_the_remedy(tmp_path):
     assert len(forecast) == 1 and "would run out of memory" in forecast[0]
     # The measured params (the real model) exceed the wrong spec's params the most: the culprit named.
     assert "most likely component: params" in mismatch[0] or "most likely component: optimizer" in mismatch[0]
-    assert cb.report.epochs[0].warnings  # and they are kept in the report
+    assert cb.report.epochs[0].warnings  # and they are kept in the report, at the step that raised them
+    assert len(cb.report.epochs[0].warning_steps) == len(cb.report.epochs[0].warnings)
+    assert all(0 <= s < 3 for s in cb.report.epochs[0].warning_steps)
 
 
 def test_inputs_it_cannot_read_are_reported_with_the_argument_that_supplies_them(tmp_path):

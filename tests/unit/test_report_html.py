@@ -143,6 +143,7 @@ def _as_version_1(data):
     data = json.loads(json.dumps(data))
     data["format_version"] = 1
     for epoch in data["epochs"]:
+        epoch.pop("warning_steps")
         for r in epoch["ranks"]:
             r.pop("series")
             for t in r["tracked"]:
@@ -206,6 +207,19 @@ def test_html_is_drawn_from_the_json_alone(tmp_path):
     assert files.html == tmp_path / "memory_report.html" and files.png is not None
     assert files.html.read_text(encoding="utf-8") == render_html(load_report(files.json), units="MiB")
     assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temporary file
+
+
+def test_run_view_marks_warnings_where_raised_and_incidents_and_seq_changes():
+    from lightning_memplan.report.views import run_view
+
+    report = synthetic_report(ranks=2, epochs=3, steps=6, oom=True)
+    view = run_view(report, rank=1)
+    assert view.warnings == [(13, "epoch 2: rank 1 has the least headroom")]  # warning_steps=(13,)
+    assert view.seq_changes == [(9, 256), (18, 512)]  # halfway, then the failing step's longer batch
+    assert view.incidents == [(18, "oom: " + report.incidents[0].error)]
+    assert view.epoch_starts == [(0, 0), (6, 1), (12, 2)] and view.steps == list(range(19))
+    old = MemoryReport.from_dict(_as_version_1(report.to_dict()))  # no steps for warnings: the epoch start
+    assert run_view(old, rank=1).warnings == [(12, "epoch 2: rank 1 has the least headroom")]
 
 
 def test_timeline_estimate_blocks_span_the_measured_phases():
