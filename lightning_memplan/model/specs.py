@@ -398,7 +398,7 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
             _check_int(name, getattr(self, name))
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise ValueError(
                 f"zero={self.zero!r} must be 0 (none), 1 (optimizer states), 2 (+grads) or 3 (+params)"
             )
