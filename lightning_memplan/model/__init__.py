@@ -1,6 +1,7 @@
 """The pure memory model: specs in, bytes per component per rank out. No Lightning, no device query."""
 
 from lightning_memplan.model.estimate import check_compatible, estimate_memory
+from lightning_memplan.model.reserved import ReservedEstimate, reserved_memory
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 
@@ -11,7 +12,9 @@ __all__ = [
     "MemoryEstimate",
     "ModelSpec",
     "ParallelPlan",
+    "ReservedEstimate",
     "TrainSpec",
     "check_compatible",
     "estimate_memory",
+    "reserved_memory",
 ]

@@ -218,6 +218,15 @@ class PlanDecision:
         """The chosen candidate (plan, train, estimate, step together)."""
         return Candidate(plan=self.plan, train=self.train, estimate=self.estimate, budget=self.budget, step=self.step)
 
+    @property
+    def reserved(self) -> Any:
+        """The chosen plan's predicted peak *reserved* bytes on CUDA next to the allocated ``estimate``
+        (a :class:`~lightning_memplan.model.reserved.ReservedEstimate`: ``.reserved``, ``.allocated``
+        and its terms: FSDP2 stream pools, the loss's extra segment, block rounding)."""
+        from lightning_memplan.model.reserved import reserved_memory
+
+        return reserved_memory(self.model, self.train, self.plan, self.estimate)
+
     def train_changes(self) -> list[str]:
         """What the planner changed in the user's TrainSpec (``"recompute: 'none' -> 'full'"``)."""
         return train_changes(self.base_train, self.train)

@@ -52,6 +52,8 @@ def test_plan_accepts_the_layout_torchtitan_ran():
              "loss": ["fp32_upcast"], "micro_batch": [2]}
     d = plan(ModelSpec.preset("llama3-8b"), TABLE_1, hw, global_batch=16, allow=allow)
     assert (d.plan.dp, d.plan.zero, d.train.recompute, d.train.micro_batch) == (8, 3, "selective_op", 2)
+    # the decision shows allocated and reserved
+    assert d.reserved.allocated == d.estimate.total and d.reserved.reserved / GiB == pytest.approx(82.4, rel=0.10)
 
 
 def test_allocator_segment_rules():
