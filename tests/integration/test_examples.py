@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -41,6 +42,11 @@ def test_gpt_example_trains_and_writes_the_report(tmp_path):
     report = _report(tmp_path)
     assert len(report["epochs"]) == 2  # one report per epoch, appended
     assert "final train loss" in out
+    # docs/cli.md's `report` example names the file this job writes under its default --out-dir
+    (written,) = glob.glob(str(tmp_path / "**" / "memory_report.json"), recursive=True)
+    (default_out,) = re.findall(r'"--out-dir", default="([^"]+)"', (ROOT / "examples/gpt/train.py").read_text())
+    documented = re.findall(r"lightning-memplan report (\S+)", (ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
+    assert documented == [f"{default_out}/{pathlib.Path(written).relative_to(tmp_path).as_posix()}"], documented
     # the pictures: the self-contained HTML page (with memplan_auto's plan map) and the PNG for loggers
     (json_path,) = glob.glob(str(tmp_path / "**" / "memory_report.json"), recursive=True)
     html, png = pathlib.Path(json_path).with_suffix(".html"), pathlib.Path(json_path).with_suffix(".png")
