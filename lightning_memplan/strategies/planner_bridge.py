@@ -172,7 +172,17 @@ def run_planner(
     if not usable:
         narrowed = narrow_allow(allow, train, exclude | {"pp"}, has_lce=has_lce, pipeline=False, world=world)
         decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
-        return _with_margin_note(decision.require_fit(), given_budget, memory_budget)
+        try:
+            decision.require_fit()
+        except ValueError as exc:
+            if given_budget is not None and exc.args:  # say where the smaller budget comes from
+                exc.args = (
+                    f"{exc.args[0]} (planned against memory_budget={given_budget:,} B minus the "
+                    f"{ESTIMATE_MARGIN:.0%} estimate margin: {memory_budget:,} B)",
+                    *exc.args[1:],
+                )
+            raise
+        return _with_margin_note(decision, given_budget, memory_budget)
     best = min(usable, key=rank_key)
     if best.plan == decision.plan and best.train == decision.train:
         return _with_margin_note(decision, given_budget, memory_budget)
