@@ -184,7 +184,6 @@ def _reduced_config(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
     for name, value in cfg.items():
         if isinstance(value, list) and len(value) == full and name not in ("architectures",):
             out[name] = value[:depth]
-    out.pop("use_cache", None) if cfg.get("use_cache") is None else None
     return out
 
 
@@ -398,9 +397,20 @@ def _write_disk(key: str, data: dict[str, Any]) -> None:
 
 def _trace_depths(cfg: Mapping[str, Any], t0: TrainSpec) -> dict[str, Any]:
     """Calibrations and parameter counts of the depth-1 and depth-2 copies (JSON-ready)."""
+    from transformers.utils import logging as hf_logging
+
     from lightning_memplan.model.trace import calibrate
 
     model_type = cfg.get("model_type")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes about the traced copies (use_cache, loss_type) are not the user's
+    try:
+        return _trace_each_depth(cfg, t0, calibrate, model_type)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _trace_each_depth(cfg: Mapping[str, Any], t0: TrainSpec, calibrate: Any, model_type: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"depths": {}}
     for depth in TRACED_DEPTHS:
         model = _build(cfg, depth, t0)

@@ -33,12 +33,12 @@ IMAGE, PATCH = 64, 8
 
 @dataclass(frozen=True)
 class Architecture:
-    """One family: ``config(dropout)`` builds its tiny config; ``eager``: it has an eager attention path
-    distinct from SDPA; ``vision``: it takes ``pixel_values``."""
+    """One family: ``config(dropout)`` builds its tiny config; ``attentions``: the attention
+    implementations transformers has for it; ``vision``: it takes ``pixel_values``."""
 
     name: str
     config: Callable[[float], Any]
-    eager: bool = True
+    attentions: tuple[str, ...] = ("sdpa", "eager")
     vision: bool = False
 
 
@@ -113,7 +113,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2_moe", _decoder("Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=344, shared_expert_intermediate_size=688)),
         Architecture("bert_mlm", _bert),
-        Architecture("t5", _t5),
+        Architecture("t5", _t5, attentions=("eager",)),  # transformers' T5 has no SDPA path
         Architecture("vit", _vit, vision=True),
     )
 }

@@ -111,3 +111,27 @@ def test_unknown_architecture_raises_naming_it() -> None:
     spec = ModelSpec.from_hf_config(config)
     with pytest.raises(ValueError, match="not_a_real_arch.*ModelSpec"):
         estimate_memory(spec, TrainSpec(micro_batch=1, seq_len=16, device="cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "row",
+    [("gpt2", "bf16-mixed", "eager", 0.1, True), ("t5", "32-true", "eager", 0.0, False),
+     ("qwen2_moe", "bf16-mixed", "sdpa", 0.1, False)],
+    ids=["gpt2-bf16-eager-dropout-ckpt", "t5-fp32", "qwen2moe-bf16-dropout"],
+)
+def test_benchmark_rows_stay_within_targets(row, monkeypatch) -> None:
+    """A few rows of benchmarks/bench_hf_architectures.py at tiny shapes (b=1, s=32): config-only within
+    3% and traced within 0.5% of MemTracker."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf_architectures.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_architectures", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(__import__("sys").modules, spec.name, bench)  # its dataclasses look themselves up
+    spec.loader.exec_module(bench)
+    result = bench.run_row(*row, micro_batch=1, seq_len=32)
+    assert result.source == "hf_trace"
+    assert abs(result.config_error) < bench.CONFIG_TARGET, result
+    assert abs(result.traced_error) < bench.TRACED_TARGET, result
