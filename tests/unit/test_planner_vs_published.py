@@ -43,3 +43,47 @@ def test_choice_at_least_as_fast_and_published_layout_fits(row):
     assert forced.fits and forced.plan == row.plan
     full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1)
     assert full.fits and full.step.tokens_per_s >= forced.step.tokens_per_s
+
+
+LLAMA3_405B = [r for r in ROWS if r.name.startswith("Llama 3 405B")]
+
+
+def _plan_405b(row, **allow_overrides):
+    from lightning_memplan.planning import plan
+
+    allow = {**bench._allow_of(row.plan, row.train), **allow_overrides}
+    return plan(row.model, row.train, row.hardware, global_batch=row.global_batch, allow=allow, top_k=1)
+
+
+@pytest.mark.parametrize("row", LLAMA3_405B, ids=[r.name for r in LLAMA3_405B])
+def test_405b_choice_at_least_as_fast_as_the_published_layout_that_fits(row):
+    """Llama 3 405B (arXiv 2407.21783 Table 4): the planner's own choice is predicted at least as fast as
+    the published layout (TP 8 x PP 16 x DP, interleaved) with the recompute mode that fits the memory
+    model, and at least as fast as the published layout itself where that fits."""
+    from lightning_memplan.planning import plan
+
+    full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1)
+    assert full.fits
+    published_fitting = _plan_405b(row, recompute=["none", "selective_op", "selective", "full"])
+    assert published_fitting.fits and published_fitting.plan.tp == 8 and published_fitting.plan.pp == 16
+    assert full.step.tokens_per_s >= published_fitting.step.tokens_per_s
+    forced = _plan_405b(row)
+    if forced.fits:
+        assert full.step.tokens_per_s >= forced.step.tokens_per_s
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "does not hold yet: stage 0 of the published 405B layout with selective-op recompute needs 79.3 GiB "
+    "(16,384 GPUs) / 89.0 GiB (8,192 GPUs) vs a 74.5 GiB budget even with ZeRO-2 (Llama 3 shards gradients): "
+    "activations 69.3 / 78.6 GiB = 16 / 18.1 in-flight micro-batches (Megatron's interleaved schedule) x 8 "
+    "blocks x 0.54 GiB (DTensor SP saves the gathered matmul inputs); Llama 3 ran 7 blocks on its first "
+    "stage, no activation checkpointing, and its own memory optimisations (section 3.3.2)"))
+@pytest.mark.parametrize("row", LLAMA3_405B, ids=[r.name for r in LLAMA3_405B])
+def test_405b_published_layout_fits_when_forced(row):
+    """Llama 3 405B ran this layout on 80 GB H100s; the memory model should fit it when forced (headroom 0:
+    the run is known to have fit, so only the device's own overheads are subtracted)."""
+    from lightning_memplan.planning import plan
+
+    forced = plan(row.model, row.train, row.hardware, global_batch=row.global_batch,
+                  allow={**bench._allow_of(row.plan, row.train), "zero": [2]}, top_k=1, headroom=0.0)
+    assert forced.fits, f"{forced.estimate.total / 2**30:.1f} GiB vs budget {forced.budget.budget / 2**30:.1f} GiB"
