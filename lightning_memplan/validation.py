@@ -52,6 +52,8 @@ def check_int(name: str, value: Any, *, minimum: int | None = 1, maximum: int | 
         TypeError: not an integer (``2.7``, ``"3"``, ``True``, ``None``).
         ValueError: below ``minimum`` or above ``maximum``.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the common case first: the planner builds thousands of specs
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} must be an int{_fix(hint)}")
     number = int(value)
@@ -122,6 +124,8 @@ def check_choice(name: str, value: Any, choices: Iterable[Any], *, hint: str = "
     Raises:
         ValueError: not one of them (an unhashable value is compared by equality, never hashed).
     """
+    if type(value) is str and isinstance(choices, tuple) and value in choices:
+        return value  # the common case first (a str option of a tuple of str)
     options = tuple(choices)
     if isinstance(value, bool) or not any(isinstance(value, type(c)) and value == c for c in options):
         raise ValueError(
