@@ -200,6 +200,12 @@ def main(out: Path) -> None:
                    f"{'fits' if forced.fits else 'does not fit'} ({forced.estimate.total / GiB:.1f} GiB peak, "
                    f"budget {forced.budget.budget / GiB:.1f}), {forced.step.total_s:.3g} s/step; the choice "
                    f"{choice}: {full.step.total_s:.3g} s/step, {full.estimate.total / GiB:.1f} GiB.")
+        if not forced.fits:  # where the memory goes on the rank that does not fit
+            e = forced.estimate
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.by_phase[e.peak_phase].items() if v >= GiB / 20)
+            why.append(f"  - forced layout's peak: stage {e.stage}, {e.peak_phase}: {parts} GiB "
+                       f"({e.details['layers_on_stage']} blocks, {e.details['inflight_microbatches_x1000'] / 1000:g} "
+                       f"micro-batches in flight); budget {forced.budget.describe()}")
         why += [f"  - {n}" for n in full.notes if n.startswith("well-known layout")]
         print(f"{r.name:50s} published {r.published:8.4g} predicted {pred:8.4g} ({100 * err:+.1f}%) forced fits "
               f"{forced.fits} planner {choice} ({100 * speed:+.1f}%)", flush=True)
