@@ -500,7 +500,8 @@ def hf_trace_estimate(
     """The traced config-only estimate of a spec built by :meth:`ModelSpec.from_hf_config`.
 
     Returns ``None`` when the traced path does not apply (no ``hf_config`` on the spec, transformers not
-    installed, or :data:`DISABLE_ENV` is ``"0"``): the caller then uses the analytic terms.
+    installed, :data:`DISABLE_ENV` is ``"0"``, or the spec's exact ``n_params`` -- from a live module --
+    differs from the traced class's): the caller then uses the analytic terms.
 
     Raises:
         ValueError: the architecture cannot be built or traced (names it and what to pass instead).
@@ -513,6 +514,8 @@ def hf_trace_estimate(
     t0 = _traced_train(train)
     data = _coefficients(model, t0)
     traced, n_params = _full_depth(data, model.n_layers, train.micro_batch, train.seq_len)
+    if model.n_params is not None and model.n_params != n_params:
+        return None  # a live module that differs from its config (resized embeddings ...): not this trace
     base = replace(model, hf_config=None, n_params=n_params)
     if base.n_trainable_params is not None and base.n_trainable_params > n_params:
         raise ValueError(

@@ -338,8 +338,13 @@ def spec_from_module(module: Any) -> ModelSpec:
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     frozen: dict[str, Any] = {"n_trainable_params": trainable} if trainable < n_params else {}
     if cfg is not None:
-        # the live module is what runs (adapters, frozen parts, checkpointing): not the bare config
-        return replace(spec_from_hf_config(cfg), n_params=max(n_params, 1), hf_config=None, **frozen)
+        from_config = spec_from_hf_config(cfg)
+        # The config describes what runs only for the bare transformers model (no adapters, nothing
+        # frozen, no checkpointing, the class the config names): then the traced path may build it from
+        # the config (it checks the parameter count again). Otherwise the live module is what runs.
+        bare = not frozen and recompute_of(module) == "none" and _is_config_class(module, cfg)
+        return replace(from_config, n_params=max(n_params, 1), hf_config=from_config.hf_config if bare else None,
+                       **frozen)
     from lightning_memplan.model.litgpt_spec import spec_from_litgpt
 
     litgpt = spec_from_litgpt(module)  # litgpt keeps its architecture in a dataclass Config
@@ -354,6 +359,21 @@ def spec_from_module(module: Any) -> ModelSpec:
             "that is trained (built, e.g. after configure_model), or ModelSpec(..., n_params=N) directly"
         )
     return replace(_generic_spec(module), **frozen)
+
+
+def _is_config_class(module: Any, cfg: Any) -> bool:
+    """Whether ``module`` itself is the transformers class the traced path would build from ``cfg``
+    (:func:`~lightning_memplan.model.hf_trace.model_class`). A LightningModule wrapping it is not: its
+    ``training_step`` may do more than the model's own loss."""
+    for m in (module,):
+        if getattr(m, "config", None) is cfg and type(m).__module__.startswith("transformers."):
+            from lightning_memplan.model.hf_trace import model_class
+
+            try:
+                return model_class(cfg) is type(m)
+            except ValueError:
+                return False
+    return False
 
 
 def recompute_of(module: Any) -> str:

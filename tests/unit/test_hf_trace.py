@@ -135,3 +135,19 @@ def test_benchmark_rows_stay_within_targets(row, monkeypatch) -> None:
     assert result.source == "hf_trace"
     assert abs(result.config_error) < bench.CONFIG_TARGET, result
     assert abs(result.traced_error) < bench.TRACED_TARGET, result
+
+
+def test_from_module_keeps_the_config_only_for_the_bare_model() -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_llama())
+    assert ModelSpec.from_module(model).hf_config is not None  # exactly what the config builds
+    model.model.embed_tokens.weight.requires_grad_(False)
+    frozen = ModelSpec.from_module(model)
+    assert frozen.hf_config is None and frozen.n_trainable_params == frozen.n_params - 512 * 64
+    model.model.embed_tokens.weight.requires_grad_(True)
+    model.gradient_checkpointing_enable()
+    assert ModelSpec.from_module(model).hf_config is None
+    from lightning_memplan.model.introspect import recompute_of
+
+    assert recompute_of(model) == "full"
