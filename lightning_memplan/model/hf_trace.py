@@ -81,7 +81,7 @@ TRACE_SHAPES: tuple[tuple[int, int], ...] = ((1, 64), (2, 128))
 #: Depths traced; their difference is one block.
 TRACED_DEPTHS = (1, 2)
 #: Bump when what is traced changes, so stale on-disk entries are not read.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _DECODER_LAYER_KEYS = ("num_decoder_layers", "decoder_layers")
@@ -410,13 +410,34 @@ def _trace_depths(cfg: Mapping[str, Any], t0: TrainSpec) -> dict[str, Any]:
         hf_logging.set_verbosity(verbosity)
 
 
+# Config keys of attention-probability dropout: CPU SDPA with dropout runs the math path, which saves the
+# [b, a, s, s] probabilities, so those steps do grow with b*s^2.
+_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout_rate")
+
+
+def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TrainSpec) -> bool | None:
+    """Whether the traced step may hold ``b*s^2`` bytes (``None``: let :func:`calibrate` decide).
+
+    A fused SDPA step without attention dropout saves no ``[s, s]`` tensor (only the output and its
+    log-sum-exp, linear in ``b*s``). Fitting a third, quadratic term there extrapolates the small
+    differences in *which* tensors are live at a phase's peak between the traced shapes (a few hundred
+    bytes per ``b*s^2``, of opposite sign in two components) into terabytes at long context, so the
+    two-term fit is forced. Eager attention and dropout keep the quadratic term.
+    """
+    if t0.attention != "sdpa":
+        return None
+    if any(float(cfg.get(key) or 0.0) > 0.0 for key in _ATTENTION_DROPOUT_KEYS):
+        return None
+    return False
+
+
 def _trace_each_depth(cfg: Mapping[str, Any], t0: TrainSpec, calibrate: Any, model_type: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"depths": {}}
     for depth in TRACED_DEPTHS:
         model = _build(cfg, depth, t0)
         input_fn, vision = _input_fn(model, cfg)
         shapes = TRACE_SHAPES
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0)}
         if vision:
             s = vision_tokens(cfg)
             shapes = ((1, s), (2, s))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -44,6 +45,42 @@ def test_config_only_llama_matches_memtracker_at_an_untraced_shape(precision: st
     # exact parameter count from the depth-1/2 copies (not the shape formula)
     assert est.params == sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(
         config).parameters()) * 4
+
+
+def test_config_only_llama_extrapolates_to_long_context() -> None:
+    """At s=1024 (8x the longest traced length) the estimate stays within 3% of MemTracker.
+
+    Regression: a quadratic term fitted to the small phase-moment differences of an SDPA step (no [s, s]
+    tensor is saved) extrapolated to terabytes at long context (llama3-70b at s=8192: 3.6 TiB).
+    """
+    config = _llama()
+    spec = ModelSpec.from_hf_config(config)
+    train = TrainSpec(micro_batch=1, seq_len=1024, precision="32-true", optimizer_impl="for_loop", device="cpu")
+    est = estimate_memory(spec, train)
+    measured = _measured(config, 1, 1024, "32-true")
+    assert est.source == "hf_trace"
+    assert abs(est.total / measured - 1) < 0.03, (est.total, measured)
+
+
+def test_llama3_70b_config_at_8k_context_agrees_with_the_analytic_terms() -> None:
+    """Llama-3-70B's config (no download), b=1, s=8192, FSDP 8: the traced path within 10% of the analytic
+    terms (which match MemTracker for Llama-style SDPA models), never the b*s^2 blow-up.
+
+    Regression: the SDPA trace fitted ~700 B per b*s^2 of opposite sign to 'activations' and 'attention';
+    clamping each component at 0 then gave 3,639 GiB instead of ~400 GiB.
+    """
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+           "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "num_hidden_layers": 80, "vocab_size": 128256, "max_position_embeddings": 8192,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+    spec = ModelSpec.from_hf_config(cfg)
+    train = TrainSpec(micro_batch=1, seq_len=8192, precision="bf16-mixed")
+    plan = ParallelPlan(dp=8, zero=3)
+    traced = estimate_memory(spec, train, plan)
+    analytic = estimate_memory(dataclasses.replace(spec, hf_config=None), train, plan)
+    assert traced.source == "hf_trace" and analytic.source != "hf_trace"
+    assert abs(traced.total / analytic.total - 1) < 0.10, (traced.total, analytic.total)
+    assert traced.attention < 0.15 * traced.total, traced.attention
 
 
 def test_mixture_of_experts_traces_without_a_real_step() -> None:
