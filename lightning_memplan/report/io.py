@@ -28,8 +28,6 @@ __all__ = ["REPORT_BASENAME", "WrittenFiles", "load_report", "report_paths", "wr
 REPORT_BASENAME = "memory_report"
 #: memplan_auto's plan record, written by rank 0 into the same log directory (the HTML report's plan map).
 PLAN_FILENAME = "memplan_plan.json"
-#: memplan_auto's plan record, written by rank 0 into the same log directory (the HTML report's plan map).
-PLAN_FILENAME = "memplan_plan.json"
 
 
 @dataclass(frozen=True, kw_only=True)
