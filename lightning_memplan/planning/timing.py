@@ -503,6 +503,20 @@ class StepTimeModel:
                     # after the optimizer step, on the critical path [R20 section 5.1; DeepSpeed stage 1]
                     comm = max(0.0, rs - bwd_window) + ag
                     hidden = rs - max(0.0, rs - bwd_window)
+                elif p > 1:  # FSDP inside pipeline stages: one reduce-scatter per step, not per micro-batch
+                    # torch.distributed.pipelining runs every micro-batch's backward with
+                    # set_requires_gradient_sync(False) and set_reshard_after_backward(False), then one
+                    # reduce-scatter per unit after the last backward (torch 2.13 pipelining/stage.py,
+                    # backward_maybe_with_nosync / perform_reduce_grad): exposed, nothing left to hide it.
+                    # ZeRO-2 gathers once per step (never resharded before that reduce); ZeRO-3 still
+                    # reshards after each forward, so each micro-batch's forward and backward gather.
+                    gathers_mb = 2 if z == 3 else 0
+                    per_mb = gathers_mb * fsdp_ag
+                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc])
+                    exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
+                    once = rs + (fsdp_ag if z == 2 else 0.0)
+                    comm = m * exposed_mb + once + (2 if z == 2 else 1) * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
+                    hidden = max(0.0, m * per_mb - m * exposed_mb)
                 else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
                     collectives = (2 if z == 3 else 1) + 1
                     per_mb = (collectives - 1) * fsdp_ag + rs

@@ -201,3 +201,21 @@ def test_micro_batch_options():
     assert micro_batch_options(24, 5, None) == [1, 2, 4, 8]
     assert micro_batch_options(24, 1, (3, 5)) == [3]
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_fsdp_inside_a_pipeline_reduces_once_per_step_not_per_micro_batch():
+    """torch.distributed.pipelining runs every micro-batch's backward with gradient sync off and reduces once
+    after the last (torch 2.13 pipelining/stage.py, backward_maybe_with_nosync / perform_reduce_grad): under
+    ZeRO-2 (gathered once, never resharded before that reduce) the exposed data-parallel time of a pipelined
+    step does not grow with the micro-batches; without a pipeline, gradient accumulation re-gathers and
+    reduce-scatters per micro-batch, so it grows with them."""
+    m = ModelSpec(n_layers=8, hidden=1024, n_heads=16, vocab_size=32000)
+    t = TrainSpec(micro_batch=1, seq_len=1024, precision="bf16-mixed")
+    hw = HardwareSpec.preset("h100-sxm", gpus_per_node=8)
+    piped = [predict_step_time(m, t, hw, ParallelPlan(dp=4, pp=2, zero=2, microbatches=k)).exposed_s["dp"]
+             for k in (2, 8)]
+    assert piped[0] > 0
+    assert piped[0] == pytest.approx(piped[1], rel=1e-9)
+    flat = [predict_step_time(m, t.replace(grad_accumulation=k), hw, ParallelPlan(dp=4, zero=2)).exposed_s["dp"]
+            for k in (1, 4)]
+    assert flat[1] > 1.5 * flat[0]
