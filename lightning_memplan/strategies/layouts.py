@@ -14,7 +14,8 @@ Recognised (first match wins, searched from the LightningModule down):
 * Hugging Face GPT-2: ``transformer.wte, transformer.wpe, transformer.h, transformer.ln_f, lm_head``
   (fused ``Conv1D`` projections: no tensor-parallel plan, see :attr:`TransformerLayout.tp_blocker`);
 * litgpt ``GPT``: ``transformer.wte, transformer.h, transformer.ln_f, lm_head``; block ``attn.qkv``
-  (fused, kept replicated), ``mlp.fc_1/fc_2/proj`` (LLaMAMLP) or ``mlp.fc/proj`` (GPT-NeoX MLP).
+  (fused [Q | K | V], split per head by the TP plan), ``attn.proj``, ``mlp.fc_1/fc_2/proj`` (LLaMAMLP) or
+  ``mlp.fc/proj`` (GPT-NeoX MLP).
 
 Anything else with one ``nn.ModuleList`` of identical blocks is a "generic" layout: FSDP and activation
 checkpointing per block work, tensor parallelism needs a module-provided ``tp_plan``.
@@ -223,12 +224,8 @@ def _litgpt(module: nn.Module, path: str) -> TransformerLayout | None:
         norm="transformer.ln_f",
         head="lm_head",
         attn="attn",
-        colwise=col,
-        rowwise=row,
-        tp_note=(
-            "litgpt fuses q|k|v per query group into attn.qkv and reshapes with the config's head counts, "
-            "so attention stays replicated; only the MLP and the lm_head are tensor-parallel"
-        ),
+        colwise=col,  # attn.qkv is fused [Q | K | V]: tensor_parallel.shard_litgpt_attention splits it per head
+        rowwise=("attn.proj", *row),
     )
 
 

@@ -56,7 +56,11 @@ from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alia
 from lightning_memplan.strategies.pipeline import PipelineRunner
 from lightning_memplan.strategies.record import CHECKPOINT_KEY, PLAN_FILENAME, explain, record, stored_plan
 from lightning_memplan.strategies.stall import RankRendezvous
-from lightning_memplan.strategies.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
+from lightning_memplan.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    find_linear_cross_entropy,
+    resume_blocker,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -555,6 +559,10 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         else:
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
         stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan")
+        if stored is not None and self.resolution is not None:
+            blocked = resume_blocker(self._layout, int(stored.get("tp", 1)), self.resolution.plan.tp)
+            if blocked is not None:
+                raise ValueError(f"memplan_auto: fit(ckpt_path={str(path)!r}): {blocked}")
         if stored is not None and self.resolution is not None and stored != self.resolution.plan.to_dict():
             rank_zero_warn(
                 f"memplan_auto: the checkpoint was written under plan {ParallelPlan.from_dict(stored).describe()} "

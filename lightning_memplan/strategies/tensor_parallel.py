@@ -9,6 +9,11 @@ weight is a vocab-sharded DTensor, which :class:`~lightning_memplan.loss.LinearC
 directly (vocab-parallel loss); a plain ``self.lm_head(hidden)`` call gets the gathered logits back so
 ordinary training steps keep working.
 
+litgpt's fused ``attn.qkv`` ([Q | K | V] rows) is split per head: its rows are permuted so each rank's
+Q heads, K and V groups are one contiguous chunk, then column-parallel (:func:`shard_litgpt_attention`;
+``state_dict`` keeps litgpt's own row order, and :func:`resume_blocker` refuses optimizer states written
+at another tp).
+
 A module whose layout is not recognised may provide ``tp_plan``: a dict from (wildcard) submodule paths to a ``ParallelStyle``
 or one of the strings ``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (= Hugging Face's
 ``"colwise_gather_output"``), ``"rowwise_rep"``, ``"embedding_rowwise"``. Recognised layouts use the
@@ -29,8 +34,12 @@ if TYPE_CHECKING:
 __all__ = [
     "apply_tensor_parallel",
     "find_linear_cross_entropy",
+    "litgpt_attention_blocker",
+    "litgpt_qkv_rows",
     "module_tp_plan",
+    "resume_blocker",
     "sequence_parallel_blocker",
+    "shard_litgpt_attention",
     "tensor_parallel_blocker",
 ]
 
@@ -67,6 +76,24 @@ def _hf_heads(layout: TransformerLayout) -> list[tuple[str, int]]:
     return out
 
 
+def _litgpt_heads(layout: TransformerLayout) -> list[tuple[str, int]]:
+    config = getattr(layout.root, "config", None)
+    return [(name, int(getattr(config, name))) for name in ("n_head", "n_query_groups") if hasattr(config, name)]
+
+
+def litgpt_attention_blocker(layout: TransformerLayout) -> str | None:
+    """Why litgpt's attention cannot be split per head (``None`` when it can): the plan handles
+    ``CausalSelfAttention`` with a fused ``qkv`` ``nn.Linear`` and no query/key norms sized by the whole
+    projection (``norm_qk_type="olmo2"``)."""
+    attn = get_submodule_or_none(layout.block_list[0], layout.attn)
+    if type(attn).__name__ != "CausalSelfAttention" or not isinstance(getattr(attn, "qkv", None), nn.Linear):
+        return f"litgpt attention {type(attn).__name__} has no fused qkv nn.Linear (latent attention is not split)"
+    config: Any = getattr(attn, "config", None)
+    if getattr(config, "norm_qk", False) and getattr(config, "norm_qk_type", "default") != "default":
+        return f"litgpt norm_qk_type={config.norm_qk_type!r} norms the whole q/k projection; tensor parallel needs per-head norms"
+    return None
+
+
 def tensor_parallel_blocker(layout: TransformerLayout | None, module: nn.Module, tp: int) -> str | None:
     """Why ``module`` cannot be split ``tp`` ways (``None`` when it can).
 
@@ -82,7 +109,11 @@ def tensor_parallel_blocker(layout: TransformerLayout | None, module: nn.Module,
         if layout is None:
             return f"{type(module).__name__} has no list of repeated blocks and no `tp_plan`"
         return layout.tp_blocker
-    heads = _attention_heads(layout) if layout.family == "zoo-gpt" else _hf_heads(layout)
+    if layout.family == "litgpt":
+        reason = litgpt_attention_blocker(layout)
+        if reason is not None:
+            return reason
+    heads = {"zoo-gpt": _attention_heads, "litgpt": _litgpt_heads}.get(layout.family, _hf_heads)(layout)
     if layout.tp_note is not None:
         heads = []  # attention is not split
     for name, count in heads:
@@ -229,6 +260,8 @@ def apply_tensor_parallel(
     # by the rank that holds the embedding (stage 0 keeps blocks 0..k, in order).
     enters_whole = emb_path is not None or not layout.embeddings
     for i, block in enumerate(layout.block_list):
+        if layout.family == "litgpt":
+            shard_litgpt_attention(block.get_submodule(layout.attn or "attn"), tp_mesh)
         parallelize_module(block, tp_mesh, block_plan)
         if sp and i == 0 and enters_whole:  # keep this rank's slice of the whole sequence (local, no comm)
             rest = (None,) * (layout.block_args - 1)
@@ -254,6 +287,107 @@ def apply_tensor_parallel(
             "loss vocab-parallel"
         )
     return notes
+
+
+def litgpt_qkv_rows(n_head: int, n_query_groups: int, head_size: int, tp: int) -> Any:
+    """Row order of litgpt's fused ``qkv`` weight that puts each rank's heads in one contiguous chunk.
+
+    litgpt 0.5 stores ``qkv.weight`` as ``[Q | K | V]`` rows (``n_head * head_size``, then
+    ``n_query_groups * head_size`` for K and for V) and splits its output with
+    ``qkv.split((n_head * hs, n_query_groups * hs, n_query_groups * hs), dim=-1)`` (litgpt/model.py,
+    ``CausalSelfAttention.forward``). Rank ``r`` of ``tp`` needs query heads ``r*n_head/tp ..`` and the
+    key/value groups they attend with (``repeat_interleave`` maps head ``h`` to group
+    ``h // (n_head / n_query_groups)``, so the same contiguous ``1/tp`` of the groups):
+    ``[Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]``. Returns the permutation (a ``LongTensor`` of row indices).
+    """
+    import torch
+
+    q, kv = n_head * head_size, n_query_groups * head_size
+    parts = [torch.arange(q), torch.arange(q, q + kv), torch.arange(q + kv, q + 2 * kv)]
+    return torch.cat([chunk for r in range(tp) for chunk in (p.chunk(tp)[r] for p in parts)])
+
+
+def shard_litgpt_attention(attn: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split one litgpt ``CausalSelfAttention`` per head over ``tp_mesh`` (the caller shards ``proj``).
+
+    The fused ``qkv`` rows are permuted so each rank's Q heads, K groups and V groups are one contiguous
+    chunk (:func:`litgpt_qkv_rows`), then column-parallel; the attention gets its own copy of the config
+    with per-rank ``n_head`` and ``n_query_groups`` (its forward reshapes with them). The permutation
+    lives only in the sharded parameter: ``state_dict()`` returns ``qkv.weight``/``qkv.bias`` as the
+    unsharded model's global tensors (rows in litgpt's order) and ``load_state_dict`` accepts them, so
+    model checkpoints stay valid across tp sizes.
+    """
+    import copy
+
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    config: Any = copy.copy(attn.config)
+    rows = litgpt_qkv_rows(config.n_head, config.n_query_groups, config.head_size, tp)
+    inverse = torch.argsort(rows)
+    qkv = attn.get_submodule("qkv")
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            param = getattr(qkv, name, None)
+            if param is not None:
+                param.copy_(param[rows.to(param.device)])
+    parallelize_module(attn, tp_mesh, {"qkv": ColwiseParallel()})
+    config.n_head //= tp
+    config.n_query_groups //= tp
+    attn.config = config
+    qkv.register_state_dict_post_hook(_qkv_global_rows(inverse))
+    qkv.register_load_state_dict_pre_hook(_qkv_sharded_rows(rows))
+
+
+def resume_blocker(layout: TransformerLayout | None, stored_tp: int, tp: int) -> str | None:
+    """Why a checkpoint written at ``stored_tp`` cannot resume training at ``tp`` (``None`` when it can).
+
+    litgpt's split attention keeps its optimizer states (e.g. Adam's moments of ``attn.qkv``) in the
+    sharded parameter's row order (:func:`litgpt_qkv_rows`, which depends on ``tp``); the model's
+    ``state_dict`` is restored to litgpt's order but an optimizer's is not, so another tp would pair
+    moments with the wrong rows.
+    """
+    if layout is None or layout.family != "litgpt" or stored_tp == tp:
+        return None
+    return (
+        f"the checkpoint was written at tp={stored_tp} and this run has tp={tp}: litgpt's fused attn.qkv keeps "
+        "its optimizer states in a tp-dependent row order, so they would not match the rows of this layout; "
+        f"resume with plan=ParallelPlan(tp={stored_tp}, ...) (or set trainer.ckpt_path before fit), or load "
+        "only the model weights (model.load_state_dict: its state_dict is in litgpt's own order at any tp)"
+    )
+
+
+def _qkv_global_rows(inverse: Any) -> Any:
+    """``state_dict`` post-hook: the sharded, permuted qkv tensors as the unsharded model's tensors."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name in ("weight", "bias"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                full: Any = value.full_tensor().detach()
+                state_dict[prefix + name] = full[inverse.to(full.device)]
+
+    return hook
+
+
+def _qkv_sharded_rows(rows: Any) -> Any:
+    """``load_state_dict`` pre-hook: an unsharded model's qkv tensor, permuted and sliced like the parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name in ("weight", "bias"):
+            value, param = state_dict.get(prefix + name), getattr(module, name, None)
+            if value is None or not isinstance(param, DTensor) or tuple(value.shape) != tuple(param.shape):
+                continue  # missing or mis-shaped: load_state_dict reports it
+            full: Any = value.full_tensor() if isinstance(value, DTensor) else value
+            permuted = full.detach()[rows.to(full.device)].to(param.device)
+            state_dict[prefix + name] = distribute_tensor(
+                permuted, param.device_mesh, param.placements, src_data_rank=None
+            )
+
+    return hook
 
 
 def _present(root: nn.Module, path: str | None) -> bool:

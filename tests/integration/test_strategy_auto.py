@@ -146,13 +146,14 @@ class _LitgptGPT(nn.Module):
         self.lm_head = nn.Linear(32, 64, bias=False)
 
 
-def test_litgpt_layout_splits_mlp_only_and_says_so():
+def test_litgpt_layout_recognised_and_tp_needs_litgpt_attention():
     layout = find_layout(_LitgptGPT())
-    assert layout.family == "litgpt"
-    assert layout.colwise == ("mlp.fc_1", "mlp.fc_2") and layout.rowwise == ("mlp.proj",)
-    assert "attention stays replicated" in layout.tp_note
-    assert tensor_parallel_blocker(layout, layout.root, tp=2) is None
-    assert "does not divide" in tensor_parallel_blocker(layout, layout.root, tp=3)
+    assert layout.family == "litgpt" and layout.tp_note is None
+    assert layout.colwise == ("mlp.fc_1", "mlp.fc_2") and layout.rowwise == ("attn.proj", "mlp.proj")
+    # attention is split per head only for litgpt's own CausalSelfAttention (fused qkv, config head counts;
+    # tests/distributed/test_strategy_litgpt_tp.py runs the real one): anything else is refused, not scrambled
+    assert "no fused qkv" in tensor_parallel_blocker(layout, layout.root, tp=2)
+    assert tensor_parallel_blocker(layout, layout.root, tp=1) is None
 
 
 def test_head_count_divisibility_blocks_tp():
