@@ -265,9 +265,13 @@ def test_plan_map_from_the_cli_labels_the_chosen_and_well_known_layouts(tmp_path
     assert sum(t.startswith("rejected: ") for t in page.titles) == len(rejected) > 0
     assert any(rejected[0]["reason"] in t for t in page.titles)  # the reason is on hover
     assert f"budget {decision['budget']['budget'] / 2**30:.3g} GiB" in text
-    for family in ("TP x PP x DP", "FSDP x TP"):
-        assert f">{family}</text>" in text
-    assert "chosen: dp=64 zero=3" in text  # FSDP only is the choice here
+    assert ">TP x PP x DP</text>" in text
+    # the fastest tensor-parallel layout inside the node is labelled by its data-parallel kind
+    # (ZeRO-3: "FSDP x TP"; ZeRO-0/1/2: "DP x TP")
+    assert ">FSDP x TP</text>" in text or ">DP x TP</text>" in text
+    chosen_plan = decision["plan"]
+    assert chosen_plan["tp"] == 1 and chosen_plan["pp"] == 1  # sharded data parallelism is the choice here
+    assert f"chosen: dp=64 zero={chosen_plan['zero']}" in text
 
 
 def test_cli_report_writes_html_with_the_plan_map_beside(tmp_path, capsys):
