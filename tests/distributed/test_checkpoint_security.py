@@ -59,10 +59,10 @@ def _fit(root: str, distributed: bool, ckpt_path: str | None = None, calls: list
     strategy = MemplanAutoStrategy(memory_budget=2**30, save_distributed_checkpoint=distributed)
     original = strategy._load_sharded
 
-    def spy(path, weights_only):
+    def spy(path, weights_only, **kwargs):
         if calls is not None:
             calls.append(str(path))
-        return original(path, weights_only)
+        return original(path, weights_only, **kwargs)
 
     strategy._load_sharded = spy  # type: ignore[method-assign]
     trainer = L.Trainer(
