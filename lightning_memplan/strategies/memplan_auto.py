@@ -627,7 +627,7 @@ def _picklable(exc: BaseException) -> bool:
     import pickle
 
     try:
-        pickle.loads(pickle.dumps(exc))
+        pickle.loads(pickle.dumps(exc))  # trusted: round-trips an exception object of this process, no file
     except Exception:  # noqa: BLE001
         return False
     return True

@@ -153,7 +153,7 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], backe
                 results.append(None)
                 continue
             with open(path, "rb") as fh:
-                status, payload = pickle.load(fh)
+                status, payload = pickle.load(fh)  # trusted: the result file this harness's own child wrote in a private temp dir
             if status == "ok":
                 results.append(payload)
             else:
