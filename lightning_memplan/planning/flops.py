@@ -83,12 +83,13 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
 
 def selective_op_recompute_params(model: ModelSpec) -> int:
     """Weights of the matmuls op-level selective AC re-runs in one block: the 2nd, 4th, ... of the
-    forward order q, k, v, o, then the MLP's (w1, w3, w2 for SwiGLU as ``w2(silu(w1 x) * w3 x)``;
-    up, down for GELU/ReLU) [TT-AC]: k, o and w3 (SwiGLU) or k, o and down (GELU)."""
-    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
-    shapes = [h * a * dh, h * k * dh, h * k * dh, a * dh * h]
-    shapes += [h * f, h * f, f * h] if model.ffn_kind == "swiglu" else [h * f, f * h]
-    return sum(n for i, n in enumerate(shapes, 1) if i % 2 == 0)
+    block's forward matmul order [TT-AC], taken from :func:`~lightning_memplan.model.checkpointing.
+    block_matmul_widths` (the order the memory terms use too): k, o and up for SwiGLU
+    (``down(silu(gate x) * up x)``), k, o and down for GELU/ReLU; o and up/down with a fused qkv."""
+    from lightning_memplan.model.checkpointing import block_matmul_widths
+
+    in_features = {"o": model.n_heads * model.dim_head, "down": model.ffn}
+    return sum(in_features.get(name, model.hidden) * out for name, out in block_matmul_widths(model)[1::2])
 
 
 def recompute_flops_per_token(model: ModelSpec, seq_len: int, mode: str, *, layers: int | None = None) -> float:
