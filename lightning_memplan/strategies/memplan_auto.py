@@ -618,7 +618,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
         # As Lightning's ModelParallelStrategy (fabric ``_load_checkpoint``): ``weights_only`` is passed as
         # given, so None means torch's default (True since torch 2.6) and only an explicit
-        # ``fit(weights_only=False)`` unpickles arbitrary objects.
+        # ``fit(weights_only=...)`` set to False by the user unpickles arbitrary objects.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 

@@ -53,8 +53,8 @@ def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
     Read before Lightning's own load (the plan decides the mesh the checkpoint is loaded into), so it is
     read with ``torch.load(weights_only=True)`` always, whatever ``fit(weights_only=...)`` says: the
     record is plain JSON-like data, and nothing in the file is ever executed here. A file that only
-    loads with ``weights_only=False`` (custom pickled objects) gives a warning and no stored plan; the
-    user's own ``fit(weights_only=False)`` then decides whether Lightning loads it.
+    loads with ``weights_only`` off (custom pickled objects) gives a warning and no stored plan; the
+    user's own ``fit(weights_only=...)`` then decides whether Lightning loads it.
     """
     if ckpt_path is None:
         return None
