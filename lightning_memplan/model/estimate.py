@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from lightning_memplan.model import checkpointing, terms
+from lightning_memplan.model import checkpointing, frameworks, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_optional_int, divisor_list
@@ -53,11 +53,12 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
         )
     if plan.schedule == "interleaved" and plan.pp > 1:
         chunks = plan.pp * plan.virtual_stages
-        if model.n_layers < chunks:  # uneven chunks are fine (the first L mod (p v) take one more)
+        units = frameworks.pipeline_units(model.n_layers, train.framework)  # L (+ embedding and head)
+        if units < chunks:  # uneven chunks are fine (the first L mod (p v) take one more)
             raise ValueError(
                 f"virtual_stages={plan.virtual_stages} x pp={plan.pp} = {chunks} stages exceed "
                 f"n_layers={model.n_layers}; every stage needs a block, use virtual_stages <= "
-                f"{model.n_layers // plan.pp}"
+                f"{units // plan.pp}"
             )
     if train.seq_len % plan.cp:
         raise ValueError(
@@ -88,13 +89,15 @@ class StageLayout:
     has_head: bool
 
 
-def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int) -> StageLayout:
-    """Split L blocks over p stages (v chunks each when interleaved); the first ``L mod p`` stages
-    take one extra block (torch.distributed.pipelining's default split). Stage 0 holds the embedding,
-    stage p-1 the final norm and lm_head (and, with tied embeddings and p > 1, its own copy of V*h)."""
+def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int, framework: str = "torch") -> StageLayout:
+    """Split L blocks over p stages (v chunks each when interleaved) as ``framework`` does
+    (:func:`lightning_memplan.model.frameworks.rank_block_counts`: the first ``L mod (p v)`` chunks take
+    one extra block; Llama 3's stack counts the embedding and the output layer as a block each). Stage 0
+    holds the embedding, stage p-1 the final norm and lm_head (and, with tied embeddings and p > 1, its
+    own copy of V*h)."""
     p = plan.pp
-    base, extra = divmod(model.n_layers, p)
-    layers = base + (1 if stage < extra else 0)
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    layers = frameworks.rank_block_counts(model.n_layers, p, v, framework)[stage] if p > 1 else model.n_layers
     return StageLayout(stage=stage, n_layers=layers, has_embedding=stage == 0, has_head=stage == p - 1)
 
 
@@ -265,7 +268,7 @@ def _calibrated_dynamic(
 def _estimate_stage(
     model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage: int, rank: int, calibration: Calibration | None
 ) -> MemoryEstimate:
-    layout = stage_layout(model, plan, stage)
+    layout = stage_layout(model, plan, stage, train.framework)
     inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
     pb = terms.precision_bytes(train)
     local, matmul, largest = _local_params(model, plan, layout)
@@ -295,6 +298,11 @@ def _estimate_stage(
     # 2 x 2 gloo ranks, dp=2 pp=2 m=2 (tests/distributed/test_strategy_3d.py): the per-block unshard and
     # one-gradient-in-flight terms gave +9.9 % / +8.5 % (stage 0 / 1).
     pipelined_fsdp = plan.pp > 1 and shard > 1 and (plan.zero >= 2 or (plan.zero == 0 and not plan.grad_buckets))
+    # Llama 3's FSDP reduce-scatters each micro-batch's gradients into the sharded fp32 accumulator
+    # (arXiv 2407.21783 section 3.3.2, lightning_memplan.model.frameworks): sharded gradients, and one
+    # unit's unsharded gradient in flight during the backward (counted with comm below).
+    per_mb_grads = pipelined_fsdp and plan.zero >= 2 and frameworks.framework_facts(train.framework).grads_per_microbatch
+    pipelined_fsdp = pipelined_fsdp and not per_mb_grads
     grads_accum = states["grads"] if pipelined_fsdp else grads  # the stage's gradients before the reduce
     optimizer = math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"]
     master = math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"]
@@ -319,6 +327,8 @@ def _estimate_stage(
         # alive at the loss. Measured on 2 gloo ranks (tests/distributed/test_strategy_budget.py):
         # without it -5.5 %, exactly one block's parameters short.
         comm_fwd += math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
+        if per_mb_grads:  # the block whose gradient waits for its reduce-scatter
+            comm_bwd += math.ceil(terms.layer_param_count(model) / plan.tp) * pb.grad
     elif shard > 1 and (plan.zero == 3 or (plan.zero == 0 and not plan.grad_buckets)):
         # ZeRO-3, and replication without DDP buckets: FSDP2 over a replicate mesh (shard size 1) still
         # copies each unit into its unsharded buffer for its forward and backward

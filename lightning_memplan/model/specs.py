@@ -46,6 +46,8 @@ ATTENTION_KINDS = ("sdpa", "eager")
 LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DEVICES = ("cuda", "cpu")
+#: Training stacks whose kernel and schedule facts the estimate knows (``lightning_memplan.model.frameworks``).
+FRAMEWORK_NAMES = ("torch", "megatron", "llama3")
 
 # Lightning accepts a few aliases for the same precision plugin; normalise to the canonical string.
 _PRECISION_ALIASES = {
@@ -297,6 +299,12 @@ class TrainSpec:
             ``"cuda"`` has a fused RMSNorm (saves its input and rstd) and autocast runs softmax in
             fp32; on ``"cpu"`` RMSNorm is composite (saves an fp32 copy of its input and the fp32
             normalised tensor) and autocast leaves softmax in bf16.
+        framework: the training stack the step runs on (a description): ``"torch"`` (what memplan_auto
+            runs: DTensor TP/SP, torch.distributed.pipelining, FSDP2), ``"megatron"`` (Megatron-LM's
+            kernels: sequence-parallel linears save their 1/t shard) or ``"llama3"`` (Llama 3's stack,
+            arXiv 2407.21783 section 3.3.2: Megatron-style SP, FSDP reduce-scattering every
+            micro-batch's gradients, first and last pipeline stage one block lighter); see
+            ``lightning_memplan.model.frameworks``.
     """
 
     micro_batch: int
@@ -317,9 +325,11 @@ class TrainSpec:
     activation_bytes: int | None = None
     grads_alive_in_forward: bool = True
     device: str = "cuda"
+    framework: str = "torch"
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
+        _check_choice("framework", self.framework, FRAMEWORK_NAMES)
         _check_int("micro_batch", self.micro_batch)
         _check_int("seq_len", self.seq_len)
         object.__setattr__(self, "precision", canonical_precision(self.precision))

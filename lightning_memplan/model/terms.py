@@ -338,7 +338,15 @@ def layer_activation_bytes(
     norm inputs and the matmul inputs stay whole on every rank [K22 section 4.2.2]. With PyTorch's
     DTensor sequence parallelism the norm inputs are split by t but the all-gathered matmul inputs are
     saved whole (the ``ColwiseParallel`` input redistribution keeps the gathered tensor).
+
+    ``train.framework`` other than ``"torch"`` (``lightning_memplan.model.frameworks``): Megatron-LM's
+    sequence-parallel linears save their 1/t input shard and gather it again in backward, so the matmul
+    inputs are divided by t too [K22 section 4.2.2, Table 2 ``34sbh/t``], and its fused SwiGLU saves
+    only its input, the fc1 output ``2*s*b*f``, and fc2 its input ``s*b*f`` (``3*s*b*f``, not 4).
     """
+    from lightning_memplan.model.frameworks import framework_facts
+
+    facts = framework_facts(train.framework)
     pb = precision_bytes(train)
     h, dh, a, f = model.hidden, model.dim_head, model.n_heads // t, model.ffn // t
     tokens = b * s
@@ -348,6 +356,8 @@ def layer_activation_bytes(
     attn_in_copies = 3 if (cast and not model.qkv_fused) else 1
     mlp_in_copies = 2 if (cast and model.ffn_kind == "swiglu") else 1
     matmul_inputs = (attn_in_copies + mlp_in_copies) * tokens * h * pb.compute
+    if sp and facts.sp_saves_shard:
+        matmul_inputs //= t
     kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
     qkv = (a + 2 * kv_heads) * tokens * dh * pb.compute
     # The output projection's input. The fused kernels allocate their output as [b, s, a, d_h], so
@@ -355,7 +365,8 @@ def layer_activation_bytes(
     attn_out = tokens * a * dh * pb.compute
     if train.attention == "sdpa":
         attn_out += tokens * a * SDPA_LSE_BYTES
-    mlp = (4 if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
+    swiglu_saved = 3 if facts.fused_swiglu else 4
+    mlp = (swiglu_saved if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
     masks = 2 * tokens * h * MASK_BYTES // norm_split if model.dropout > 0 else 0
     return norms + matmul_inputs + qkv + attn_out + mlp + masks
 
@@ -499,13 +510,23 @@ def pipeline_inflight_microbatches(stage: int, p: int, m: int, schedule: str, v:
 
     - GPipe: all m forwards run before any backward: ``m``.
     - 1F1B: stage i runs ``p - i`` warm-up forwards: ``min(p - i, m)``.
-    - interleaved (v chunks per rank): the first stage holds ``p * (1 + (p-1)/(p*v))`` micro-batches'
-      worth of its layers; stage i scales that by ``(p - i)/p``; capped at m.
+    - interleaved (v chunks per rank, m a multiple of p): rank i runs ``(v-1) p + 2 (p-1-i)`` warm-up
+      chunk forwards, capped at all ``m v`` of them, and one more forward before its first backward
+      (torch 2.13 ``torch/distributed/pipelining/schedules.py`` ``_get_warmup_ops`` with
+      ``microbatches_per_round = p``; Megatron-LM ``schedules.py``
+      ``forward_backward_pipelining_with_interleaving``, ``num_warmup_microbatches``); in micro-batches
+      of all its chunks that is ``min(m, ((v-1) p + 2 (p-1-i) + 1) / v)``. Stage 0 gets
+      ``p (1 + (p-1)/(p v))`` [K22 4.2.3]; the last stage still ``p - (p-1)/v``, not ``1 + ...``: the
+      ``(v-1) p`` warm-up of the earlier chunks is the same on every rank.
     """
     if p == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
+    if schedule == "interleaved" and v > 1:
+        per_round = p if m >= p else m  # torch: n_microbatches // max(1, n_microbatches // p)
+        held = min(m * v, (v - 1) * per_round + 2 * (p - 1 - stage)) + 1
+        return min(float(m), held / v)
     inflight = float(min(p - stage, m))
     if schedule == "interleaved":
         inflight = min(float(m), inflight * (1 + (p - 1) / (p * v)))

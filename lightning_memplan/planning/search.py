@@ -111,7 +111,7 @@ class _Search:
         full = plan.pp == 1 or not quick or est.total <= self.budget(plan).budget
         if plan.pp > 1 and full:
             per_stage = plan.dp * plan.cp * plan.tp
-            for stage in _candidate_stages(plan):
+            for stage in _candidate_stages(plan, self.model.n_layers, train.framework):
                 other = estimate_memory(self.model, train, plan, rank=stage * per_stage, calibration=self.calibration)
                 if other.total > est.total:
                     est = other
@@ -421,11 +421,14 @@ def _layout(lc: LayoutChoice) -> Layout:
     return Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
 
 
-def _candidate_stages(plan: ParallelPlan) -> list[int]:
-    """Stages besides 0 that can hold a rank's peak: the last (lm_head and logits) and the first
-    stage whose in-flight micro-batches number fewer than m, where this step's gradients first meet
-    a full in-flight set (the memory model's pipeline timeline). Later middle stages hold fewer
-    micro-batches and no more layers, so they never exceed it."""
+def _candidate_stages(plan: ParallelPlan, n_layers: int, framework: str = "torch") -> list[int]:
+    """Stages besides 0 that can hold a rank's peak: the last (lm_head and logits), the first stage
+    whose in-flight micro-batches number fewer than m, where this step's gradients first meet a full
+    in-flight set (the memory model's pipeline timeline), and, where stage 0 holds fewer blocks than
+    others (Llama 3's split, :func:`lightning_memplan.model.frameworks.rank_block_counts`), the first
+    stage with the most blocks. Later middle stages hold fewer micro-batches and no more blocks, so they
+    never exceed these."""
+    from lightning_memplan.model.frameworks import rank_block_counts
     from lightning_memplan.model.terms import pipeline_inflight_microbatches
 
     stages = [plan.pp - 1]
@@ -434,4 +437,9 @@ def _candidate_stages(plan: ParallelPlan) -> list[int]:
         if inflight < plan.microbatches:
             stages.insert(0, stage)
             break
+    counts = rank_block_counts(n_layers, plan.pp, plan.virtual_stages if plan.schedule == "interleaved" else 1, framework)
+    if counts[0] < max(counts):
+        busiest = counts.index(max(counts))
+        if busiest not in stages:
+            stages.insert(0, busiest)
     return stages

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lightning_memplan.model.frameworks import pipeline_units
 from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, SCHEDULES, ModelSpec, TrainSpec
 
 __all__ = [
@@ -294,8 +295,10 @@ def enumerate_layouts(
                             # uneven chunks (the first L mod (p v) take one more block) where the
                             # stages are uneven anyway (L mod p != 0: Llama 3's 126 layers on 16
                             # stages); even stages keep even chunks (L mod (p v) == 0)
-                            for v in range(2, min(MAX_VIRTUAL_STAGES, L // pp) + 1):
-                                if (L % pp == 0 and L % (pp * v)) or not _in(v, allow.virtual_stages):
+                            # units: the blocks, plus embedding and head where the stack weighs them (Llama 3)
+                            units = pipeline_units(L, train.framework)
+                            for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp) + 1):
+                                if (units % pp == 0 and units % (pp * v)) or not _in(v, allow.virtual_stages):
                                     continue
                                 if m % pp:
                                     break  # Megatron-LM's interleaved schedule needs m % p == 0

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
-from lightning_memplan.model import terms
+from lightning_memplan.model import frameworks, terms
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import efficiency as E
 from lightning_memplan.planning import flops as F
@@ -327,6 +327,8 @@ class StepTimeModel:
         # reduce-scatters in the gradient dtype (torchtitan: reduce_dtype=float32) [TT-FSDP]; the
         # memory model assumes the same gathered dtype.
         self.gather_b = self.pb.compute if self.pb.autocast_copy else self.pb.param
+        # FSDP inside pipeline stages reduce-scatters per micro-batch (Llama 3) or once per step (torch)
+        self.grads_per_mb = frameworks.framework_facts(train.framework).grads_per_microbatch
         self._links: dict[tuple[int, int], Any] = {}
         self._block: dict[tuple[float, int, int], tuple[float, dict[str, float], float]] = {}
         self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
@@ -367,42 +369,42 @@ class StepTimeModel:
         out = self._block[key] = (gemm + attn + elem + score + 2 * ring, extra, head)
         return out
 
-    def rank_layers(self, p: int, v: int) -> tuple[int, int]:
-        """(blocks on the first pipeline rank, blocks on the last) when L blocks are split into
-        ``p * v`` stages, the first ``L mod (p v)`` taking one more (torch.distributed.pipelining's and
-        :mod:`lightning_memplan.strategies.pipeline`'s split), rank r holding stages r, r + p, ...
-        Uneven counts are allowed: Llama 3 ran 126 layers on 16 stages with the first and last lighter
-        [L3 section 3.3.2], which this split reproduces (the lm_head makes the last rank's load up)."""
+    def rank_layers(self, p: int, v: int) -> tuple[int, int, int]:
+        """(blocks on the first pipeline rank, on the last, on the busiest) when L blocks are split into
+        ``p * v`` stages as ``train.framework`` splits them
+        (:func:`lightning_memplan.model.frameworks.rank_block_counts`, the memory model's split): the
+        first ``L mod (p v)`` take one more (torch.distributed.pipelining's and
+        :mod:`lightning_memplan.strategies.pipeline`'s split), rank r holding stages r, r + p, ...; Llama
+        3's stack counts the embedding and the output layer as one block each, so its first and last
+        rank hold one block fewer [L3 section 3.3.2]."""
         key = (p, v)
         hit = self._ranks.get(key)
         if hit is None:
-            base, extra = divmod(self.model.n_layers, p * v)
-            first = sum(base + (1 if k * p < extra else 0) for k in range(v))
-            last = sum(base + (1 if (p - 1) + k * p < extra else 0) for k in range(v))
-            hit = self._ranks[key] = (first, last)
+            counts = frameworks.rank_block_counts(self.model.n_layers, p, v, self.train.framework)
+            hit = self._ranks[key] = (counts[0], counts[-1], max(counts))
         return hit
 
     def stage_compute(self, lay: Layout, rc: str) -> float:
         """Seconds of one micro-batch's forward + backward (+ recompute) on the bottleneck pipeline rank."""
-        first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
+        _, last, most = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp, lay.cp)
         per = block + extra[rc]
-        return max(first * per, last * per + head)
+        return max(most * per, last * per + head)
 
     def compute_lower_bound(self, lay: Layout) -> float:
         """A cheap lower bound of every option's step time for ``lay``: the bottleneck stage's compute
         with the least recompute allowed, over ``m + (p-1)/v`` slots, no communication."""
         if not self.modelled:
             return lay.m * lay.dp * lay.b * self.train.seq_len * UNMODELLED_S_PER_TOKEN
-        first, last = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
+        _, last, most = self.rank_layers(lay.pp, lay.v if lay.pp > 1 else 1)
         slots = lay.m + (lay.pp - 1) / lay.v if lay.pp > 1 else float(lay.m)
         block, extra, head = self.block_seconds(lay.b * self.train.seq_len / lay.cp, lay.tp, lay.cp)
         per = block + min(extra.values())
-        compute = max(first * per, last * per + head)
+        compute = max(most * per, last * per + head)
         tp = 0.0
         if lay.tp > 1:  # the 4 TP all-reduces per layer are never hidden
             msg = lay.b * (self.train.seq_len // lay.cp) * self.model.hidden * self.pb.compute
-            tp = max(first, last) * 4 * all_reduce_time(msg, lay.tp, self._link(1, lay.tp))
+            tp = most * 4 * all_reduce_time(msg, lay.tp, self._link(1, lay.tp))
         return slots * (compute + tp)
 
     def _link(self, stride: int, size: int):
@@ -422,9 +424,9 @@ class StepTimeModel:
         notes: list[str] = []
 
         # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
-        first_layers, last_layers = self.rank_layers(p, v if p > 1 else 1)
+        first_layers, last_layers, most_layers = self.rank_layers(p, v if p > 1 else 1)
         block_s, extra_s, head_s = self.block_seconds(b * s / c, t, c)
-        compute_mb = {rc: max(first_layers * (block_s + extra_s[rc]), last_layers * (block_s + extra_s[rc]) + head_s)
+        compute_mb = {rc: max(most_layers * (block_s + extra_s[rc]), last_layers * (block_s + extra_s[rc]) + head_s)
                       for rc in recomputes}
         tokens_step = d * m * tokens_mb
 
@@ -433,7 +435,7 @@ class StepTimeModel:
         tp_link = self._link(1, t)
         notes.extend(topology_notes(hardware, d, t, p, c))
         per_ar = all_reduce_time(b * (s // c) * model.hidden * pb.compute, t, tp_link)
-        layers_b = max(first_layers, last_layers)
+        layers_b = most_layers
         tp_mb = {rc: layers_b * (6 if rc == "full" else 4) * per_ar for rc in recomputes}
 
         # context parallel: ring K/V exchange hidden under the attention compute [L23]
@@ -476,7 +478,7 @@ class StepTimeModel:
         if p > 1:
             stage0 = first_layers * self.layer_p + self.emb_p
             stage_last = last_layers * self.layer_p + self.head_p + self.tied_extra
-            local = max(stage0, stage_last) / t
+            local = max(stage0, stage_last, most_layers * self.layer_p) / t
         else:
             local = self.total_p / t
         grad_bytes, param_bytes, gather_bytes = local * pb.grad, local * pb.param, local * self.gather_b
@@ -515,6 +517,16 @@ class StepTimeModel:
                     exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc])
                     exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
                     once = rs + (fsdp_ag if z == 2 else 0.0)
+                    if self.grads_per_mb:
+                        # Llama 3's FSDP reduce-scatters every micro-batch's gradients asynchronously
+                        # [L3 section 3.3.2: DP "can tolerate longer network latency by asynchronously
+                        # prefetching sharded model weights and reducing gradients"]: a reduce-scatter
+                        # issued after a chunk's backward runs on while the schedule's next slot (one
+                        # forward and one backward in the steady state) computes; only the last unit's
+                        # is left at the end of the step
+                        exposed_mb += max(0.0, rs - OVERLAP_EFFICIENCY * compute_mb[rc])
+                        per_mb += rs
+                        once = rs / max(1, layers_b + 1) + (fsdp_ag if z == 2 else 0.0)
                     comm = m * exposed_mb + once + (2 if z == 2 else 1) * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
                     hidden = max(0.0, m * per_mb - m * exposed_mb)
                 else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
