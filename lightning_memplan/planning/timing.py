@@ -331,7 +331,7 @@ class StepTimeModel:
         self.grads_per_mb = frameworks.framework_facts(train.framework).grads_per_microbatch
         self._links: dict[tuple[int, int], Any] = {}
         self._block: dict[tuple[float, int, int], tuple[float, dict[str, float], float]] = {}
-        self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
+        self._ranks: dict[tuple[int, int], tuple[int, int, int]] = {}
 
     def block_seconds(self, tokens: float, t: int, c: int = 1) -> tuple[float, dict[str, float], float]:
         """(one block's forward + backward seconds on a rank for ``tokens`` tokens, ``{recompute: extra
