@@ -51,6 +51,7 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             f"pp={plan.pp} exceeds n_layers={model.n_layers}; every pipeline stage needs at least one "
             f"block, use pp <= {model.n_layers}"
         )
+    _check_schedule_runs(plan)
     if plan.schedule == "interleaved" and plan.pp > 1:
         chunks = plan.pp * plan.virtual_stages
         units = frameworks.pipeline_units(model.n_layers, train.framework)  # L (+ embedding and head)
@@ -77,6 +78,22 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             f"sp=True splits the sequence over tp={plan.tp}, but seq_len={train.seq_len} (per cp rank "
             f"{train.seq_len // plan.cp}) is not divisible by it; pad seq_len or set sp=False"
         )
+
+
+def _check_schedule_runs(plan: ParallelPlan) -> None:
+    """Refuse a pipeline schedule that cannot run its micro-batches (1F1B with ``microbatches < pp``):
+    the rule the planner's search and memplan_auto's setup apply,
+    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker` (the dataloader batch is not
+    known here; ``train.micro_batch`` is one micro-batch)."""
+    from lightning_memplan.planning.runnable import pipeline_schedule_blocker  # planning imports model
+
+    reason = pipeline_schedule_blocker(pp=plan.pp, schedule=plan.schedule, microbatches=plan.microbatches, batch=None)
+    if reason is None:
+        return
+    fix = f"use microbatches>={plan.pp}, e.g. ParallelPlan(..., pp={plan.pp}, microbatches={plan.pp})"
+    if pipeline_schedule_blocker(pp=plan.pp, schedule="gpipe", microbatches=plan.microbatches, batch=None) is None:
+        fix += f", or schedule='gpipe' (it runs microbatches={plan.microbatches})"
+    raise ValueError(f"plan={plan.describe()} cannot run: {reason}; {fix}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_memplan.model.frameworks import pipeline_units
 from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, SCHEDULES, ModelSpec, TrainSpec
+from lightning_memplan.planning.runnable import pipeline_schedule_blocker
 
 __all__ = [
     "ALLOW_NAMES",
@@ -230,9 +231,11 @@ def enumerate_layouts(
     Early, shape-only rejections (no memory estimate needed): tp must divide the query and key/value
     heads (Megatron splits whole heads); pp <= L; cp must divide s (2c | s for the load-balanced
     causal split); sp needs (s/c) % t == 0; the global batch must divide by dp x micro-batch;
-    interleaving needs L >= p v, even chunks (L % (p v) == 0) when the stages are even (L % p == 0), and
-    m % p == 0 (Megatron-LM's interleaved schedule). One reason is
-    recorded per rejected axis value, not per combination, so the list stays readable.
+    interleaving needs L >= p v and even chunks (L % (p v) == 0) when the stages are even (L % p == 0);
+    the schedule must run its m micro-batches
+    (:func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker`: 1F1B m >= p, interleaved
+    m % p == 0, the rule memplan_auto's setup applies to a forced plan). One reason is recorded per
+    rejected axis value (per layout and schedule), not per combination, so the list stays readable.
     """
     layouts: list[LayoutChoice] = []
     rejected: list[tuple[str, str, str]] = []
@@ -282,6 +285,7 @@ def enumerate_layouts(
                 if not bs:
                     rejected.append((where, "batch", f"per-replica batch {per_replica} not divisible by any allowed micro-batch {list(allow.micro_batch or ())}"))
                     continue
+                unrunnable: set[str] = set()
                 for b in bs:
                     m = per_replica // b
                     schedules: list[tuple[str, int]] = []
@@ -289,6 +293,14 @@ def enumerate_layouts(
                         schedules.append(("1f1b", 1))
                     else:
                         for sched in allow.schedule:
+                            # the rule memplan_auto's setup applies too (1F1B: m >= pp; interleaved:
+                            # m % pp == 0): the search never yields a schedule that cannot run
+                            blocker = pipeline_schedule_blocker(pp=pp, schedule=sched, microbatches=m, batch=per_replica)
+                            if blocker is not None:
+                                if sched not in unrunnable:  # one reason per layout and schedule
+                                    unrunnable.add(sched)
+                                    rejected.append((f"{where} {sched} b={b} x{m}", "schedule", blocker))
+                                continue
                             if sched != "interleaved":
                                 schedules.append((sched, 1))
                                 continue
@@ -300,8 +312,6 @@ def enumerate_layouts(
                             for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp) + 1):
                                 if (units % pp == 0 and units % (pp * v)) or not _in(v, allow.virtual_stages):
                                     continue
-                                if m % pp:
-                                    break  # Megatron-LM's interleaved schedule needs m % p == 0
                                 schedules.append(("interleaved", v))
                     for sched, v in schedules:
                         layouts.append(LayoutChoice(dp, tp, pp, cp, b, m, sched, v, zeros, sps, losses))

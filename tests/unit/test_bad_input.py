@@ -208,6 +208,12 @@ case("estimate_memory.calibration=str", lambda: estimate_memory(SMALL, SMALL_TRA
 case("estimate_memory cp=2 eager", lambda: estimate_memory(SMALL, TrainSpec(**TRAIN, attention="eager"), ParallelPlan(cp=2)), "cp=2")
 case("estimate_memory tp=3", lambda: estimate_memory(SMALL, SMALL_TRAIN, ParallelPlan(tp=3)), "tp=3")
 case("estimate_memory pp=9", lambda: estimate_memory(SMALL, SMALL_TRAIN, ParallelPlan(pp=9)), "pp=9")
+# 1F1B with fewer micro-batches than stages cannot run (torch Schedule1F1B); ParallelPlan's default m=1
+case("estimate_memory pp=2 1f1b m=1", lambda: estimate_memory(SMALL, SMALL_TRAIN, ParallelPlan(pp=2)), "microbatches=1")
+case("estimate_memory pp=2 1f1b m=1 rank=1",
+     lambda: estimate_memory(SMALL, SMALL_TRAIN, ParallelPlan(pp=2, microbatches=1), rank=1), "microbatches>=2")
+case("plan pp=2 1f1b only m=1", lambda: plan(SMALL, SMALL_TRAIN, HardwareSpec.preset("l4", gpus_per_node=2),
+                                            allow={"pp": [2], "schedule": ["1f1b"], "micro_batch": [2]}), "microbatches=1")
 
 # inconsistent plans no layout can run
 case("ParallelPlan interleaved pp=1", lambda: ParallelPlan(schedule="interleaved"), "schedule='interleaved'")
@@ -354,6 +360,7 @@ CLI_CASES += [
     ("estimate bad import", ["estimate", "--model", "no_such_pkg.mod:Cls", "--seq-len", "8"], "no_such_pkg"),
     ("estimate bad kwargs", ["estimate", "--model", "torch.nn:Linear", "--model-kwargs", "{x", "--seq-len", "8"], "--model-kwargs"),
     ("estimate sp without tp", EST + ["--sp"], "sp=True"),
+    ("estimate pp=4 1f1b m=1", EST + ["--pp", "4", "--microbatches", "1"], "microbatches=1"),
     ("plan unknown hardware", PLAN[:4] + ["h300", "--seq-len", "8"], "h300"),
     ("report missing", ["report", "/nonexistent/memory_report.json"], "/nonexistent"),
 ]
