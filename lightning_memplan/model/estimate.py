@@ -179,7 +179,7 @@ def _dynamic(
     per_mb_attn = layout.n_layers * attn_layer
 
     if layout.has_head:
-        shard = t if train.loss == "vocab_parallel" else 1
+        shard = t if train.loss in terms.VOCAB_SHARDED_LOSSES else 1
         lg = terms.logits_bytes(model, train, tokens, vocab_shard=shard)
     else:
         lg = {"forward": 0, "held": 0, "backward": 0}

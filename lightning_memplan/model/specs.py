@@ -43,7 +43,7 @@ OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", 
 OPTIMIZER_IMPLS = ("foreach", "fused", "for_loop")
 RECOMPUTE_MODES = ("none", "selective", "selective_op", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
-LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel")
+LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel", "loss_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DEVICES = ("cuda", "cpu")
 #: Training stacks whose kernel and schedule facts the estimate knows (``lightning_memplan.model.frameworks``).
@@ -283,8 +283,9 @@ class TrainSpec:
             (softmax scores stored: the 5as/h term).
         loss: ``"naive"`` (logits in the compute dtype, ``F.cross_entropy`` upcasts internally),
             ``"fp32_upcast"`` (an explicit ``logits.float()`` copy, as Hugging Face models do),
-            ``"chunked"`` (only ``loss_chunk_size`` tokens of logits at a time) or ``"vocab_parallel"``
-            (each tensor-parallel rank holds V/t columns).
+            ``"chunked"`` (only ``loss_chunk_size`` tokens of logits at a time), ``"vocab_parallel"``
+            (each tensor-parallel rank holds V/t columns) or ``"loss_parallel"`` (PyTorch's
+            ``loss_parallel()`` on DTensor logits sharded over the vocab, as torchtitan runs it).
         loss_chunk_size: tokens per chunk for ``loss="chunked"``; ``None`` means this project's
             ``chunk_size="auto"`` rule.
         grad_accumulation: micro-batches accumulated per optimizer step (gradients persist across them).

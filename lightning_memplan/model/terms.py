@@ -36,6 +36,7 @@ __all__ = [
     "AUTO_CHUNK_BUDGET_BYTES",
     "AUTO_CHUNK_GRAD_FRACTION",
     "AUTO_MIN_CHUNKS",
+    "VOCAB_SHARDED_LOSSES",
     "CHUNK_ROW_MULTIPLE",
     "auto_loss_chunk_tokens",
     "autocast_copy_bytes",
@@ -56,6 +57,7 @@ __all__ = [
     "optimizer_state_bytes_per_param",
     "optimizer_workspace_bytes",
     "param_count",
+    "pipeline_head_inflight_microbatches",
     "pipeline_inflight_microbatches",
     "precision_bytes",
 ]
@@ -428,6 +430,8 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     - ``chunked``: this project's ``LinearCrossEntropy`` (:func:`_chunked_loss_bytes`): one chunk's
       working set plus the gradients it computes during the forward.
     - ``vocab_parallel``: naive with V/t columns per rank (``vocab_shard`` = t).
+    - ``loss_parallel``: PyTorch's ``loss_parallel()`` on DTensor logits sharded ``Shard(-1)`` over t
+      (torchtitan's TP recipe), V/t columns per rank (:func:`_loss_parallel_bytes`).
     """
     pb = precision_bytes(train)
     vocab = math.ceil(model.vocab_size / vocab_shard)
@@ -435,6 +439,8 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     if train.loss == "chunked":
         return _chunked_loss_bytes(model, train, tokens, vocab)
     elems = tokens * vocab
+    if train.loss == "loss_parallel":
+        return _loss_parallel_bytes(elems, e)
     if train.loss == "fp32_upcast":
         # ``logits = logits.float()`` rebinds the name: the e-byte logits die once the copy exists,
         # so the peak is max(logits + copy, copy + log-probs); nothing of the copy outlives the loss.
@@ -448,6 +454,30 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     forward = elems * (e + upcast_copy + lp)
     held = elems * lp
     return {"forward": forward, "held": held, "backward": 3 * elems * lp}
+
+
+#: Loss modes whose logits hold V/t columns per tensor-parallel rank.
+VOCAB_SHARDED_LOSSES = ("vocab_parallel", "loss_parallel")
+
+
+def _loss_parallel_bytes(elems: int, e: int) -> dict[str, int]:
+    """PyTorch's ``loss_parallel()`` (``torch/distributed/tensor/parallel/loss.py``) for
+    ``F.cross_entropy(logits.float(), target)`` on E = ``elems`` local elements of e-byte logits.
+
+    - forward (``_log_softmax``, the decomposition with all-reduces inserted): the caller's e-byte
+      logits, their fp32 copy (none when e = 4), ``shifted = x - x_max`` and ``exp(shifted)`` (freed
+      by the sum; the result takes its place): ``(e + 4 [copy] + 8) E``;
+    - held: the fp32 log-probabilities that ``nll_loss`` saves, ``4E``;
+    - backward (``_nll_loss_and_log_softmax_backward``, both backwards fused): the log-probabilities,
+      ``zeros_like`` of them, ``exp(x)`` and ``grad_input + exp(x)`` before the product replaces the
+      exp: ``16E`` (three more fp32 [N, V/t] buffers than the fused log_softmax backward's 12E).
+
+    Measured with ``TensorTracker`` on 2 gloo ranks (N = 2048, V = 4096, bf16 and fp32 logits,
+    tests/distributed/test_loss_parallel_memory.py): 14.0E / 16.0E (bf16), 12.0E / 16.0E (fp32).
+    """
+    copy = FP32_BYTES if e != FP32_BYTES else 0
+    return {"forward": elems * (e + copy + 2 * FP32_BYTES), "held": elems * FP32_BYTES,
+            "backward": 4 * elems * FP32_BYTES}
 
 
 #: Byte budget of the per-chunk working set of ``LinearCrossEntropy(chunk_size="auto")``.
@@ -531,6 +561,16 @@ def pipeline_inflight_microbatches(stage: int, p: int, m: int, schedule: str, v:
     if schedule == "interleaved":
         inflight = min(float(m), inflight * (1 + (p - 1) / (p * v)))
     return inflight
+
+
+def pipeline_head_inflight_microbatches(p: int, m: int, schedule: str) -> float:
+    """Micro-batches whose loss-side tensors (final norm, lm_head input, logits) the last stage holds:
+    the last chunk's forward is followed by its own backward under 1F1B and interleaved 1F1B (the last
+    rank runs no warm-up of its last chunk: torch ``_get_warmup_ops`` counts only the earlier chunks'
+    ``(v-1) p``) [N21 section 2.2], so ``1``; GPipe runs all m forwards first: ``m``."""
+    if p == 1:
+        return 1.0
+    return float(m) if schedule == "gpipe" else 1.0
 
 
 def ddp_bucket_bytes(grad_bytes: int) -> int:

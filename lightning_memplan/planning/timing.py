@@ -463,7 +463,7 @@ class StepTimeModel:
         loss_mb = {}
         for lm in losses:
             cost = 0.0
-            if lm == "vocab_parallel":
+            if lm in terms.VOCAB_SHARDED_LOSSES:  # all-reduces of per-token statistics, no logits gather
                 cost += 3 * all_reduce_time(tok_rank * terms.FP32_BYTES, t, tp_link)
             elif t > 1:
                 logits = tok_rank * model.vocab_size * pb.logits
@@ -514,19 +514,18 @@ class StepTimeModel:
                     # reshards after each forward, so each micro-batch's forward and backward gather.
                     gathers_mb = 2 if z == 3 else 0
                     per_mb = gathers_mb * fsdp_ag
-                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc])
-                    exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
                     once = rs + (fsdp_ag if z == 2 else 0.0)
                     if self.grads_per_mb:
                         # Llama 3's FSDP reduce-scatters every micro-batch's gradients asynchronously
                         # [L3 section 3.3.2: DP "can tolerate longer network latency by asynchronously
                         # prefetching sharded model weights and reducing gradients"]: a reduce-scatter
                         # issued after a chunk's backward runs on while the schedule's next slot (one
-                        # forward and one backward in the steady state) computes; only the last unit's
-                        # is left at the end of the step
-                        exposed_mb += max(0.0, rs - OVERLAP_EFFICIENCY * compute_mb[rc])
+                        # forward and one backward in the steady state) computes, on the same link as the
+                        # gathers; only the last unit's is left at the end of the step
                         per_mb += rs
                         once = rs / max(1, layers_b + 1) + (fsdp_ag if z == 2 else 0.0)
+                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc])
+                    exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
                     comm = m * exposed_mb + once + (2 if z == 2 else 1) * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
                     hidden = max(0.0, m * per_mb - m * exposed_mb)
                 else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
