@@ -175,7 +175,8 @@ def _dynamic(
     head_acts = 0
     if layout.has_head:  # the final norm (a 1/t sequence slice under SP) and the lm_head's (gathered) input
         head_acts = terms.norm_saved_bytes(model, train, tokens, split=t if sp else 1) + tokens * model.hidden * pb.compute
-    per_mb_acts = layout.n_layers * saved_layer + head_acts
+    block_acts = layout.n_layers * saved_layer
+    per_mb_acts = block_acts + head_acts
     per_mb_attn = layout.n_layers * attn_layer
 
     if layout.has_head:
@@ -184,7 +185,9 @@ def _dynamic(
     else:
         lg = {"forward": 0, "held": 0, "backward": 0}
     # Only the last stage computes the loss, once per micro-batch; in-flight ones keep their "held" part.
-    inflight_head = inflight if layout.has_head else 0
+    # The last chunk runs each micro-batch's loss forward then its backward (1F1B, interleaved): its
+    # loss-side tensors are held for fewer micro-batches than the stage's blocks (terms).
+    inflight_head = terms.pipeline_head_inflight_microbatches(plan.pp, m, plan.schedule) if layout.has_head else 0
     _, matmul, _ = _local_params(model, plan, layout)
     # Autocast's weight cache lives for one autocast region; the pipeline schedule runs every
     # micro-batch inside the step's region, so the copies exist once. FSDP (zero >= 2 with d > 1)
@@ -197,7 +200,7 @@ def _dynamic(
         matmul -= layout.n_layers * math.ceil(terms.layer_matmul_param_count(model) / t)
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
 
-    acts_fwd = round(inflight * per_mb_acts)
+    acts_fwd = round(inflight * block_acts + inflight_head * head_acts)
     attn_fwd = round(inflight * per_mb_attn)
     eager_bwd_ws = 0
     if train.attention == "eager" and train.recompute == "none":
@@ -232,7 +235,8 @@ def _dynamic(
             "other": copies,
         },
         "backward_end": {
-            "activations": round(max(0.0, inflight - 1) * per_mb_acts) + min(saved_layer, per_mb_acts),
+            "activations": round(max(0.0, inflight - 1) * block_acts + max(0.0, inflight_head - 1) * head_acts)
+            + min(saved_layer, per_mb_acts),
             "attention": round(max(0.0, inflight - 1) * per_mb_attn),
             "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
             "workspace": linear_bwd_ws,
