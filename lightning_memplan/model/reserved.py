@@ -9,9 +9,13 @@ function of the allocation sequence, modelled here by three hardware-independent
    ``kMinLargeAlloc`` = 10 MiB from 20 MiB segments (``kLargeBuffer``), larger ones from segments
    rounded up to ``kRoundLarge`` = 2 MiB (:func:`rounded_block_bytes`, :func:`segment_bytes`);
 2. per-stream pools [CCA]: a freed block is reused only by requests on the stream it was allocated on,
-   and FSDP2 allocates its all-gather outputs on an all-gather stream and its reduce-scatter inputs on
-   a reduce-scatter stream [FSDP2], so those buffers reserve their own pools (their peak over the step)
-   next to the default stream's;
+   and FSDP2 allocates its all-gather outputs on an all-gather stream and each unit's reduce-scatter
+   output on a reduce-scatter stream [FSDP2]; the sharded gradients are ``as_strided`` views of those
+   outputs, so every unit's sharded gradient lives in the reduce-scatter pool from its reduce-scatter
+   until ``zero_grad``. Those pools are reserved next to the default stream's: the default stream's
+   peak (the allocated bytes less what lives in the side pools, at its own peak phase) plus each
+   pool's peak over the step. With FSDP2 the sharded gradients therefore add to the reserved peak even
+   where the allocated peak (the loss's backward) comes before any gradient exists;
 3. the loss's segments (without ``expandable_segments``): the logits' buffers are requested in an
    order the freed blocks cannot serve (``fp32_upcast``: the e-byte logits, the fp32 copy and the
    log-probabilities in forward; two fp32 [N, V] buffers in backward, one more than the cached
@@ -29,7 +33,10 @@ Sources:
           ``get_allocation_size``; blocks keyed by stream in ``BlockPool``).
   [FSDP2] PyTorch ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`` (``FSDPCommContext``:
           ``all_gather_stream``, ``reduce_scatter_stream``) and ``_fsdp_collectives.py``
-          (``foreach_reduce``: the reduce-scatter input in ``reduce_dtype``).
+          (``foreach_reduce``: the reduce-scatter input in ``reduce_dtype``, allocated inside
+          ``torch.cuda.stream(reduce_scatter_stream)`` in torch 2.4-2.6, the versions of the torchtitan
+          benchmarks; ``reduce_output`` allocated there in every version, ``new_sharded_grad =
+          torch.as_strided(reduce_output, ...)`` becoming ``sharded_param.grad``).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ __all__ = [
     "K_SMALL_BUFFER",
     "K_SMALL_SIZE",
     "ReservedEstimate",
+    "default_stream_peak_bytes",
     "fsdp_stream_pool_bytes",
     "loss_segment_bytes",
     "reserved_memory",
@@ -102,18 +110,25 @@ def loss_segment_bytes(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, *
     return segment_bytes(tokens * model.vocab_size * e)
 
 
-def fsdp_stream_pool_bytes(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, *, reduce_bytes: int = 4) -> dict[str, int]:
+def _fsdp(plan: ParallelPlan) -> bool:
+    return plan.zero >= 2 and plan.dp * plan.cp > 1
+
+
+def fsdp_stream_pool_bytes(
+    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, *, reduce_bytes: int = 4, sharded_grad_bytes: int = 0
+) -> dict[str, int]:
     """FSDP2's side-stream pools (term 2): ``{"all_gather": ..., "reduce_scatter": ...}``, 0 without FSDP.
 
     - all-gather stream: the root unit's gathered parameters (embedding + head + final norm when they are
       not wrapped per block; kept from the forward to the end of the backward) plus two blocks
       (the current and the prefetched one), in the compute dtype;
-    - reduce-scatter stream: the largest unit's gradient in ``reduce_dtype`` (``reduce_bytes``, fp32
-      by default as in torchtitan's ``mixed_precision_reduce="float32"``) plus its 1/d output; the root
-      unit's reduce-scatter runs last and is the largest for Llama-size vocabularies.
+    - reduce-scatter stream: every unit's sharded gradient (``sharded_grad_bytes``, the rank's gradient
+      bytes after sharding: views of the units' reduce-scatter outputs, kept until ``zero_grad``) plus
+      the largest unit's reduce-scatter input in ``reduce_dtype`` (``reduce_bytes``, fp32 by default as
+      in torchtitan's ``mixed_precision_reduce="float32"``); the root unit's reduce-scatter runs last
+      and is the largest for Llama-size vocabularies.
     """
-    shard = plan.dp * plan.cp
-    if plan.zero < 2 or shard == 1:
+    if not _fsdp(plan):
         return {"all_gather": 0, "reduce_scatter": 0}
     pb = terms.precision_bytes(train)
     block = math.ceil(terms.layer_param_count(model) / plan.tp)
@@ -121,21 +136,37 @@ def fsdp_stream_pool_bytes(model: ModelSpec, train: TrainSpec, plan: ParallelPla
     largest = max(block, root)
     return {
         "all_gather": (root + 2 * block) * pb.compute,
-        "reduce_scatter": largest * reduce_bytes + math.ceil(largest * reduce_bytes / shard),
+        "reduce_scatter": largest * reduce_bytes + sharded_grad_bytes,
     }
+
+
+def default_stream_peak_bytes(plan: ParallelPlan, estimate: MemoryEstimate) -> int:
+    """The default stream's peak: the largest phase of ``estimate`` less what lives in FSDP2's side
+    pools in that phase (its ``comm`` buffers, and its gradients where they are the sharded ones:
+    always without a pipeline; with one only in the optimizer phase, the stages accumulating unsharded
+    gradients on the default stream until the step's reduce-scatter). ``estimate.total`` without FSDP."""
+    if not _fsdp(plan):
+        return estimate.total
+    peaks = []
+    for phase, comps in estimate.by_phase.items():
+        side = comps.get("comm", 0)
+        if plan.pp == 1 or phase == "optimizer":
+            side += comps.get("grads", 0)
+        peaks.append(sum(comps.values()) - side)
+    return max(peaks)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReservedEstimate:
     """Predicted peak reserved bytes of one rank and its terms (all integer bytes).
 
-    ``reserved = allocated - comm_at_peak + all_gather_pool + reduce_scatter_pool + loss_segment + rounding``
-    (the communication buffers the allocated estimate counts at its peak live in the side-stream
-    pools instead, so they are replaced by the pools' own peaks).
+    ``reserved = default_stream_peak + all_gather_pool + reduce_scatter_pool + loss_segment + rounding``
+    (the communication buffers and sharded gradients the allocated estimate counts live in FSDP2's
+    side-stream pools, so the default stream's own peak is added to the pools' peaks).
     """
 
     allocated: int
-    comm_at_peak: int
+    default_stream_peak: int
     all_gather_pool: int
     reduce_scatter_pool: int
     loss_segment: int
@@ -144,7 +175,7 @@ class ReservedEstimate:
 
     @property
     def reserved(self) -> int:
-        return (self.allocated - self.comm_at_peak + self.all_gather_pool + self.reduce_scatter_pool
+        return (self.default_stream_peak + self.all_gather_pool + self.reduce_scatter_pool
                 + self.loss_segment + self.rounding)
 
     @property
@@ -168,12 +199,13 @@ def reserved_memory(
     the per-block saved tensors (about 8 per block and micro-batch) and the model-state tensors."""
     if not isinstance(estimate, MemoryEstimate):
         raise TypeError(f"estimate={estimate!r} must be a MemoryEstimate from estimate_memory()")
-    pools = fsdp_stream_pool_bytes(model, train, plan, reduce_bytes=reduce_bytes)
+    sharded_grads = estimate.by_phase.get("optimizer", {}).get("grads", 0)  # every gradient, sharded
+    pools = fsdp_stream_pool_bytes(model, train, plan, reduce_bytes=reduce_bytes, sharded_grad_bytes=sharded_grads)
     tensors = model.n_layers // plan.pp * (8 + 9 * 3)  # saved tensors + (param, grad, 2 states) x 9 weights
     rounding = 0 if expandable_segments else tensors * K_ROUND_LARGE // 2
     return ReservedEstimate(
         allocated=estimate.total,
-        comm_at_peak=estimate.comm if any(pools.values()) else 0,
+        default_stream_peak=default_stream_peak_bytes(plan, estimate),
         all_gather_pool=pools["all_gather"],
         reduce_scatter_pool=pools["reduce_scatter"],
         loss_segment=loss_segment_bytes(model, train, plan, expandable_segments=expandable_segments),
