@@ -224,6 +224,7 @@ def decide(
     forced_source: str,
     planner: Any,
     batch_known: bool = True,
+    runner: str = "the Trainer",
 ) -> Resolution:
     """Pick and check the plan (runs on rank 0 only).
 
@@ -232,6 +233,7 @@ def decide(
             dimensions excluded when the first choice cannot be applied to this module.
         batch_known: whether ``train.micro_batch`` is the real per-rank dataloader batch (the pipeline
             schedule rule is checked against it).
+        runner: who starts the processes, for the world-size message (``"the Trainer"``, ``"Fabric"``).
     Raises:
         ValueError: a forced plan whose world size differs from the run's, or whose pipeline schedule
             cannot run the batch (:func:`runnable_forced_schedule`).
@@ -240,8 +242,9 @@ def decide(
     if forced is not None:
         if forced.world_size != world_size:
             raise ValueError(
-                f"plan={forced!r} needs {forced.world_size} processes (dp*tp*pp*cp) but the Trainer runs "
-                f"{world_size} (devices x num_nodes); change the plan or Trainer(devices=..., num_nodes=...)"
+                f"plan={forced!r} needs {forced.world_size} processes (dp*tp*pp*cp) but {runner} runs "
+                f"{world_size} (devices x num_nodes); change the plan or {runner.removeprefix('the ')}(devices=..., "
+                "num_nodes=...)"
             )
         plan = forced
         blocked = applicability(plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)

@@ -22,10 +22,13 @@ from lightning_memplan.strategies.layouts import TransformerLayout
 __all__ = [
     "RUN_FIELDS",
     "BatchShapeUnknown",
+    "compose_train_spec",
     "lce_loss_mode",
     "model_spec_for",
     "optimizer_of",
+    "optimizer_spec",
     "peek_batch",
+    "peek_loader",
     "train_spec_for",
 ]
 
@@ -67,10 +70,16 @@ def peek_batch(trainer: Any) -> Any:
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is None or not source.is_defined():
         return None
+    return peek_loader(source.dataloader)
+
+
+def peek_loader(make_loader: Any) -> Any:
+    """The first batch of ``make_loader()`` (a fresh iterator: the loop's own iteration starts from the
+    beginning), drawn under ``torch.random.fork_rng`` so a shuffling sampler's seed draw does not shift
+    the random stream; ``None`` (with a warning) if it cannot be drawn."""
     with torch.random.fork_rng(devices=[]):
         try:
-            loader = source.dataloader()
-            return next(iter(loader))
+            return next(iter(make_loader()))
         except Exception as exc:  # noqa: BLE001 - any failure just means "unknown here"
             warnings.warn(f"memplan_auto could not draw a batch before setup to read its shape: {exc}", stacklevel=2)
             return None
@@ -96,23 +105,51 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
     Raises:
         BatchShapeUnknown: neither ``base``, ``example_input_array`` nor a batch gives the shape.
     """
-    if base is not None:
-        b, s = base.micro_batch, base.seq_len
-    else:
-        b, s = _batch_shape_of(trainer, lightning_module)
+    shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(trainer, lightning_module)
     from lightning_memplan.callbacks.infer import kernel_device
 
     device = kernel_device(trainer)
-    loss, chunk = lce_loss_mode(lightning_module)
     optimizer, impl = optimizer_of(lightning_module, device)
-    run = TrainSpec(
-        micro_batch=b,
-        seq_len=s,
+    return compose_train_spec(
+        shape=shape,
+        module=lightning_module,
         precision=str(trainer.precision),
         grad_accumulation=int(trainer.accumulate_grad_batches),
         device=device,
-        optimizer=optimizer,
-        optimizer_impl=impl,
+        optimizer=(optimizer, impl),
+        base=base,
+        runner="the Trainer",
+    )
+
+
+def compose_train_spec(
+    *,
+    shape: tuple[int, int],
+    module: Any,
+    precision: str,
+    grad_accumulation: int,
+    device: str,
+    optimizer: tuple[str, str],
+    base: TrainSpec | None,
+    runner: str,
+) -> TrainSpec:
+    """The TrainSpec of a run from what its front door read (shared by the Trainer and Fabric).
+
+    ``shape``: ``(micro_batch, seq_len)``; ``optimizer``: ``(optimizer, optimizer_impl)``; the loss mode
+    comes from ``module`` (:func:`lce_loss_mode`). ``base`` (the strategy's ``train=``) overrides every
+    :data:`RUN_FIELDS` field it sets to a non-default value; a precision that contradicts the run's is
+    warned about (``runner`` names the run, e.g. ``"the Trainer"``, ``"Fabric"``).
+    """
+    b, s = shape
+    loss, chunk = lce_loss_mode(module)
+    run = TrainSpec(
+        micro_batch=b,
+        seq_len=s,
+        precision=precision,
+        grad_accumulation=grad_accumulation,
+        device=device,
+        optimizer=optimizer[0],
+        optimizer_impl=optimizer[1],
         loss=loss,
         loss_chunk_size=chunk,
     )
@@ -123,9 +160,9 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
     if "precision" not in taken and base.precision != run.precision:
         warnings.warn(
             f"memplan_auto: train=TrainSpec(precision={base.precision!r}) plans for another precision than "
-            f"the Trainer runs ({run.precision!r}); the estimate describes {base.precision!r}. Leave "
-            "TrainSpec.precision at its default to take the Trainer's",
-            stacklevel=2,
+            f"{runner} runs ({run.precision!r}); the estimate describes {base.precision!r}. Leave "
+            f"TrainSpec.precision at its default to take {runner}'s",
+            stacklevel=3,
         )
     return base.replace(**taken)
 
@@ -163,10 +200,7 @@ def optimizer_of(lightning_module: Any, device: str) -> tuple[str, str]:
     optimizer differs. The implementation follows ``torch.optim``'s default for the run's device
     (foreach on CUDA, the for-loop on CPU) unless the optimizer was built with ``fused``/``foreach``.
     """
-    from lightning_memplan.callbacks.infer import infer_optimizer
-
-    default_impl = "for_loop" if device == "cpu" else "foreach"
-    fallback = ("adamw", default_impl)
+    fallback = ("adamw", "for_loop" if device == "cpu" else "foreach")
     hook = getattr(type(lightning_module), "configure_optimizers", None)
     code = getattr(hook, "__code__", None)
     if code is None or "estimated_stepping_batches" in code.co_names:
@@ -178,12 +212,25 @@ def optimizer_of(lightning_module: Any, device: str) -> tuple[str, str]:
             optimizer = _first_optimizer(conf)
             if optimizer is None:
                 return fallback
-            kind, impl = infer_optimizer(optimizer)
+            return optimizer_spec(optimizer, device)
     except Exception:  # noqa: BLE001 - the user's hook (or an InferenceError): "unknown here"
         return fallback
+
+
+def optimizer_spec(optimizer: Any, device: str) -> tuple[str, str]:
+    """``(optimizer, optimizer_impl)`` of a built ``torch.optim`` optimizer: its kind, and its
+    implementation as ``torch.optim`` picks it for ``device`` (foreach on CUDA, the for-loop on CPU)
+    unless it was built with ``fused``/``foreach``.
+
+    Raises:
+        InferenceError: an optimizer the memory model does not know.
+    """
+    from lightning_memplan.callbacks.infer import infer_optimizer
+
+    kind, impl = infer_optimizer(optimizer)
     defaults = getattr(optimizer, "defaults", {}) or {}
     explicit = bool(defaults.get("fused")) or defaults.get("foreach") is not None
-    return kind, impl if explicit else default_impl
+    return kind, impl if explicit else ("for_loop" if device == "cpu" else "foreach")
 
 
 def _first_optimizer(conf: Any) -> Any:

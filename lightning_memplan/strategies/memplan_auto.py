@@ -18,9 +18,6 @@ A thin adapter (house style 10) over Lightning's :class:`~lightning.pytorch.stra
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,23 +41,29 @@ from typing_extensions import override
 
 from lightning_memplan.callbacks.infer import has_fsdp2, parallelised_by
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.strategies.decision import Resolution, decide
-from lightning_memplan.strategies.fsdp import (
-    apply_activation_checkpointing,
-    apply_data_parallel,
-    data_parallel_mesh,
-)
-from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for, train_spec_for
+from lightning_memplan.strategies.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
+from lightning_memplan.strategies.decision import Resolution
+from lightning_memplan.strategies.inputs import train_spec_for
 from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
 from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
 from lightning_memplan.strategies.pipeline import PipelineRunner
-from lightning_memplan.strategies.record import CHECKPOINT_KEY, PLAN_FILENAME, explain, record, stored_plan
-from lightning_memplan.strategies.stall import RankRendezvous
-from lightning_memplan.strategies.tensor_parallel import (
-    apply_tensor_parallel,
-    find_linear_cross_entropy,
-    resume_blocker,
+from lightning_memplan.strategies.record import (
+    CHECKPOINT_KEY,
+    PLAN_FILENAME,
+    explain,
+    publish,
+    record,
+    stored_plan,
 )
+from lightning_memplan.strategies.resolve import (
+    PlanningOptions,
+    check_agreement,
+    rendezvous,
+    resolve,
+    resolve_on_rank_zero,
+)
+from lightning_memplan.strategies.stall import RankRendezvous
+from lightning_memplan.strategies.tensor_parallel import resume_blocker
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -122,22 +125,9 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if memory_budget is not None and (
-            isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
-        ):
-            raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes, e.g. 8 * 2**30")
-        if plan is not None and not isinstance(plan, ParallelPlan):
-            raise TypeError(f"plan={plan!r} must be a lightning_memplan.ParallelPlan, e.g. ParallelPlan(dp=2, zero=3)")
-        if train is not None and not isinstance(train, TrainSpec):
-            raise TypeError(f"train={train!r} must be a lightning_memplan.TrainSpec")
-        if not isinstance(headroom, (int, float)) or not 0.0 <= float(headroom) < 1.0:
-            raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1")
-        self._memory_budget = memory_budget
-        self._allow = allow
-        self._hardware = hardware
-        self._forced_plan = plan
-        self._train = train
-        self._headroom = float(headroom)
+        self._options = PlanningOptions(
+            memory_budget=memory_budget, allow=allow, hardware=hardware, plan=plan, train=train, headroom=headroom
+        )
         self.resolution: Resolution | None = None
         self._plan_pending = False
         self._layout: TransformerLayout | None = None
@@ -181,14 +171,8 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             self._plan_if_pending()
 
     def _rendezvous(self, what: str) -> RankRendezvous | None:
-        """Every rank checks in with a bounded wait (strategies/stall.py): a rank that hangs makes every
-        rank fail within ``MEMPLAN_STALL_TIMEOUT_S``, naming it, instead of waiting out the collective
-        timeout (30 minutes by default). ``None`` on one process."""
-        if not (torch.distributed.is_initialized() and self.world_size > 1):
-            return None
-        rendezvous = RankRendezvous(what, self.global_rank, self.world_size)
-        rendezvous.arrive()
-        return rendezvous
+        """A bounded-wait check-in of every rank (:func:`~lightning_memplan.strategies.resolve.rendezvous`)."""
+        return rendezvous(what, self.global_rank, self.world_size)
 
     @contextmanager
     @override
@@ -202,23 +186,26 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         if not self._plan_pending:
             return
         self._plan_pending = False
-        resolution = self._resolve_on_rank_zero()
+        trainer = self._require_lightning_module().trainer
+        resolution = resolve_on_rank_zero(
+            lambda: self._resolve(trainer), global_rank=self.global_rank, world_size=self.world_size
+        )
         self.resolution = resolution
         for note in resolution.notes:
             rank_zero_warn(f"memplan_auto: {note}")
         self._device_mesh = build_device_mesh(resolution.mesh, self.root_device.type)
-        self._check_agreement(resolution)
+        check_agreement(
+            resolution, self._require_lightning_module(), self.world_size,
+            what="the same LightningModule (same config and parameter shapes) before fit",
+        )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(explain(resolution))
 
     def _check_accelerator(self) -> None:
-        if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
-            raise ValueError(
-                f"accelerator={type(self.accelerator).__name__!r} is not supported by memplan_auto: it needs "
-                "torch.distributed collectives (gloo on CPU, NCCL on CUDA); use Trainer(accelerator='cpu') or "
-                "accelerator='cuda', or another strategy"
-            )
+        check_accelerator(
+            self.accelerator, (CPUAccelerator, CUDAAccelerator), fix="Trainer(accelerator='cpu') or accelerator='cuda'"
+        )
 
     def _require_lightning_module(self) -> pl.LightningModule:
         """``self.lightning_module``, which Lightning attaches before any hook that calls this."""
@@ -234,107 +221,26 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             raise RuntimeError("memplan_auto: no model is attached to the strategy yet")
         return model
 
-    def _resolve_on_rank_zero(self) -> Resolution:
-        trainer = self._require_lightning_module().trainer
-        payload: list[Any] = [None]
-        distributed = torch.distributed.is_initialized() and self.world_size > 1
-        rendezvous = self._rendezvous("plan agreement")
-        if self.global_rank == 0:
-            try:
-                payload[0] = ("ok", self._resolve(trainer))
-            except Exception as exc:  # noqa: BLE001 - sent to every rank, re-raised everywhere
-                payload[0] = ("error", exc if _picklable(exc) else f"{type(exc).__name__}: {exc}")
-                if self.world_size == 1:
-                    raise
-            if rendezvous is not None:
-                rendezvous.publish()
-        elif rendezvous is not None:
-            rendezvous.await_rank_zero()
-        if distributed:
-            torch.distributed.broadcast_object_list(payload, src=0)
-        status, value = payload[0]
-        if status == "error":
-            if isinstance(value, BaseException):
-                raise value
-            raise ValueError(f"memplan_auto could not plan (on rank 0): {value}")
-        return value
-
     def _resolve(self, trainer: pl.Trainer) -> Resolution:
+        """Rank 0: the Trainer's inputs to :func:`~lightning_memplan.strategies.resolve.resolve`."""
         lm = self._require_lightning_module()
-        self_parallel = is_overridden("configure_model", lm)
-        layout = find_layout(lm)
-        model_spec = model_spec_for(lm, layout)
-        forced, source = self._forced_plan, "forced"
+        forced, source = self._options.plan, "forced"
         stored = stored_plan(getattr(trainer, "ckpt_path", None))
         if stored is not None and forced is None:
             forced, source = stored, "checkpoint"
-        batch_known = True
-        try:
-            train = train_spec_for(trainer, lm, self._train)
-        except BatchShapeUnknown:
-            if forced is None:
-                raise
-            # A given plan needs no search; the shape only feeds its estimate, which is then rough.
-            rank_zero_warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
-            train = TrainSpec(micro_batch=1, seq_len=1, precision=str(trainer.precision))
-            batch_known = False
-
-        # Dimensions never planned: what a self-parallelising module decides itself, and SP where the
-        # layout cannot take it (the rest is found by ``decide`` and re-planned without).
-        never = {"pp", "sp"} if self_parallel else set()
-        if layout is None or layout.sp_blocker is not None:
-            never.add("sp")
-        has_lce = bool(find_linear_cross_entropy(lm))
-
-        def planner(blocked: dict[str, str]) -> Any:
-            return self._call_planner(model_spec, train, never | set(blocked), has_lce)
-
-        return decide(
-            model_spec=model_spec,
-            train=train,
-            world_size=self.world_size,
-            layout=layout,
+        return resolve(
+            options=self._options,
             module=lm,
-            self_parallel=self_parallel,
-            forced=forced,
-            forced_source=source,
-            batch_known=batch_known,
-            planner=planner,
-        )
-
-    def _call_planner(self, model_spec: Any, train: TrainSpec, exclude: set[str], has_lce: bool) -> Any:
-        from lightning_memplan.strategies.planner_bridge import run_planner
-
-        return run_planner(
-            model_spec,
-            train,
-            hardware=self._hardware,
+            layout=find_layout(lm),
+            read_train=lambda: train_spec_for(trainer, lm, self._options.train),
+            precision=str(trainer.precision),
             devices=self.num_processes,
             num_nodes=self.num_nodes,
-            memory_budget=self._memory_budget,
-            headroom=self._headroom,
-            allow=self._allow,
-            exclude=exclude,
-            has_lce=has_lce,
+            self_parallel=is_overridden("configure_model", lm),
+            forced=forced,
+            forced_source=source,
+            warn=rank_zero_warn,
         )
-
-    def _check_agreement(self, resolution: Resolution) -> None:
-        lm = self._require_lightning_module()
-        signature = [(n, tuple(p.shape)) for n, p in lm.named_parameters()]
-        digest = hashlib.sha256((resolution.fingerprint() + repr(signature)).encode()).hexdigest()
-        if not (torch.distributed.is_initialized() and self.world_size > 1):
-            return
-        digests: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(digests, digest)
-        if len(set(digests)) > 1:
-            groups: dict[str, list[int]] = {}
-            for rank, d in enumerate(digests):
-                groups.setdefault(d, []).append(rank)
-            raise RuntimeError(
-                "memplan_auto: ranks disagree on the plan or the model "
-                f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build the same "
-                "LightningModule (same config and parameter shapes) before fit"
-            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -372,89 +278,20 @@ class MemplanAutoStrategy(ModelParallelStrategy):
 
     def _check_planned_optimizer(self) -> None:
         """Warn when the optimizer Lightning built is not the one the plan assumed (see ``optimizer_of``)."""
-        from lightning_memplan.callbacks.infer import InferenceError, infer_optimizer
-
-        planned = getattr(getattr(self.decision, "train", None), "optimizer", None)
-        if planned is None or not self.optimizers:
-            return
-        try:
-            kind, _ = infer_optimizer(self.optimizers[0])
-        except InferenceError:
-            return
-        if kind != planned:
-            rank_zero_warn(
-                f"memplan_auto: the plan assumed optimizer={planned!r} (configure_optimizers could not be read "
-                f"before setup) but the run uses {kind!r}; pass MemplanAutoStrategy(train=TrainSpec(..., "
-                f"optimizer={kind!r})) to plan for it"
-            )
+        message = planned_optimizer_mismatch(
+            self.decision,
+            self.optimizers[0] if self.optimizers else None,
+            fix="MemplanAutoStrategy(train=TrainSpec(..., optimizer={kind!r}))",
+        )
+        if message is not None:
+            rank_zero_warn(message)
 
     def _apply(self, lm: torch.nn.Module) -> None:
-        res = self.resolution
-        assert res is not None
-        mesh, sizes = self.device_mesh, res.mesh
-        layout = find_layout(lm)
-        self._layout = layout
-        notes: list[str] = []
-        if sizes.pp > 1:
-            assert layout is not None
-            self._pipeline = PipelineRunner(
-                lm,
-                layout,
-                mesh[str(MeshAxis.PP)],
-                self.root_device,
-                microbatches=res.plan.microbatches,
-                schedule=res.plan.schedule,
-                virtual_stages=res.plan.virtual_stages,
-            )
-        if sizes.tp > 1:
-            notes += apply_tensor_parallel(lm, layout, mesh[str(MeshAxis.TP)], sequence_parallel=res.plan.sp)
-        if res.recompute != "none":
-            if layout is None:
-                notes.append(f"recompute={res.recompute!r} not applied: no list of repeated blocks found")
-            else:
-                notes.append(apply_activation_checkpointing(layout, res.recompute))
-                if self._pipeline is not None:
-                    self._pipeline.refresh_blocks()
-        if sizes.dp > 1:
-            dp_mesh = data_parallel_mesh(mesh, sizes)
-            if self._pipeline is not None:
-                apply_data_parallel(
-                    lm, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
-                    roots=tuple(self._pipeline.modules),
-                )
-            else:
-                apply_data_parallel(
-                    lm, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
-                    separate_head=not find_linear_cross_entropy(lm),
-                )
-        notes += self._configure_losses(lm, res)
-        for note in notes:
-            if note:
-                rank_zero_info(f"memplan_auto: {note}")
-
-    def _configure_losses(self, lm: torch.nn.Module, res: Resolution) -> list[str]:
-        """Set the loss mode the plan assumes on every ``LinearCrossEntropy`` (``configure(mode=...)``)."""
-        losses = find_linear_cross_entropy(lm)
-        if not losses:
-            if res.loss in ("chunked", "vocab_parallel"):
-                rank_zero_warn(
-                    f"memplan_auto: the plan assumes loss={res.loss!r} but the module has no LinearCrossEntropy; "
-                    "its logits are materialised in full, so the real peak can exceed the estimate. Compute the "
-                    "loss with lightning_memplan.LinearCrossEntropy"
-                )
-            return []
-        if res.mesh.tp > 1 and self._pipeline is None:
-            mode = "vocab_parallel"  # the lm_head weight is a vocab-sharded DTensor (ColwiseParallel)
-        elif res.loss in ("chunked", "vocab_parallel"):
-            mode = "chunked"
-        else:
-            return [f"{len(losses)} LinearCrossEntropy module(s) keep their own mode (plan loss={res.loss!r})"]
-        chunk = getattr(getattr(res.decision, "train", None), "loss_chunk_size", None)
-        for loss in losses:
-            configure = getattr(loss, "configure", None)
-            if callable(configure):
-                configure(mode=mode, chunk_size=chunk)
-        return [f"{len(losses)} LinearCrossEntropy module(s) set to mode={mode!r}" + (f", chunk_size={chunk}" if chunk else "")]
+        assert self.resolution is not None
+        applied = apply_resolution(lm, self.resolution, self.device_mesh, self.root_device, warn=rank_zero_warn)
+        self._layout, self._pipeline = applied.layout, applied.pipeline
+        for note in applied.notes:
+            rank_zero_info(f"memplan_auto: {note}")
 
     def _check_self_parallel(self, lm: torch.nn.Module) -> None:
         plan = self.resolution.plan  # type: ignore[union-attr]
@@ -504,16 +341,8 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         res = self.resolution
         assert res is not None
         log_dir = trainer.log_dir  # collective (broadcast) inside Lightning: every rank calls it
-        if self.global_rank != 0:
-            return
-        if log_dir is not None:
-            from lightning_memplan.report.atomic import write_atomic
-
-            write_atomic(os.path.join(log_dir, PLAN_FILENAME), json.dumps(record(res), indent=2, default=str))
-        params = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
-        params["memplan/plan"] = res.plan.describe()
-        for logger in trainer.loggers:
-            logger.log_hyperparams(params)
+        if self.global_rank == 0:
+            publish(res, log_dir, trainer.loggers)
 
     # ----------------------------------------------------------------------------------- train loop
     @override
@@ -620,17 +449,6 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         # given, so None means torch's default (True since torch 2.6) and only an explicit
         # ``fit(weights_only=...)`` set to False by the user unpickles arbitrary objects.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-
-def _picklable(exc: BaseException) -> bool:
-    """Whether an exception survives ``broadcast_object_list`` (pickle needs its ``args`` to rebuild it)."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))  # trusted: round-trips an exception object of this process, no file
-    except Exception:  # noqa: BLE001
-        return False
-    return True
 
 
 def _is_self_parallel(module: torch.nn.Module) -> bool:

@@ -4,20 +4,23 @@ directory, the ``"memplan"`` entry of checkpoints), the console text, and readin
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn  # the object lightning.pytorch re-exports
 
 from lightning_memplan.model.specs import ParallelPlan
 from lightning_memplan.report.io import PLAN_FILENAME  # written into the log directory by rank 0
 from lightning_memplan.strategies.decision import Resolution
 from lightning_memplan.strategies.mesh import MeshAxis
 
-__all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "record", "stored_plan"]
+__all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "publish", "record", "stored_plan"]
 
 #: Key under which the applied plan is stored in checkpoints.
 CHECKPOINT_KEY = "memplan"
@@ -45,6 +48,19 @@ def explain(res: Resolution) -> str:
     text = explain() if callable(explain) else res.plan.describe()
     mesh = " x ".join(f"{axis}={size}" for axis, size in zip(MeshAxis, res.mesh.shape, strict=True))
     return f"{text}\nmemplan_auto mesh: {mesh}; recompute={res.recompute}"
+
+
+def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: Iterable[Any]) -> None:
+    """Rank 0's record of the decision: ``memplan_plan.json`` in ``log_dir`` (atomic write; skipped when
+    ``None``) and the plan as hyperparameters (``memplan/dp``, ..., ``memplan/plan``) on every logger."""
+    if log_dir is not None:
+        from lightning_memplan.report.atomic import write_atomic
+
+        write_atomic(os.path.join(log_dir, PLAN_FILENAME), json.dumps(record(res), indent=2, default=str))
+    params: dict[str, Any] = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
+    params["memplan/plan"] = res.plan.describe()
+    for logger in loggers:
+        logger.log_hyperparams(params)
 
 
 def stored_plan(ckpt_path: Any) -> ParallelPlan | None:

@@ -89,11 +89,12 @@ def test_a_file_that_is_not_a_report_is_moved_aside_with_a_warning(tmp_path, con
 
 
 def test_the_plan_file_is_written_atomically():
-    # memplan_auto writes memplan_plan.json through the one atomic helper, not a plain open("w") (read as
-    # text: importing Lightning costs more than this whole file; the fit tests check the file's content)
-    text = (Path(__file__).resolve().parents[2] / "lightning_memplan" / "strategies" / "memplan_auto.py").read_text()
-    publish = text[text.index("    def _publish("):]
-    publish = publish[: publish.index("\n    def ", 10)]
+    # memplan_auto (Trainer and Fabric: strategies/record.py's publish) writes memplan_plan.json through the
+    # one atomic helper, not a plain open("w") (read as text: importing Lightning costs more than this whole
+    # file; the fit tests check the file's content)
+    text = (Path(__file__).resolve().parents[2] / "lightning_memplan" / "strategies" / "record.py").read_text()
+    publish = text[text.index("def publish("):]
+    publish = publish[: publish.index("\ndef ", 10)]
     assert "write_atomic(os.path.join(log_dir, PLAN_FILENAME)" in publish and "open(" not in publish
 
 

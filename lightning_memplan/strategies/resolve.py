@@ -1,0 +1,235 @@
+"""Planning for both front doors (the Trainer's ``MemplanAutoStrategy`` and Fabric's
+``MemplanAutoFabricStrategy``): the options they take, the plan made on rank 0 and broadcast, and the
+agreement check every rank runs once the mesh exists.
+
+Plain functions over explicit arguments (module, world size, rank, ...), so the two strategies are thin
+adapters that only read their own run (Trainer hooks or ``fabric.setup``) and call these (house style 17;
+Lightning's ``pytorch.strategies.ModelParallelStrategy`` builds on ``fabric.strategies.model_parallel``
+helpers the same way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.strategies.decision import Resolution, decide
+from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for
+from lightning_memplan.strategies.layouts import TransformerLayout
+from lightning_memplan.strategies.stall import RankRendezvous
+
+__all__ = [
+    "PlanningOptions",
+    "check_agreement",
+    "rendezvous",
+    "resolve",
+    "resolve_on_rank_zero",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningOptions:
+    """What the user gave the strategy about planning (the same arguments on both front doors).
+
+    Args:
+        memory_budget: bytes each rank may use for tensors; ``None`` uses the hardware memory minus
+            ``headroom``.
+        allow: restrictions passed to the planner (see :func:`lightning_memplan.planning.plan`).
+        hardware: a ``HardwareSpec``, a preset name, or ``None`` (detect).
+        plan: a forced :class:`ParallelPlan` (no search), or ``None``.
+        train: the :class:`TrainSpec` to plan with, or ``None`` (read from the run).
+        headroom: fraction of device memory kept free, in [0, 1).
+
+    Raises:
+        ValueError / TypeError: naming the argument, its value and the rule.
+    """
+
+    memory_budget: int | None = None
+    allow: Any = None
+    hardware: Any = None
+    plan: ParallelPlan | None = None
+    train: TrainSpec | None = None
+    headroom: float = 0.1
+
+    def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"memory_budget={budget!r} must be a positive number of bytes, e.g. 8 * 2**30")
+        if self.plan is not None and not isinstance(self.plan, ParallelPlan):
+            raise TypeError(f"plan={self.plan!r} must be a lightning_memplan.ParallelPlan, e.g. ParallelPlan(dp=2, zero=3)")
+        if self.train is not None and not isinstance(self.train, TrainSpec):
+            raise TypeError(f"train={self.train!r} must be a lightning_memplan.TrainSpec")
+        headroom = self.headroom
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= float(headroom) < 1.0:
+            raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1")
+        object.__setattr__(self, "headroom", float(headroom))
+
+
+def resolve(
+    *,
+    options: PlanningOptions,
+    module: nn.Module,
+    layout: TransformerLayout | None,
+    read_train: Callable[[], TrainSpec],
+    precision: str,
+    devices: int,
+    num_nodes: int,
+    self_parallel: bool,
+    forced: ParallelPlan | None,
+    forced_source: str,
+    never: frozenset[str] = frozenset(),
+    runner: str = "the Trainer",
+    warn: Callable[[str], None],
+) -> Resolution:
+    """The :class:`Resolution` for ``module`` (rank 0 only: no collectives).
+
+    Args:
+        options: the strategy's planning arguments.
+        module: the module to plan for (the LightningModule, or the module given to ``fabric.setup``).
+        layout: ``find_layout(module)``.
+        read_train: returns the TrainSpec of the run; raises :class:`BatchShapeUnknown` when the batch
+            shape cannot be read. A forced plan then falls back to ``b=1, s=1`` (its estimate is rough).
+        precision: the run's precision string, for that fallback.
+        devices, num_nodes: processes per node and nodes (world size = their product).
+        self_parallel: the module parallelises itself (Trainer ``configure_model``): pp/sp are not planned.
+        forced, forced_source: a given plan and where it came from (``"forced"``, ``"checkpoint"``).
+        never: dimensions never searched for this front door (Fabric: ``{"pp"}``).
+        runner: who runs the processes, for messages (``"the Trainer"``, ``"Fabric"``).
+        warn: rank-zero warning function.
+
+    Raises:
+        BatchShapeUnknown: no batch shape and no forced plan.
+        ValueError: a forced plan for another world size, or nothing fits (``PlanDoesNotFitError``).
+    """
+    from lightning_memplan.strategies.planner_bridge import run_planner
+    from lightning_memplan.strategies.tensor_parallel import find_linear_cross_entropy
+
+    model_spec = model_spec_for(module, layout)
+    batch_known = True
+    try:
+        train = read_train()
+    except BatchShapeUnknown:
+        if forced is None:
+            raise
+        # A given plan needs no search; the shape only feeds its estimate, which is then rough.
+        warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
+        train = TrainSpec(micro_batch=1, seq_len=1, precision=precision)
+        batch_known = False
+
+    # Dimensions never planned: what a self-parallelising module decides itself, SP where the layout
+    # cannot take it, and what this front door does not run (the rest is found by ``decide`` and
+    # re-planned without).
+    excluded = set(never) | ({"pp", "sp"} if self_parallel else set())
+    if layout is None or layout.sp_blocker is not None:
+        excluded.add("sp")
+    has_lce = bool(find_linear_cross_entropy(module))
+
+    def planner(blocked: dict[str, str]) -> Any:
+        return run_planner(
+            model_spec,
+            train,
+            hardware=options.hardware,
+            devices=devices,
+            num_nodes=num_nodes,
+            memory_budget=options.memory_budget,
+            headroom=options.headroom,
+            allow=options.allow,
+            exclude=excluded | set(blocked),
+            has_lce=has_lce,
+        )
+
+    return decide(
+        model_spec=model_spec,
+        train=train,
+        world_size=devices * num_nodes,
+        layout=layout,
+        module=module,
+        self_parallel=self_parallel,
+        forced=forced,
+        forced_source=forced_source,
+        batch_known=batch_known,
+        planner=planner,
+        runner=runner,
+    )
+
+
+def rendezvous(what: str, global_rank: int, world_size: int) -> RankRendezvous | None:
+    """Every rank checks in with a bounded wait (strategies/stall.py): a rank that hangs makes every
+    rank fail within ``MEMPLAN_STALL_TIMEOUT_S``, naming it, instead of waiting out the collective
+    timeout (30 minutes by default). ``None`` on one process."""
+    if not (torch.distributed.is_initialized() and world_size > 1):
+        return None
+    meeting = RankRendezvous(what, global_rank, world_size)
+    meeting.arrive()
+    return meeting
+
+
+def resolve_on_rank_zero(compute: Callable[[], Resolution], *, global_rank: int, world_size: int) -> Resolution:
+    """``compute()`` on rank 0, broadcast to every rank; an error on rank 0 is raised on every rank.
+
+    Every rank calls this at the same point (it enters a rendezvous and a broadcast).
+    """
+    payload: list[Any] = [None]
+    distributed = torch.distributed.is_initialized() and world_size > 1
+    meeting = rendezvous("plan agreement", global_rank, world_size)
+    if global_rank == 0:
+        try:
+            payload[0] = ("ok", compute())
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, re-raised everywhere
+            payload[0] = ("error", exc if _picklable(exc) else f"{type(exc).__name__}: {exc}")
+            if world_size == 1:
+                raise
+        if meeting is not None:
+            meeting.publish()
+    elif meeting is not None:
+        meeting.await_rank_zero()
+    if distributed:
+        torch.distributed.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        if isinstance(value, BaseException):
+            raise value
+        raise ValueError(f"memplan_auto could not plan (on rank 0): {value}")
+    return value
+
+
+def check_agreement(resolution: Resolution, module: nn.Module, world_size: int, *, what: str) -> None:
+    """All-gather a fingerprint of plan and parameter shapes; raise on every rank if they differ.
+
+    Args:
+        what: what every rank must build alike, for the message (``"the same LightningModule (...) before fit"``).
+
+    Raises:
+        RuntimeError: naming the groups of ranks that agree with each other.
+    """
+    signature = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+    digest = hashlib.sha256((resolution.fingerprint() + repr(signature)).encode()).hexdigest()
+    if not (torch.distributed.is_initialized() and world_size > 1):
+        return
+    digests: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, d in enumerate(digests):
+            groups.setdefault(d, []).append(rank)
+        raise RuntimeError(
+            "memplan_auto: ranks disagree on the plan or the model "
+            f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build {what}"
+        )
+
+
+def _picklable(exc: BaseException) -> bool:
+    """Whether an exception survives ``broadcast_object_list`` (pickle needs its ``args`` to rebuild it)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))  # trusted: round-trips an exception object of this process, no file
+    except Exception:  # noqa: BLE001
+        return False
+    return True
