@@ -7,7 +7,10 @@ Three families, each searched with the planner itself (restricted ``allow=``, be
 - ``FSDP x TP inside the node``: tp = the largest size up to the node's GPU count that divides the
   heads, dp = world / tp, ZeRO-3 (torchtitan's 2D; Table 4 of ``benchmarks/llama3_h100_202412_torchtitan.md``);
 - ``Megatron TP x PP x DP``: tp as above, pp > 1 (any schedule), no CP, ZeRO <= 1 (Narayanan et al. 2021,
-  arXiv 2104.04473, section 3: TP inside a node, PP across nodes, the distributed optimizer).
+  arXiv 2104.04473, section 3: TP inside a node, PP across nodes, the distributed optimizer); for
+  ``TrainSpec(framework="llama3")`` instead ``Llama 3 TP x PP x FSDP``: the same with ZeRO 1-2 (Dubey et
+  al. 2024, arXiv 2407.21783, section 3.3.2: FSDP shards optimizer states and gradients, parameters are
+  not resharded after forward; CP only for long context).
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ def _families(search: Any) -> list[tuple[str, dict[str, Any]]]:
     if t > 1:
         out.append((f"FSDP x TP {t} inside the node", {"dp": [world // t], "tp": [t], "pp": [1], "cp": [1], "zero": [3]}))
         pps = [p for p in range(2, min(world // t, search.model.n_layers) + 1) if (world // t) % p == 0]
-        if pps:
+        if pps and search.train.framework == "llama3":
+            # Llama 3's 4D at 8K context: TP in the node, PP, FSDP sharding optimizer states and gradients
+            # without resharding after forward (zero 2); CP only for long context (arXiv 2407.21783 3.3.2)
+            out.append((f"Llama 3 TP {t} x PP x FSDP", {"tp": [t], "pp": pps, "cp": [1], "zero": [1, 2]}))
+        elif pps:
             out.append((f"Megatron TP {t} x PP x DP", {"tp": [t], "pp": pps, "cp": [1], "zero": [0, 1]}))
     return out
 
