@@ -3,7 +3,7 @@
 **Contract.** A transformer can be split into stages when memplan_auto recognises its block list (see
 :mod:`~lightning_memplan.strategies.layouts`) and it knows how to run a slice of it:
 
-* the zoo GPT is built in;
+* the zoo GPT and Hugging Face ``LlamaForCausalLM`` (transformers >= 4.53) are built in;
 * any other model defines ``pipeline_forward(self, x, blocks, *, first, last) -> Tensor``: embed ``x``
   when ``first``, run ``blocks`` in order, apply the final norm and head when ``last``; plus the
   attributes ``pipeline_first_modules`` / ``pipeline_last_modules`` (names of the top-level submodules
@@ -49,6 +49,54 @@ def _zoo_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, fi
     return x
 
 
+def _hf_causal_mask() -> Callable[..., Any] | None:
+    """``transformers.masking_utils.create_causal_mask`` (transformers >= 4.53), else ``None``."""
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError:
+        return None
+    return create_causal_mask
+
+
+def _hf_llama_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, first: bool, last: bool):
+    # Mirrors LlamaModel.forward + LlamaForCausalLM's head, one slice at a time (transformers 5.3
+    # models/llama/modeling_llama.py): no cache, positions 0..s-1, the causal mask of the config's
+    # attention implementation (None under SDPA: is_causal), the rotary table from ``model.rotary_emb``
+    # (buffers only, held by every stage). ``model`` is a LlamaForCausalLM (duck-typed).
+    inner = model.model
+    h = inner.embed_tokens(x) if first else x
+    cache_position = torch.arange(h.shape[1], device=h.device)
+    position_ids = cache_position.unsqueeze(0)
+    create_causal_mask = _hf_causal_mask()
+    assert create_causal_mask is not None  # pipeline_blocker refuses older transformers
+    # positional: the embeddings argument is ``input_embeds`` in transformers 4.53, ``inputs_embeds`` in 5
+    mask = create_causal_mask(inner.config, h, None, cache_position, None, position_ids)
+    position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
+    for block in blocks:
+        out = block(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        h = out[0] if isinstance(out, tuple) else out  # transformers < 4.54 returns (hidden_states,)
+    if last:
+        h = model.lm_head(inner.norm(h))
+    return h
+
+
+def _hf_llama_blocker(layout: TransformerLayout) -> str | None:
+    """Why the built-in Hugging Face slice forward does not cover this ``hf-llama`` layout."""
+    config = getattr(getattr(layout.root, "model", None), "config", None)
+    kind = getattr(config, "model_type", None)
+    if layout.head is None:
+        return f"{type(layout.root).__name__} has no lm_head for the last pipeline stage"
+    if kind != "llama":
+        return (
+            f"{type(layout.root).__name__} (model_type={kind!r}): the built-in pipeline forward covers Hugging "
+            "Face Llama only (Mistral/Qwen2 may use sliding-window masks); define "
+            "`pipeline_forward(x, blocks, *, first, last)` (see docs/strategy.md)"
+        )
+    if _hf_causal_mask() is None:
+        return "pipeline parallelism on a Hugging Face Llama needs transformers >= 4.53 (masking_utils.create_causal_mask)"
+    return None
+
+
 def _stage_parts(layout: TransformerLayout) -> tuple[Callable[..., torch.Tensor], tuple[str, ...], tuple[str, ...]]:
     root = layout.root
     custom = getattr(root, "pipeline_forward", None)
@@ -58,6 +106,8 @@ def _stage_parts(layout: TransformerLayout) -> tuple[Callable[..., torch.Tensor]
         return (lambda model, x, blocks, *, first, last: custom(x, blocks, first=first, last=last)), first, last
     if layout.family == "zoo-gpt":
         return _zoo_forward, ("tok_emb", "pos_emb", "emb_drop"), ("norm_f", "lm_head")
+    if layout.family == "hf-llama" and _hf_llama_blocker(layout) is None:
+        return _hf_llama_forward, layout.embeddings, tuple(p for p in (layout.norm, layout.head) if p)
     raise ValueError(f"no pipeline contract for {type(root).__name__}")
 
 
@@ -67,11 +117,15 @@ def pipeline_blocker(layout: TransformerLayout | None, pp: int, virtual_stages: 
         return None
     if layout is None:
         return "the module has no list of repeated blocks to split into stages"
-    if not callable(getattr(layout.root, "pipeline_forward", None)) and layout.family != "zoo-gpt":
-        return (
-            f"{type(layout.root).__name__} ({layout.family}) does not implement the pipeline contract "
-            "`pipeline_forward(x, blocks, *, first, last)` (see docs/strategy.md)"
-        )
+    if not callable(getattr(layout.root, "pipeline_forward", None)):
+        if layout.family == "hf-llama":
+            if (why := _hf_llama_blocker(layout)) is not None:
+                return why
+        elif layout.family != "zoo-gpt":
+            return (
+                f"{type(layout.root).__name__} ({layout.family}) does not implement the pipeline contract "
+                "`pipeline_forward(x, blocks, *, first, last)` (see docs/strategy.md)"
+            )
     n_stages = pp * virtual_stages
     n_blocks = len(layout.block_list)
     if n_blocks < n_stages:
