@@ -23,7 +23,8 @@ that a published row is checked against the facts of the stack it ran on:
   last stage has only output projection and loss calculation": the embedding and the output layer each
   count as one block when the blocks are split (torchtitan's ``generate_llm_fqn_per_model_part(...,
   input_weight=1, output_weight=1)``, ``torchtitan/distributed/pipeline_parallel.py`` at
-  ``1ce7f761d76bc408c9e6f32e2bbd2cf9f2ac25ae``, implements the same rule).
+  ``1ce7f761d76bc408c9e6f32e2bbd2cf9f2ac25ae``, implements the same rule); and context parallelism that
+  all-gathers K and V, "exposed in the critical path", where torch's ring overlaps the attention.
 """
 
 from __future__ import annotations
@@ -45,18 +46,23 @@ class FrameworkFacts:
             into a sharded accumulator (False: unsharded accumulation, one reduce-scatter per step).
         embedding_head_weight: blocks the embedding and the output layer each count as when blocks are
             split over pipeline stages (0: only blocks are split).
+        cp_all_gather: context parallelism all-gathers K and V before the attention, on the critical path
+            (Llama 3: "the all-gather communication latency is exposed"), instead of a ring that overlaps
+            the blockwise attention (torch's ``context_parallel``).
     """
 
     sp_saves_shard: bool
     fused_swiglu: bool
     grads_per_microbatch: bool
     embedding_head_weight: int
+    cp_all_gather: bool = False
 
 
 FRAMEWORKS: dict[str, FrameworkFacts] = {
     "torch": FrameworkFacts(sp_saves_shard=False, fused_swiglu=False, grads_per_microbatch=False, embedding_head_weight=0),
     "megatron": FrameworkFacts(sp_saves_shard=True, fused_swiglu=True, grads_per_microbatch=False, embedding_head_weight=0),
-    "llama3": FrameworkFacts(sp_saves_shard=True, fused_swiglu=True, grads_per_microbatch=True, embedding_head_weight=1),
+    "llama3": FrameworkFacts(sp_saves_shard=True, fused_swiglu=True, grads_per_microbatch=True, embedding_head_weight=1,
+                             cp_all_gather=True),
 }
 
 

@@ -329,6 +329,7 @@ class StepTimeModel:
         self.gather_b = self.pb.compute if self.pb.autocast_copy else self.pb.param
         # FSDP inside pipeline stages reduce-scatters per micro-batch (Llama 3) or once per step (torch)
         self.grads_per_mb = frameworks.framework_facts(train.framework).grads_per_microbatch
+        self.cp_exposed = frameworks.framework_facts(train.framework).cp_all_gather
         self._links: dict[tuple[int, int], Any] = {}
         self._block: dict[tuple[float, int, int], tuple[float, dict[str, float], float]] = {}
         self._ranks: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -446,6 +447,8 @@ class StepTimeModel:
             # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
             attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(hardware, s / (2 * c)))
             cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
+            if self.cp_exposed:  # Llama 3's all-gather CP: "the all-gather communication latency is exposed
+                cp_mb = cp_total  # in the critical path" [L3 section 3.3.2]: the same K/V volume, not hidden
             cp_hidden = cp_total - cp_mb
         else:
             cp_mb = cp_hidden = 0.0

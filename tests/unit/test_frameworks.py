@@ -89,3 +89,17 @@ def test_llama3_grads_sharded_per_microbatch():
 def test_framework_is_validated():
     with pytest.raises(ValueError, match="framework"):
         TrainSpec(micro_batch=1, seq_len=8, framework="deepspeed")
+
+
+def test_llama3_context_parallel_all_gather_is_exposed():
+    """Llama 3's CP all-gathers K and V, "exposed in the critical path" (arXiv 2407.21783 3.3.2); torch's
+    ring overlaps the same volume with the blockwise attention."""
+    from lightning_memplan.hardware import HardwareSpec
+    from lightning_memplan.planning import predict_step_time
+
+    model, hw = ModelSpec.preset("llama3-8b"), HardwareSpec.preset("h100-sxm", gpus_per_node=8, num_nodes=2)
+    train, plan = TrainSpec(micro_batch=1, seq_len=32768), ParallelPlan(1, 8, 1, 2)
+    ring = predict_step_time(model, train, hw, plan)
+    gather = predict_step_time(model, train.replace(framework="llama3"), hw, plan)
+    assert "cp" not in gather.overlapped_s and ring.overlapped_s.get("cp", 0) > 0
+    assert gather.exposed_s["cp"] == pytest.approx(ring.exposed_s.get("cp", 0.0) + ring.overlapped_s["cp"])
