@@ -36,7 +36,9 @@ _ARTIFACT_PATH = "memory_report"
 
 
 def _logger_classes() -> tuple[Any, Any, Any, Any]:
-    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+    # Fabric's CSV and TensorBoard loggers: the Trainer's are subclasses of them, so both kinds match.
+    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 
     return CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 

@@ -140,7 +140,7 @@ def log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
 def log_report_text(trainer: Any, epoch: EpochReport, units: str, step: int) -> None:
     """Give the rendered epoch report to TensorBoard (``add_text``); MLflow and W&B get the report
     files, W&B a numeric table (:func:`~lightning_memplan.callbacks.artifacts.log_report_files`)."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.fabric.loggers import TensorBoardLogger  # the Trainer's TensorBoardLogger subclasses it
 
     text = epoch_markdown(epoch, units)
     for logger in trainer.loggers:

@@ -1,0 +1,567 @@
+"""The estimate / measure / report core shared by :class:`~lightning_memplan.callbacks.MemoryPlanCallback`
+(the Trainer's front door) and :class:`~lightning_memplan.fabric.MemoryMonitor` (Fabric's).
+
+A :class:`MemorySession` knows nothing of a Trainer or a Fabric: each front door describes its run
+with a :class:`RunContext` (the module, its optimizers, the running strategy, precision, world size,
+rank, device) and drives the session through one training step at a time: :meth:`~MemorySession.start_step`
+with the batch, :meth:`~MemorySession.enter_phase` at backward and the optimizer step,
+:meth:`~MemorySession.end_step`; :meth:`~MemorySession.end_epoch` gathers every rank's figures (a
+collective) into the epoch report. Logging, the report folders and the Trainer's spawn hand-off stay
+with the front doors. The inference helpers (:mod:`~lightning_memplan.callbacks.infer`) read a
+``RunContext`` and a ``Trainer`` alike: the context carries the attributes they read under the
+Trainer's names.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
+from lightning_memplan.callbacks.calibration import describe_run, run_calibration
+from lightning_memplan.callbacks.infer import (
+    InferenceError,
+    _unwrap,
+    batch_shape,
+    infer_model_spec,
+    infer_plan,
+    infer_train_spec,
+    stage_micro_batch,
+)
+from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
+from lightning_memplan.callbacks.options import MonitorOptions
+from lightning_memplan.callbacks.step_record import build_incident, build_step_record
+from lightning_memplan.model.result import Calibration, MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.report.gather import gather_objects
+from lightning_memplan.report.records import (
+    EpochReport,
+    MemoryReport,
+    RankAccumulator,
+    RankSummary,
+    StepRecord,
+)
+from lightning_memplan.tracking.compiled import (
+    AllocationMeter,
+    CompileSafeTracker,
+    compiled_parts,
+    dynamo_frames,
+)
+
+__all__ = ["MemorySession", "RunContext"]
+
+#: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
+_ESTIMATE_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """What a front door knows about the running fit, under the names a ``Trainer`` gives them."""
+
+    #: The user's module (a LightningModule, or the module given to ``fabric.setup``), not a wrapper.
+    module: torch.nn.Module
+    #: The real ``torch.optim.Optimizer`` objects (wrappers are unwrapped where read).
+    optimizers: tuple[Any, ...]
+    #: The running strategy (Trainer's or Fabric's), read by class name by ``infer_plan``.
+    strategy: Any
+    #: Lightning precision string, e.g. ``"32-true"``, ``"bf16-mixed"``.
+    precision: str
+    #: Micro-batches per optimizer step.
+    accumulate_grad_batches: int = 1
+    world_size: int = 1
+    rank: int = 0
+    #: Whether the Trainer steps the optimizer itself (``False``: manual optimization in training_step).
+    automatic_optimization: bool = True
+    #: ``(module, batch) -> loss`` that the calibration trace runs (``None``: ``model.trace.default_loss``).
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    #: Whether the previous step's gradients exist during the forward (Lightning's order: yes; a loop
+    #: that calls ``zero_grad()`` after ``optimizer.step()``: no).
+    grads_alive_in_forward: bool = True
+    #: Name used in warnings and in the argument hints of notes.
+    owner: str = "MemoryPlanCallback"
+
+    @property
+    def lightning_module(self) -> torch.nn.Module:
+        """The module, under the attribute name ``Trainer`` uses (read by ``infer_train_spec``)."""
+        return self.module
+
+
+@dataclass
+class _FitState:
+    """State of one fit (reset at each set-up)."""
+
+    probe: PhaseProbe | None = None
+    tracker: Any = None
+    meter: AllocationMeter | None = None
+    compiled: list[str] = field(default_factory=list)  # what torch.compile wrapped, found at the first batch
+    frames_at_start: int = 0  # dynamo's converted-frame count at the step's start (dynamo_frames)
+    tracking_enabled: bool = False
+    spec: ModelSpec | None = None
+    train: TrainSpec | None = None
+    plan: ParallelPlan | None = None
+    est_rank: int | None = None
+    calibration: Calibration | None = None
+    estimates: OrderedDict[tuple[int, int], MemoryEstimate | None] = field(default_factory=OrderedDict)
+    initialised: bool = False
+    stepped: bool = False
+    steady_tracked: bool = False  # whether a step after the first optimizer step was tracked
+    current: dict[str, Any] | None = None
+    window: list[StepRecord] = field(default_factory=list)  # micro-batches of the optimizer step under way
+    epoch_warnings: list[str] = field(default_factory=list)
+    epoch_warning_steps: list[int] = field(default_factory=list)  # the step each warning was raised at
+
+
+class MemorySession:
+    """Estimate and measure one rank's training steps and collect the memory report (module docstring).
+
+    ``report``, ``batches_seen``, ``warned``, ``acc`` and ``max_shape_seen`` persist across fits (a
+    resumed fit continues them); everything else is reset by :meth:`begin_fit`.
+    """
+
+    def __init__(self, options: MonitorOptions, *, owner: str = "MemoryPlanCallback") -> None:
+        self.options = options
+        self.owner = owner
+        self.report = MemoryReport()
+        self.batches_seen = 0
+        self.warned: set[str] = set()
+        self.acc: RankAccumulator | None = None
+        self.max_shape_seen = (0, 0)
+        self.rank = 0
+        self.fit = _FitState()
+
+    # ------------------------------------------------------------------------------------ set-up
+    def begin_fit(self, device: torch.device, rank: int) -> None:
+        """Start a fit on ``device`` as ``rank``: a fresh probe, tracking on or off by device kind."""
+        self.fit = _FitState()
+        self.rank = int(rank)
+        self.fit.probe = make_probe(device)
+        kind = self.fit.probe.kind
+        track = self.options.track_tensors
+        self.fit.tracking_enabled = track is True or (track is None and kind in ("cpu", "mps"))
+
+    @property
+    def backend(self) -> str:
+        return self.fit.probe.kind if self.fit.probe is not None else "cpu"
+
+    def note(self, text: str) -> None:
+        """Record what could not be inferred or measured; warn once (rank 0)."""
+        if self.owner != "MemoryPlanCallback":  # the inference helpers name the callback's arguments
+            text = text.replace("MemoryPlanCallback(", f"{self.owner}(")
+        if text not in self.report.notes:
+            self.report = replace(self.report, notes=(*self.report.notes, text))
+        self.warn_once(f"note:{text}", text)
+
+    def warn_once(self, key: str, text: str) -> None:
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        self.fit.epoch_warnings.append(text)
+        self.fit.epoch_warning_steps.append(int((self.fit.current or {}).get("step", self.batches_seen)))
+        rank_zero_warn(f"{self.owner}: {text}")
+
+    def initialise(self, run: RunContext, batch: Any) -> None:
+        """Infer specs and calibrate at the first batch of the fit (needs the batch and the optimizer)."""
+        fit, opts = self.fit, self.options
+        fit.initialised = True
+        fit.compiled = compiled_parts(run.module)
+        if fit.compiled:
+            how = "the profiler's allocator events" if self.backend == "cpu" else "the allocator counters"
+            self.note(
+                f"torch.compile detected ({', '.join(fit.compiled)}): calibration traces the eager original "
+                f"and measured steps use {how} instead of the tensor tracker (a dispatch mode would make "
+                "dynamo skip the compiled frames); no per-component measurement"
+            )
+        spec = opts.model_spec
+        if spec is None:
+            try:
+                spec = infer_model_spec(run, run.module)
+            except (ValueError, TypeError) as exc:
+                self.note(
+                    f"could not infer a ModelSpec from {type(run.module).__name__} ({exc}); estimates are off, "
+                    f"measurement continues; pass {self.owner}(model_spec=ModelSpec(...))"
+                )
+        try:
+            fit.train = infer_train_spec(run, batch, seq_len=opts.seq_len, base=opts.train_spec)
+            if opts.train_spec is None and fit.train.grads_alive_in_forward != run.grads_alive_in_forward:
+                fit.train = fit.train.replace(grads_alive_in_forward=run.grads_alive_in_forward)
+        except InferenceError as exc:
+            self.note(f"{exc}; estimates are off until it is given, measurement continues")
+        if opts.plan is not None:
+            plan, how = opts.plan, "given by plan="
+        else:
+            try:
+                plan, how = infer_plan(run, run.module)
+            except InferenceError as exc:
+                plan, how = ParallelPlan(dp=run.world_size), f"assumed dp={run.world_size}"
+                self.note(f"{exc}; assumed ParallelPlan(dp={run.world_size}) meanwhile")
+        fit.plan = plan
+        fit.est_rank = self.rank if self.rank < plan.world_size else None
+        if fit.est_rank is None:
+            self.note(
+                f"plan {plan.describe()} has {plan.world_size} ranks but the run has {run.world_size}; "
+                "reporting the worst rank's estimate on every rank; pass a matching plan="
+            )
+        fit.spec = spec
+        source = "none"
+        if spec is not None and fit.train is not None:
+            source = "analytic"
+            if opts.calibrate:
+                fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
+                source = "calibrated" if fit.calibration is not None else "analytic"
+        if opts.model_spec is None and spec is not None and "guessed" in (spec.name or "") and source == "analytic":
+            fix = (
+                "or pass calibrate=True" if not opts.calibrate
+                else "(calibration was asked for but did not run: see the note above)"
+            )
+            self.note(
+                f"the ModelSpec was guessed ({spec.name}) and no traced step calibrated it, so the {source} "
+                f"estimate of activations is unreliable; pass {self.owner}(model_spec=...) {fix}"
+            )
+        run_info = describe_run(run, spec, fit.train, plan, how, source, self.backend, fit.compiled)
+        self.report = replace(self.report, run=run_info)
+
+    # ------------------------------------------------------------------------------------ estimates
+    def estimate(self, b: int, s: int) -> MemoryEstimate | None:
+        fit = self.fit
+        key = (b, s)
+        if key in fit.estimates:
+            fit.estimates.move_to_end(key)
+            return fit.estimates[key]
+        est = None
+        if fit.spec is not None and fit.train is not None and fit.plan is not None:
+            from lightning_memplan.model.estimate import estimate_memory
+
+            try:
+                train = fit.train.replace(micro_batch=stage_micro_batch(fit.plan, b), seq_len=s)
+                est = estimate_memory(fit.spec, train, fit.plan, rank=fit.est_rank, calibration=fit.calibration)
+            except (ValueError, TypeError) as exc:
+                self.note(f"the memory model cannot estimate batch {b} x {s}: {exc}")
+        fit.estimates[key] = est
+        if len(fit.estimates) > _ESTIMATE_CACHE_SIZE:
+            fit.estimates.popitem(last=False)
+        return est
+
+    # ------------------------------------------------------------------------------------ per step
+    def start_epoch(self, epoch: int) -> None:
+        if self.acc is None or self.acc.epoch != epoch or self.acc.rank != self.rank:
+            self.acc = RankAccumulator(rank=self.rank, epoch=epoch, backend=self.backend)
+
+    def start_step(self, run: RunContext, batch: Any, epoch: int) -> None:
+        """Before the step's forward: initialise at the first batch, estimate this batch's shape, start
+        the tensor tracker (or the compiled step's allocation meter) on a tracked step, and the probe."""
+        fit = self.fit
+        if fit.probe is None:
+            return
+        if not fit.initialised:
+            self.initialise(run, batch)
+        shape: tuple[int, int] | None
+        try:
+            shape = batch_shape(batch, seq_len=self.options.seq_len)
+        except InferenceError as exc:
+            shape = (fit.train.micro_batch, fit.train.seq_len) if fit.train is not None else None
+            self.note(f"{exc} (per-step shape unknown; using train_spec's)" if shape else str(exc))
+        step = self.batches_seen
+        # The first step is warm-up (no optimizer states yet), so the first steady-state step is
+        # tracked too: every run gets at least one measurement the estimate is compared with.
+        first_steady = fit.stepped and not fit.steady_tracked
+        tracked = fit.tracking_enabled and (
+            step == 0 or first_steady or (step + 1) % self.options.measure_every_n_steps == 0
+        )
+        if tracked and fit.stepped:
+            fit.steady_tracked = True
+        fit.current = {
+            "step": step,
+            "epoch": epoch,
+            "shape": shape,
+            "estimate": self.estimate(*shape) if shape is not None else None,
+            "tracked": tracked,
+            "warmup": not fit.stepped,
+        }
+        if tracked:
+            optimizers = [_unwrap(o) for o in run.optimizers]
+            if fit.compiled:
+                if fit.probe.kind == "cpu":
+                    fit.meter = AllocationMeter("cpu")
+                    fit.meter.start(run.module, optimizers, batch)
+            else:
+                self._start_tracker(run, optimizers, shape)
+        fit.frames_at_start = dynamo_frames()
+        fit.probe.start_step()
+
+    def _start_tracker(self, run: RunContext, optimizers: list[Any], shape: tuple[int, int] | None) -> None:
+        seq = shape[1] if shape is not None and shape[1] > 1 else None
+        vocab = self.options.model_spec.vocab_size if self.options.model_spec is not None else None
+        device = getattr(run.strategy, "root_device", None)
+        # dynamo passes over this tracker: a compiled function the scan missed still compiles (compiled.py)
+        tracker = CompileSafeTracker(run.module, optimizers, seq_len=seq, vocab_size=vocab, device=device)
+        tracker.start()
+        tracker.set_phase("forward")
+        self.fit.tracker = tracker
+
+    def enter_phase(self, phase: str) -> None:
+        fit = self.fit
+        if fit.probe is not None and fit.probe.phase is not None:
+            fit.probe.enter_phase(phase)
+        if fit.tracker is not None:
+            fit.tracker.set_phase(phase)
+        if fit.meter is not None:
+            fit.meter.set_phase(phase)
+
+    def mark_stepped(self) -> None:
+        """The optimizer steps in the step under way (called as its optimizer phase starts)."""
+        if self.fit.current is not None:
+            self.fit.current["stepped"] = True
+
+    @property
+    def in_step(self) -> bool:
+        return self.fit.current is not None
+
+    def _stop_tracker(self) -> Any:
+        tracker, self.fit.tracker = self.fit.tracker, None
+        if tracker is None:
+            return None
+        try:
+            return tracker.report()
+        finally:
+            tracker.stop()
+
+    def _stop_meter(self, reading: Any) -> bool:
+        """Put the allocation meter's peaks (a compiled CPU step) into ``reading``; whether it ran."""
+        meter, self.fit.meter = self.fit.meter, None
+        if meter is None:
+            return False
+        result = meter.stop()
+        if result is None or reading is None:
+            return False
+        reading.measured_peak, reading.phase_peaks = result[0], dict(result[1])
+        return True
+
+    def _measurement(self, tracker_report: Any, metered: bool) -> str:
+        if tracker_report is not None:
+            return "tensor_tracker"
+        if metered:
+            return f"compiled:{AllocationMeter.method}"
+        return {"cuda": "cuda_allocator", "mps": "mps_sampled"}.get(self.backend, "rss")
+
+    def _record(self, reading: Any, tracker_report: Any, metered: bool = False) -> StepRecord:
+        return build_step_record(
+            self.fit.current or {}, reading, tracker_report, rank=self.rank, default_step=self.batches_seen,
+            memory_budget=self.options.memory_budget, backend=self.backend,
+            measurement=self._measurement(tracker_report, metered),
+        )
+
+    def end_step(self, epoch: int) -> StepRecord | None:
+        """After the step: its record (added to the epoch, checked for warnings, kept in the window of
+        the optimizer step under way); ``None`` outside a step."""
+        fit = self.fit
+        if fit.probe is None or fit.current is None:
+            return None
+        reading = fit.probe.end_step()
+        metered = self._stop_meter(reading)
+        tracker_report = self._stop_tracker()
+        if not fit.compiled and dynamo_frames() != fit.frames_at_start:
+            self._compiled_at_run_time()
+            tracker_report = None
+        record = self._record(reading, tracker_report, metered)
+        if self.acc is None:
+            self.acc = RankAccumulator(rank=self.rank, epoch=epoch, backend=self.backend)
+        self.acc.add(record)
+        self.check(record)
+        fit.window.append(record)
+        self.batches_seen += 1
+        if fit.current.get("stepped"):
+            fit.stepped = True
+        fit.current = None
+        return record
+
+    def _compiled_at_run_time(self) -> None:
+        """Compiled code ran in this step that ``compiled_parts`` did not find (dynamo converted frames):
+        the step's tracker numbers are dropped (a dispatch mode sees only what reaches the dispatcher of
+        a compiled region) and later tracked steps use the profiler or the allocator counters."""
+        fit = self.fit
+        step = (fit.current or {}).get("step", self.batches_seen)
+        fit.compiled.append(f"compiled code called in training (dynamo converted frames in step {step})")
+        self.report.run["compiled"] = list(fit.compiled)
+        self.note(
+            f"torch.compile found at run time (dynamo converted frames in step {step}, not through a compiled "
+            "module or a function training_step names): that step's tensor-level measurement is dropped and "
+            "later measured steps use the profiler's allocator events (CPU) or the allocator counters"
+        )
+
+    def take_window(self) -> list[StepRecord]:
+        """The records of the optimizer step just finished (its micro-batches), emptying the window."""
+        window, self.fit.window = self.fit.window, []
+        return window
+
+    def calibration_state(self) -> str:
+        """``"calibrated"``, ``"off"`` (``calibrate=False``) or ``"skipped"`` (asked for, did not run)."""
+        if self.fit.calibration is not None:
+            return "calibrated"
+        return "skipped" if self.options.calibrate else "off"
+
+    def check(self, record: StepRecord) -> None:
+        """Mismatch, headroom and forecast warnings (each once per run)."""
+        fit, opts = self.fit, self.options
+        if record.tracked or record.backend == "cuda":
+            text = mismatch_message(record, opts.tolerance, units=opts.units, calibration=self.calibration_state())
+            if text:
+                self.warn_once("mismatch", text)
+        plan = fit.plan or ParallelPlan()
+        train = (
+            fit.train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
+            if (fit.train is not None and record.micro_batch and record.seq_len)
+            else fit.train
+        )
+        text = headroom_message(record, opts.min_headroom, plan, train, units=opts.units)
+        if text:
+            self.warn_once("headroom", text)
+        if record.micro_batch is None or record.seq_len is None or not record.device_memory:
+            return
+        b = max(self.max_shape_seen[0], record.micro_batch)
+        s = max(self.max_shape_seen[1], record.seq_len)
+        grew = (b, s) != self.max_shape_seen
+        self.max_shape_seen = (b, s)
+        if not grew or "forecast" in self.warned:
+            return
+        target = max(opts.max_seq_len or 0, s)
+        est = self.estimate(b, target)
+        if est is not None:
+            text = forecast_message(
+                target,
+                est.total,
+                record.device_memory,
+                est.components(),
+                plan,
+                fit.train.replace(micro_batch=b, seq_len=target) if fit.train is not None else None,
+                rank=self.rank,
+                units=opts.units,
+            )
+            if text:
+                self.warn_once("forecast", text)
+
+    # ------------------------------------------------------------------------------------ epoch end
+    def end_epoch(self, epoch: int, gather: Callable[[Any], list[Any]] = gather_objects) -> EpochReport:
+        """Gather every rank's summary and warnings (``gather`` is a collective: every rank calls this)
+        into the epoch's report, which joins :attr:`report`."""
+        fit = self.fit
+        acc = self.acc or RankAccumulator(rank=self.rank, epoch=epoch, backend=self.backend)
+        gathered = gather((acc.summary().to_dict(), list(fit.epoch_warnings), list(fit.epoch_warning_steps)))
+        ranks = tuple(sorted((RankSummary.from_dict(s) for s, _, _ in gathered), key=lambda r: r.rank))
+        first_at: dict[str, int] = {}  # each warning, in order of appearance, at the first step any rank raised it
+        for _, ws, steps in gathered:
+            for text, at in zip(ws, steps, strict=True):
+                first_at[text] = min(at, first_at.get(text, at))
+        warnings = list(first_at)
+        for text in warnings:  # other ranks' warnings surface on rank 0 (rank_zero_warn) once each
+            if text not in fit.epoch_warnings:
+                self.warn_once(f"peer:{text[:80]}", text)
+        report = EpochReport(
+            epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings), warning_steps=tuple(first_at[t] for t in warnings)
+        )
+        self.report = self.report.with_epoch(report)
+        self.acc = None
+        fit.epoch_warnings = []
+        fit.epoch_warning_steps = []
+        return report
+
+    def png_possible(self) -> bool:
+        """Whether matplotlib imports; if not, say once that no PNG is written (it is a dependency, so a
+        broken or removed install is worth a word, not a silent gap)."""
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            self.note(
+                f"memory_report.png is not written: matplotlib cannot be imported ({exc}); the JSON, Markdown "
+                "and HTML reports are; pip install matplotlib for the picture"
+            )
+            return False
+        return True
+
+    def write(self, directories: list[str]) -> Any:
+        """Write the report to each folder (rank 0); the first folder's
+        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written."""
+        from lightning_memplan.report.io import write_report
+
+        if not self.options.write_files or not directories:
+            return None
+        png = self.png_possible()
+        first = None
+        for directory in directories:
+            _, written = write_report(self.report, directory, units=self.options.units, png=png)
+            first = first or written
+        return first
+
+    def print_epoch(self, epoch: int) -> None:
+        if self.options.print_report:
+            import rich
+
+            from lightning_memplan.report.render import render_rich
+
+            rich.get_console().print(render_rich(self.report, epoch=epoch, units=self.options.units))
+
+    # ------------------------------------------------------------------------------------ failures
+    def record_incident(self, exception: BaseException) -> None:
+        """Add the failing step (its record so far, the allocator state) to the report as an incident."""
+        fit = self.fit
+        tracker_report = None
+        if fit.tracker is not None:
+            tracker_report = self._stop_tracker()
+        if fit.meter is not None:
+            meter, fit.meter = fit.meter, None
+            meter.close()
+        reading = None
+        if fit.probe is not None and fit.probe.phase is not None:
+            reading = fit.probe.end_step()
+        record = self._record(reading, tracker_report) if fit.current is not None else None
+        allocator = fit.probe.allocator_summary() if fit.probe is not None else {"rss": read_rss()}
+        incident = build_incident(
+            exception, record, allocator, tracker_report, current=fit.current or {}, rank=self.rank,
+            accumulator=self.acc, default_step=self.batches_seen,
+        )
+        self.report = self.report.with_incident(incident)
+        fit.current = None
+
+    def write_incident(self, directory: str | None) -> None:
+        """The report with the incident, into ``directory`` (``memory_report.rank<N>.*`` off rank 0)."""
+        from lightning_memplan.report.io import write_report
+
+        if self.options.write_files and directory:
+            write_report(
+                self.report, directory, units=self.options.units,
+                rank_suffix=None if self.rank == 0 else self.rank,
+            )
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "report": self.report.to_dict(),
+            "batches_seen": self.batches_seen,
+            "warned": sorted(self.warned),
+            "accumulator": self.acc.to_dict() if self.acc is not None else None,
+            "max_shape_seen": list(self.max_shape_seen),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from lightning_memplan.validation import check_mapping
+
+        where = f"{self.owner}.load_state_dict(state_dict)"
+        fix = f"pass what {self.owner}.state_dict() returned"
+        check_mapping(where, state_dict, ("report",), hint=f"{fix} (a checkpoint's callback state)")
+        try:
+            report = MemoryReport.from_dict(state_dict["report"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"{where}: state_dict['report'] is not a memory report ({type(exc).__name__}: {exc}); {fix}"
+            ) from None
+        self.report = report
+        self.batches_seen = int(state_dict.get("batches_seen", 0))
+        self.warned = set(state_dict.get("warned", ()))
+        self.max_shape_seen = tuple(int(x) for x in state_dict.get("max_shape_seen", (0, 0)))  # type: ignore[assignment]
+        acc = state_dict.get("accumulator")
+        # A checkpoint holds rank 0's state; another rank's partial epoch cannot be restored from it.
+        self.acc = RankAccumulator.from_dict(acc) if acc and int(acc["rank"]) == self.rank else None
