@@ -11,12 +11,22 @@ reaches a compiled frame first leaves that model eager for the rest of the proce
 - :func:`compiled_parts` finds what ``torch.compile`` wrapped: ``OptimizedModule`` sub-modules (a
   ``self.model = torch.compile(model)``), a LightningModule given to the Trainer as
   ``torch.compile(lit)`` (Lightning's ``from_compiled`` stores ``_compiler_ctx`` and wraps
-  ``forward``/``training_step``/... in the dynamo context), and dynamo-wrapped methods set on the
-  instance.
+  ``forward``/``training_step``/... in the dynamo context), ``nn.Module.compile()`` (it sets
+  ``_compiled_call_impl``, ``torch/nn/modules/module.py``), dynamo-wrapped callables set on any
+  sub-module (``block.forward = torch.compile(block.forward)``) or defined on its class
+  (``@torch.compile`` on a method), and compiled free functions that ``training_step`` names (a
+  module-level ``fn = torch.compile(block_fn)``).
 - :func:`eager_view` swaps them for their eager originals and sets the ``"force_eager"`` stance
   (``torch.compiler.set_stance``: the eval-frame callback is ``None``, so no frame is converted or
-  marked) for the duration of a trace, and restores everything on exit; the compiled objects, their
-  caches and guards are never touched.
+  marked; this also covers compiled functions no scan can see) for the duration of a trace, and
+  restores everything on exit; the compiled objects, their caches and guards are never touched.
+- :class:`CompileSafeTracker` is the tensor tracker with ``ignore_compile_internals() = True``
+  (``torch/utils/_python_dispatch.py``: dynamo's dispatch-mode check, ``any_torch_dispatch_mode_on_stack``,
+  passes over such a mode), so a tracked step never makes dynamo skip a compiled function the scan
+  missed; :func:`dynamo_frames` (dynamo's own ``counters["frames"]["total"]``, one per frame it
+  converts) tells the callback that compiled code ran in a step, after which it measures with the
+  profiler (inductor's buffers are allocated outside the dispatcher, so a dispatch mode sees only its
+  extern kernels).
 - :class:`AllocationMeter` measures a compiled step on the CPU from the profiler's allocator events
   (``torch.profiler.profile(profile_memory=True)``: the c10 CPU allocator reports every allocation and
   free with its size to the profiler; the profiler is an observer, not a dispatch mode, and compiled
@@ -27,8 +37,13 @@ reaches a compiled frame first leaves that model eager for the rest of the proce
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import inspect
 import os
+import sys
+import types
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,13 +51,14 @@ import torch
 from torch import nn
 
 from lightning_memplan.model.result import PHASES
+from lightning_memplan.tracking.tracker import TensorTracker
 
-__all__ = ["AllocationMeter", "compiled_parts", "eager_view"]
+__all__ = ["AllocationMeter", "CompileSafeTracker", "compiled_parts", "dynamo_frames", "eager_view"]
 
-#: Methods Lightning's ``from_compiled`` wraps in the dynamo context (lightning/pytorch/utilities/compile.py).
-_LIGHTNING_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 #: Name prefix of the profiler marker events opened at each phase boundary.
 _MARK = "memplan::"
+#: Name prefix of the zero-length marker a watched gradient's death leaves (``memplan-free::<bytes>``).
+_FREE_MARK = "memplan-free::"
 #: Kineto's log level above its highest (USDT = 5): silences the "profiler_start"/"profiler_stop" lines
 #: it otherwise prints on every profiled step (only set when the user has not set it).
 _KINETO_QUIET = "6"
@@ -61,10 +77,51 @@ def _is_dynamo_wrapped(fn: Any) -> bool:
     return callable(fn) and hasattr(fn, "_torchdynamo_orig_callable")
 
 
+#: Classes whose own methods are never the user's compiled code (skipped by the class scan).
+_FRAMEWORK_MODULES = ("torch.", "lightning.", "pytorch_lightning.")
+
+
+def _class_compiled_methods(cls: type) -> list[str]:
+    """Methods of ``cls`` (and its user-defined bases) decorated with ``torch.compile``."""
+    return [
+        name
+        for klass in cls.__mro__
+        if not klass.__module__.startswith(_FRAMEWORK_MODULES) and klass.__module__ != "builtins"
+        for name, value in vars(klass).items()
+        if _is_dynamo_wrapped(value)
+    ]
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global names a function's code (and the code of functions nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _compiled_free_functions(module: nn.Module, method: str) -> list[str]:
+    """Compiled callables that ``type(module).<method>`` names as globals or closes over."""
+    fn = inspect.unwrap(getattr(type(module), method, None) or (lambda: None))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    scope = getattr(fn, "__globals__", {})
+    found = [name for name in sorted(_code_names(code)) if _is_dynamo_wrapped(scope.get(name))]
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            if _is_dynamo_wrapped(cell.cell_contents):
+                found.append(name)
+    return found
+
+
 def compiled_parts(module: nn.Module | None) -> list[str]:
     """What ``torch.compile`` wrapped in ``module``: ``"model (OptimizedModule)"`` for each compiled
-    sub-module, ``"LightningModule (torch.compile given to the Trainer)"``, ``"training_step"`` for a
-    dynamo-wrapped method on the instance. Empty when nothing is compiled."""
+    sub-module, ``"LightningModule (torch.compile given to the Trainer)"``, ``"model.blocks.0
+    (nn.Module.compile)"``, ``"model.blocks.0.forward (torch.compile)"`` for a dynamo-wrapped callable
+    on a sub-module or its class, ``"fn (torch.compile, called in training_step)"`` for a compiled
+    function ``training_step`` names. Empty when nothing is compiled."""
     if module is None:
         return []
     found: list[str] = []
@@ -75,11 +132,53 @@ def compiled_parts(module: nn.Module | None) -> list[str]:
         for name, sub in module.named_modules():
             if name and isinstance(sub, optimized):
                 found.append(f"{name} (OptimizedModule)")
-    if getattr(module, "_compiler_ctx", None):
+    lightning_compiled = bool(getattr(module, "_compiler_ctx", None))
+    if lightning_compiled:
         found.append(f"{type(module).__name__} (torch.compile given to the Trainer)")
-    else:
-        found.extend(m for m in _LIGHTNING_COMPILED_METHODS if _is_dynamo_wrapped(module.__dict__.get(m)))
+    classes_seen: set[type] = set()
+    for name, sub in module.named_modules():
+        if optimized is not None and isinstance(sub, optimized):
+            continue
+        prefix = f"{name}." if name else ""
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            found.append(f"{name or type(sub).__name__} (nn.Module.compile)")
+        if not (lightning_compiled and sub is module):  # from_compiled's wrapped methods are named above
+            found.extend(
+                f"{prefix}{attr} (torch.compile)"
+                for attr, v in vars(sub).items()
+                if attr != "_compiled_call_impl" and _is_dynamo_wrapped(v)
+            )
+        if type(sub) not in classes_seen:
+            classes_seen.add(type(sub))
+            found.extend(f"{type(sub).__name__}.{m} (torch.compile)" for m in _class_compiled_methods(type(sub)))
+    found.extend(
+        f"{fn} (torch.compile, called in training_step)" for fn in _compiled_free_functions(module, "training_step")
+    )
     return found
+
+
+def dynamo_frames() -> int:
+    """Frames TorchDynamo has converted in this process so far (``torch._dynamo.utils.counters["frames"]
+    ["total"]``; 0 before dynamo is imported: nothing was compiled). A change across a step means
+    compiled code ran in it (a first compile or a recompile)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    frames = getattr(utils, "counters", {}).get("frames") if utils is not None else None
+    return int(frames["total"]) if frames else 0
+
+
+class CompileSafeTracker(TensorTracker):
+    """:class:`TensorTracker` that dynamo passes over (``ignore_compile_internals``), so a compiled
+    function called inside a tracked step compiles and runs as it would without the tracker.
+
+    What it sees of a compiled region is what reaches the dispatcher: every aten op under the
+    ``eager``/``aot_eager`` backends, only extern kernels under inductor; the callback therefore drops
+    the tracker's numbers for a step in which :func:`dynamo_frames` changed and measures compiled
+    steps with :class:`AllocationMeter`.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 @contextlib.contextmanager
@@ -93,7 +192,8 @@ def eager_view(module: nn.Module) -> Iterator[nn.Module]:
     """
     optimized = _optimized_module_type()
     swapped: list[tuple[nn.Module, str, Any]] = []
-    methods: list[tuple[str, Any]] = []
+    attrs: list[tuple[nn.Module, str, Any]] = []
+    call_impls: list[tuple[nn.Module, Any]] = []
     root: Any = module
     if optimized is not None and isinstance(module, optimized):
         root = getattr(module, "_orig_mod")  # noqa: B009 - typed as Tensor | Module by nn.Module
@@ -105,23 +205,32 @@ def eager_view(module: nn.Module) -> Iterator[nn.Module]:
                         swapped.append((parent, name, child))
                         parent._modules[name] = getattr(child, "_orig_mod")  # noqa: B009
         ctx = getattr(root, "_compiler_ctx", None)
-        for name in _LIGHTNING_COMPILED_METHODS:
-            current = root.__dict__.get(name)
-            if current is None or not _is_dynamo_wrapped(current):
-                continue
-            methods.append((name, current))
-            original = ctx.get(f"original_{name}") if ctx else None
-            if original is not None and getattr(original, "__self__", None) is root:
-                # the class's method, bound: dropping the instance attribute gives it back (and a deep
-                # copy then calls the copy's own method, not the original module's)
-                del root.__dict__[name]
-            else:
-                root.__dict__[name] = original if original is not None else current._torchdynamo_orig_callable
+        for sub in list(root.modules()):
+            if getattr(sub, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+                call_impls.append((sub, sub._compiled_call_impl))
+                sub._compiled_call_impl = None
+            for name, current in list(vars(sub).items()):
+                if not _is_dynamo_wrapped(current):
+                    continue
+                attrs.append((sub, name, current))
+                original = ctx.get(f"original_{name}") if (ctx and sub is root) else None
+                if original is None:
+                    original = inspect.unwrap(current._torchdynamo_orig_callable)
+                if getattr(original, "__self__", None) is sub and getattr(type(sub), name, None) is getattr(
+                    original, "__func__", None
+                ):
+                    # the class's method, bound: dropping the instance attribute gives it back (and a deep
+                    # copy then calls the copy's own method, not the original module's)
+                    del sub.__dict__[name]
+                else:
+                    sub.__dict__[name] = original
         with torch.compiler.set_stance("force_eager"):
             yield root
     finally:
-        for name, current in methods:
-            root.__dict__[name] = current
+        for sub, name, current in attrs:
+            sub.__dict__[name] = current
+        for sub, impl in call_impls:
+            sub._compiled_call_impl = impl
         for parent, name, child in reversed(swapped):
             parent._modules[name] = child
 
@@ -155,6 +264,24 @@ def _flatten(obj: Any) -> Iterator[torch.Tensor]:
             yield from _flatten(v)
 
 
+def _with_unreported_frees(allocs: list[tuple[int, int]], events: Any) -> list[tuple[int, int]]:
+    """``allocs`` (sorted ``(ns, bytes)``) plus a free at each ``memplan-free::<n>`` marker that the
+    profiler did not report itself: the storage is released right after the weak-reference callback
+    returns, so a reported free is the first memory event after the marker, of ``-n`` bytes."""
+    frees = sorted(
+        (e.start_ns(), int(e.name()[len(_FREE_MARK):])) for e in events if e.name().startswith(_FREE_MARK)
+    )
+    if not frees:
+        return allocs
+    extra = []
+    for ns, nbytes in frees:
+        i = bisect.bisect_left(allocs, (ns, -(2**62)))
+        if i < len(allocs) and allocs[i][1] == -nbytes:
+            continue  # reported by the allocator
+        extra.append((ns, -nbytes))
+    return sorted(allocs + extra)
+
+
 class AllocationMeter:
     """Peak allocated CPU tensor bytes of one step, per phase, from the profiler's allocator events.
 
@@ -162,6 +289,16 @@ class AllocationMeter:
     boundary, ``meter.stop()`` -> ``(peak, {phase: peak})``. Only CPU allocations are counted
     (``device_type``); the baseline is the bytes alive at the start that the step keeps or frees
     (parameters, buffers, gradients, optimizer states, the batch).
+
+    Gradients are watched: c10's CPU allocator reports a free to the profiler only for a block it
+    saw allocated while memory profiling was on (``ProfiledCPUMemoryReporter``,
+    ``c10/core/CPUAllocator.cpp``: "Memory block of unknown size was allocated before the profiling
+    started, profiler results will not include the deallocation event"). After an unprofiled step,
+    ``zero_grad(set_to_none=True)`` frees the previous gradients unreported, and they would be counted
+    twice (in the baseline and as the new gradients): +12 % on a one-layer GPT's backward peak. A weak
+    reference to each gradient leaves a zero-length ``memplan-free::<bytes>`` marker when it dies;
+    :meth:`stop` counts it as the free unless the profiler reported that free itself (the next memory
+    event is the same size).
     """
 
     method = "profiler"
@@ -171,6 +308,7 @@ class AllocationMeter:
         self._prof: Any = None
         self._mark: Any = None
         self._baseline = 0
+        self._watched: list[weakref.ref[torch.Tensor]] = []
 
     def start(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -184,7 +322,28 @@ class AllocationMeter:
         os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
+        self._watch_grads(module)
         self.set_phase(PHASES[0])
+
+    def _watch_grads(self, module: nn.Module) -> None:
+        seen: set[int] = set()
+        for param in module.parameters():
+            grad = param.grad
+            if grad is None or grad.device.type != self.device_type or grad.layout is not torch.strided:
+                continue
+            storage = grad.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            self._watched.append(weakref.ref(grad, self._freed_marker(storage.nbytes())))
+
+    def _freed_marker(self, nbytes: int) -> Any:
+        def freed(_: Any) -> None:
+            if self._prof is not None:
+                with torch.autograd.profiler.record_function(f"{_FREE_MARK}{nbytes}"):
+                    pass
+
+        return freed
 
     def set_phase(self, phase: str) -> None:
         if self._prof is None:
@@ -207,6 +366,7 @@ class AllocationMeter:
         self._close_mark()
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
+        self._watched = []
         events = prof.profiler.kineto_results.events()
         cpu = torch.autograd.DeviceType.CPU if self.device_type == "cpu" else None
         allocs = sorted(
@@ -214,6 +374,7 @@ class AllocationMeter:
             for e in events
             if e.name() == "[memory]" and (cpu is None or e.device_type() == cpu)
         )
+        allocs = _with_unreported_frees(allocs, events)
         marks = sorted(
             (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_MARK):])
             for e in events
@@ -238,6 +399,7 @@ class AllocationMeter:
 
     def close(self) -> None:
         """Stop profiling without a result (on an exception)."""
+        self._watched = []
         self._close_mark()
         if self._prof is not None:
             prof, self._prof = self._prof, None
