@@ -52,7 +52,8 @@ def explain(res: Resolution) -> str:
 
 def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: Iterable[Any]) -> None:
     """Rank 0's record of the decision: ``memplan_plan.json`` in ``log_dir`` (atomic write; skipped when
-    ``None``) and the plan as hyperparameters (``memplan/dp``, ..., ``memplan/plan``) on every logger."""
+    ``None``) and the plan as hyperparameters (``memplan/dp``, ..., ``memplan/plan``) on every logger that
+    logs hyperparameters."""
     if log_dir is not None:
         from lightning_memplan.report.atomic import write_atomic
 
@@ -60,7 +61,10 @@ def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: It
     params: dict[str, Any] = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
     params["memplan/plan"] = res.plan.describe()
     for logger in loggers:
-        logger.log_hyperparams(params)
+        try:
+            logger.log_hyperparams(params)
+        except NotImplementedError:  # Fabric's CSVLogger logs no hyperparameters
+            continue
 
 
 def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
