@@ -20,7 +20,9 @@ Usage::
     python benchmarks/bench_loss.py                    # CPU, N=8192, h=1024, V in {32000, 128256}
     python benchmarks/bench_loss.py --vocab 32000 --repeats 2 --no-write
     python benchmarks/bench_loss.py --device cuda
-    python benchmarks/bench_loss.py --issue12          # issue 12's two shapes vs torch's kernel
+    python benchmarks/bench_loss.py --issue12          # issue 12's comparison vs torch's kernel (CPU: smaller shapes)
+    OMP_NUM_THREADS=1 python benchmarks/bench_loss.py --issue12 --threads 1   # a few minutes on one core
+    python benchmarks/bench_loss.py --issue12 --issue12-full --device cuda    # the issue's own shapes
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def memplan_loss(chunk: int | str, accum_dtype: torch.dtype = torch.float32) -> 
 #: The two shapes of issue 12: (dtype, N, h, V). Targets: extra peak <= 1.25x and time <= 0.95x torch's
 #: ``F.linear_cross_entropy`` (default options), both measured in this one run.
 ISSUE12_SHAPES = (("float32", 8192, 512, 32000), ("bfloat16", 4096, 1024, 65536))
+#: The CPU default of ``--issue12``: the same dtypes at shapes one core runs in a few minutes (CPU bf16
+#: GEMMs run at ~4 GFLOP/s on one core of the reference machine, so the issue's bf16 shape, 1.65 TFLOP
+#: per step, takes ~7 minutes a step); ``--issue12-full`` runs the issue's shapes (meant for CUDA).
+ISSUE12_CPU_SHAPES = (("float32", 4096, 512, 32000), ("bfloat16", 1024, 256, 16384))
 ISSUE12_MEM, ISSUE12_TIME = 1.25, 0.95
 
 
@@ -80,12 +86,13 @@ def run_issue12(args: argparse.Namespace) -> str:
     (``accum_dtype`` = the weight's dtype, which is what torch's own kernel accumulates in)."""
     lines = ["| shape | method | extra peak MiB | fwd+bwd s | peak / torch | time / torch | verdict |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-    for dtype_name, n, hdim, vocab in ISSUE12_SHAPES:
-        dtype = getattr(torch, dtype_name)
+    shapes = ISSUE12_SHAPES if (args.issue12_full or args.device != "cpu") else ISSUE12_CPU_SHAPES
+    for dtype_name, n, hdim, vocab in shapes:
+        dtype, device = getattr(torch, dtype_name), torch.device(args.device)
         torch.manual_seed(0)
-        h = (torch.randn(n, hdim, dtype=dtype) * 0.5).requires_grad_()
-        w = (torch.randn(vocab, hdim, dtype=dtype) * hdim**-0.5).requires_grad_()
-        y = torch.randint(0, vocab, (n,))
+        h = (torch.randn(n, hdim, dtype=dtype, device=device) * 0.5).requires_grad_()
+        w = (torch.randn(vocab, hdim, dtype=dtype, device=device) * hdim**-0.5).requires_grad_()
+        y = torch.randint(0, vocab, (n,), device=device)
         shape = f"{dtype_name} N={n} h={hdim} V={vocab}"
         print(f"  {shape}: torch ...", flush=True)
         ref = measure(torch_loss(), h, w, y, args.repeats)
@@ -274,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--issue12", action="store_true",
-                        help="only the two shapes of issue 12 against torch's F.linear_cross_entropy")
+                        help="issue 12's comparison against torch's F.linear_cross_entropy (on CPU at the "
+                             "smaller ISSUE12_CPU_SHAPES unless --issue12-full)")
+    parser.add_argument("--issue12-full", action="store_true",
+                        help="with --issue12: the issue's own shapes (N=8192/4096; the bf16 one takes hours on CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -286,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             path = RESULTS / f"{args.device}_{datetime.date.today().isoformat()}_loss_issue12.md"
             path.write_text(
                 f"# chunked loss vs torch's F.linear_cross_entropy (issue 12 shapes)\n\nCommand: "
-                f"`python benchmarks/bench_loss.py --issue12`  \ntorch {torch.__version__}, "
+                f"`python benchmarks/bench_loss.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+                f"torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads, repeats={args.repeats} (median). Extra peak = largest live "
                 "allocation total during forward+backward above the inputs (profiler allocator events).\n\n"
                 + text + "\n")
