@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             RESULTS.mkdir(parents=True, exist_ok=True)
             path = RESULTS / f"{args.device}_{datetime.date.today().isoformat()}_loss_issue12.md"
             path.write_text(
-                f"# chunked loss vs torch's F.linear_cross_entropy (issue 12 shapes)\n\nCommand: "
+                f"# chunked loss vs torch's F.linear_cross_entropy (issue 12; shapes as in the table)\n\nCommand: "
                 f"`python benchmarks/bench_loss.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
                 f"torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads, repeats={args.repeats} (median). Extra peak = largest live "
