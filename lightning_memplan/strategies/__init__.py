@@ -3,7 +3,8 @@ technique (torchtitan's ``distributed/`` layout): mesh axes, FSDP2/DDP, tensor p
 parallel, activation checkpointing, and the layout recogniser they share.
 
 Lightning does not discover third-party strategies: ``import lightning_memplan`` calls
-:func:`register_strategies` so that ``Trainer(strategy="memplan_auto")`` resolves. With LightningCLI use
+:func:`register_strategies` so that ``Trainer(strategy="memplan_auto")`` resolves, and registers the
+Fabric front door (:mod:`lightning_memplan.fabric`) so that ``Fabric(strategy="memplan_auto")`` does. With LightningCLI use
 the class path ``lightning_memplan.strategies.MemplanAutoStrategy``.
 """
 
@@ -39,11 +40,16 @@ def register_strategies(registry: Any = None) -> None:
     """Register ``"memplan_auto"`` in Lightning's ``StrategyRegistry`` (idempotent).
 
     Args:
-        registry: the registry to add to; ``None`` means ``lightning.pytorch.strategies.StrategyRegistry``.
+        registry: the registry to add to; ``None`` means ``lightning.pytorch.strategies.StrategyRegistry``,
+            and Fabric's ``STRATEGY_REGISTRY`` too (``Fabric(strategy="memplan_auto")``, see
+            :func:`lightning_memplan._registration.register_fabric_strategy`).
     """
     if registry is None:
         from lightning.pytorch.strategies import StrategyRegistry
 
+        from lightning_memplan._registration import register_fabric_strategy
+
+        register_fabric_strategy()
         registry = StrategyRegistry
     if STRATEGY_NAME in registry:
         return
