@@ -335,6 +335,7 @@ def _estimate_stage(
     comm_static = 0
     comm_fwd = comm_bwd = 0
     comm_bwd_start = None  # the loss's backward, before any block's: as comm_bwd unless set below
+    comm_bwd_end = None  # the end of the backward: as comm_bwd unless set below
     gathered = pb.compute if pb.autocast_copy else pb.param  # all-gather dtype of FSDP units
     if shard > 1 and plan.zero <= 1 and plan.grad_buckets:
         comm_static = terms.ddp_bucket_bytes(states["grads"])
@@ -365,6 +366,11 @@ def _estimate_stage(
         # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet:
         # FSDP2 unshards a block in its pre-backward hook [PT fully_shard].
         comm_bwd_start = root
+        if not pipelined_fsdp and root:
+            # the root unit reduce-scatters last, in the backward's final callback: its unsharded
+            # gradients and their reduce-dtype copy-in (its gathered parameters are freed just before)
+            root_end = terms.fsdp_root_post_backward_bytes(root // gathered, gathered, pb.grad)
+            comm_bwd_end = max(comm_bwd, root_end)
     extra = 0
     if plan.tp > 1:
         extra += b * s * model.hidden * pb.compute
@@ -375,6 +381,7 @@ def _estimate_stage(
     comm_fwd += extra
     comm_bwd += extra
     comm_bwd_start = comm_bwd if comm_bwd_start is None else comm_bwd_start + extra
+    comm_bwd_end = comm_bwd if comm_bwd_end is None else comm_bwd_end + extra
 
     dynamic = _dynamic(model, train, plan, layout)
     source = "analytic"
@@ -413,7 +420,7 @@ def _estimate_stage(
             "comm": comm_static + comm_bwd,
             **dynamic["backward_layer"],
         },
-        "backward_end": {**static, "grads": grads_accum, "comm": comm_static + comm_bwd, **dynamic["backward_end"]},
+        "backward_end": {**static, "grads": grads_accum, "comm": comm_static + comm_bwd_end, **dynamic["backward_end"]},
         "optimizer": {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]},
     }
     if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries

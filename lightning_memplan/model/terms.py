@@ -44,6 +44,7 @@ __all__ = [
     "ddp_bucket_bytes",
     "embedding_param_count",
     "eager_attention_bytes",
+    "fsdp_root_post_backward_bytes",
     "full_recompute_layer_bytes",
     "head_param_count",
     "korthikanti_layer_activation_bytes",
@@ -578,6 +579,21 @@ def ddp_bucket_bytes(grad_bytes: int) -> int:
     (``gradient_as_bucket_view=False``, the default in PyTorch and in Lightning's DDPStrategy) [PT
     torch/nn/parallel/distributed.py, Reducer]. Equals the gradient bytes."""
     return grad_bytes
+
+
+def fsdp_root_post_backward_bytes(root_params: int, unsharded_grad_bytes: int, reduce_bytes: int) -> int:
+    """The communication bytes of FSDP2's root unit at the end of the backward, ``root_params * (g + r)``:
+    the root (the module ``fully_shard`` was applied to last, holding the embedding, final norm and
+    lm_head when they are not wrapped per block) has no forward input that requires grad, so its
+    post-backward runs in the backward's final callback (``FSDPState._root_post_backward_final_callback``);
+    until then each of its parameters keeps its *unsharded* gradient (g bytes, the all-gather dtype:
+    ``param_dtype`` under ``MixedPrecisionPolicy``). ``FSDPParamGroup.post_backward`` collects them,
+    reshards (frees the gathered parameters), then ``foreach_reduce`` copies them into one flat
+    reduce-scatter input in ``reduce_dtype`` (r bytes) before it frees them
+    (``foreach_reduce_scatter_copy_in`` then ``unsharded_grads.clear()``) [PT
+    torch/distributed/fsdp/_fully_shard/_fsdp_state.py, _fsdp_param_group.py, _fsdp_collectives.py].
+    For Llama 3 8B (2 x 128256 x 4096 root parameters, bf16 grads, fp32 reduce) that is 6.3 GB."""
+    return root_params * (unsharded_grad_bytes + reduce_bytes)
 
 
 def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param: int) -> int:
