@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_memplan.hardware import HardwareSpec  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
 from lightning_memplan.planning import plan, predict_step_time  # noqa: E402
+from lightning_memplan.planning.search import SIMPLICITY_MARGIN  # noqa: E402
 
 GiB = 2**30
 
@@ -193,6 +194,14 @@ def predicted(row: Row) -> float:
     return 100 * st.mfu
 
 
+def median_abs_error() -> float:
+    """Median |predicted / published - 1| over the pinned rows, percent: the time model's error band
+    that :data:`~lightning_memplan.planning.search.SIMPLICITY_MARGIN` is set below."""
+    errs = sorted(abs(predicted(r) / r.published - 1) for r in rows() + more_rows())
+    n = len(errs)
+    return 100 * (errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2)
+
+
 def _allow_of(p: ParallelPlan, train: TrainSpec) -> dict:
     return {"dp": [p.dp], "tp": [p.tp], "pp": [p.pp], "cp": [p.cp], "zero": [p.zero], "recompute": [train.recompute],
             "micro_batch": [train.micro_batch], "loss": [train.loss],
@@ -225,6 +234,11 @@ def main(out: Path) -> None:
         "`planner` is `plan(headroom=0)` over the full space on the same cluster and global batch. Rows marked "
         "(more) are published runs beyond issue 13's table; none of them was used to set a constant.",
         "",
+        f"The planner ranks by predicted step time with a simplicity rule (`planning/search.py` "
+        f"`SIMPLICITY_MARGIN` = {100 * SIMPLICITY_MARGIN:g}%): each parallel dimension beyond data parallelism "
+        f"(tp, pp, cp) must be predicted to buy more than that, below the median |error| of the pinned rows "
+        f"({median_abs_error():.1f}%), or the layout without it is chosen.",
+        "",
         "| run | metric | published | predicted | error | forced fits (peak / budget GiB) | planner's choice | planner step vs published layout |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -244,8 +258,10 @@ def main(out: Path) -> None:
         fit = f"{'yes' if forced.fits else 'NO'} ({forced.estimate.total / GiB:.1f} / {forced.budget.budget / GiB:.1f})"
         speed = forced.step.total_s / full.step.total_s - 1 if full.fits else float("nan")
         choice = full.chosen.describe() if full.fits else "nothing fits"
+        verdict = (f"{abs(100 * speed):.1f}% {'faster' if speed >= 0 else 'slower'}"
+                   if choice != forced.chosen.describe() else "is the published layout")
         lines.append(f"| {r.name}{'' if r.name in issue else ' (more, not pinned)' if r.name in unpinned else ' (more)'} | {r.metric} | {r.published:,.4g} | {pred:,.4g} | {100 * err:+.1f}% | {fit} | "
-                     f"{choice} | {abs(100 * speed):.1f}% {'faster' if speed >= 0 else 'slower'} |")
+                     f"{choice} | {verdict} |")
         sources.append(f"- **{r.name}**: {r.source}." + (f" {r.note}." if r.note else ""))
         why.append(f"- **{r.name}**: published layout forced: {forced.chosen.describe()}, "
                    f"{'fits' if forced.fits else 'does not fit'} ({forced.estimate.total / GiB:.1f} GiB peak, "
@@ -259,7 +275,7 @@ def main(out: Path) -> None:
             why.append(f"  - forced layout's peak: stage {e.stage}, {e.peak_phase}: {parts} GiB "
                        f"({e.details['layers_on_stage']} blocks, {e.details['inflight_microbatches_x1000'] / 1000:g} "
                        f"micro-batches in flight); budget {forced.budget.describe()}")
-        why += [f"  - {n}" for n in full.notes if n.startswith("well-known layout")]
+        why += [f"  - {n}" for n in full.notes if n.startswith(("fastest predicted plan", "without ", "well-known layout"))]
         print(f"{r.name:50s} published {r.published:8.4g} predicted {pred:8.4g} ({100 * err:+.1f}%) forced fits "
               f"{forced.fits} planner {choice} ({100 * speed:+.1f}%)", flush=True)
     lines += ["", "## Where the choice differs from the published layout, in numbers", ""] + why

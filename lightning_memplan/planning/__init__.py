@@ -15,7 +15,7 @@ from lightning_memplan.planning.decision import (
     Rejection,
     Suggestion,
 )
-from lightning_memplan.planning.planner import CHANGE_COST, CHANGE_PENALTY, plan
+from lightning_memplan.planning.planner import CHANGE_COST, CHANGE_PENALTY, SIMPLICITY_MARGIN, plan
 from lightning_memplan.planning.space import ALLOW_NAMES, Allow
 from lightning_memplan.planning.timing import (
     TIME_MODEL_OFF,
@@ -34,6 +34,7 @@ __all__ = [
     "Budget",
     "CHANGE_COST",
     "CHANGE_PENALTY",
+    "SIMPLICITY_MARGIN",
     "CUDA_CONTEXT_BYTES",
     "Candidate",
     "Layout",

@@ -46,7 +46,8 @@ class Candidate:
         loss as chosen). estimate: the worst rank's :class:`MemoryEstimate`. budget: the budget
         derivation for this plan. step: the predicted :class:`StepTime`. change_cost: how far it is
         from plain data parallelism with the user's settings (see ``planning.planner.CHANGE_COST``).
-        score: ``step.total_s * (1 + CHANGE_PENALTY * change_cost)``, the ranking key. notes: remarks
+        score: seconds per token x ``ranking_factor`` (change cost and the simplicity margin per
+        parallel dimension, ``planning.search``), the ranking key. notes: remarks
         such as "tp=16 crosses nodes".
     """
 

@@ -78,8 +78,9 @@ def _why_not_runner_up(d: Any) -> str | None:
                 f"vs {best.change_cost:g}); step time is not modelled here")
     gain = second.step.tokens_per_s / best.step.tokens_per_s - 1
     if gain > 0.0005:
-        return (f"why not the runner-up ({second.describe()}): {100 * gain:.1f}% more tokens/s predicted, but more "
-                f"machinery (change cost {second.change_cost:g} vs {best.change_cost:g}; each unit must buy > 1 %)")
+        from lightning_memplan.planning.known import faster_but_not_chosen
+
+        return f"why not the runner-up ({second.describe()}): " + faster_but_not_chosen(second, best)
     if gain > -0.0005:
         return (f"why not the runner-up ({second.describe()}): the same predicted tokens/s with more machinery "
                 f"(change cost {second.change_cost:g} vs {best.change_cost:g})")

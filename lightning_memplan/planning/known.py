@@ -22,7 +22,7 @@ from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.planning.decision import Candidate
 from lightning_memplan.planning.space import Allow
 
-__all__ = ["KnownLayout", "known_layouts", "known_layout_notes"]
+__all__ = ["KnownLayout", "axis_notes", "faster_but_not_chosen", "fastest_plan_note", "known_layouts", "known_layout_notes"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _restrict(base: Allow, extra: dict[str, Any]) -> Allow:
     """``base`` with the family's axes; options the user allowed (recompute, loss, micro-batch) kept."""
     data = {k: v for k, v in base.to_dict().items() if v is not None}
     data.update(extra)
-    if base.zero:
+    if base.zero and "zero" in extra:
         data["zero"] = [z for z in extra["zero"] if z in base.zero] or extra["zero"]
     return Allow.parse(data)
 
@@ -96,12 +96,93 @@ def _same(a: Candidate, b: Candidate) -> bool:
     return a.plan == b.plan and a.train == b.train
 
 
+def _axes(c: Candidate) -> tuple[str, ...]:
+    from lightning_memplan.planning.search import parallel_axes
+
+    return parallel_axes(c.plan.tp, c.plan.pp, c.plan.cp)
+
+
+def faster_but_not_chosen(other: Candidate, chosen: Candidate) -> str:
+    """Why ``other``, predicted faster, is not the choice, in numbers: the parallel dimensions it adds
+    against :data:`~lightning_memplan.planning.search.SIMPLICITY_MARGIN`, or its extra change cost
+    (``"it is predicted 3.7% faster but adds pp and cp; each added parallel dimension must buy > 5% (the
+    time model's error band), two > 10.2%: within that margin the simpler choice is kept"``)."""
+    from lightning_memplan.planning.search import CHANGE_PENALTY, SIMPLICITY_MARGIN
+
+    gain = other.step.tokens_per_s / chosen.step.tokens_per_s - 1
+    added = [a for a in _axes(other) if a not in _axes(chosen)]
+    head = f"it is predicted {100 * gain:.1f}% faster but "
+    if len(_axes(other)) > len(_axes(chosen)) and added:
+        n = len(_axes(other)) - len(_axes(chosen))
+        need = (1 + SIMPLICITY_MARGIN) ** n - 1
+        words = " and ".join(added)
+        rule = f"each added parallel dimension must buy > {100 * SIMPLICITY_MARGIN:g}% (the time model's error band)"
+        if n > 1:
+            rule += f", {n} > {100 * need:.1f}%"
+        return f"{head}adds {words}; {rule}: within that margin the simpler choice is kept"
+    return (f"{head}needs more machinery (change cost {other.change_cost:g} vs {chosen.change_cost:g}; each unit "
+            f"must buy > {100 * CHANGE_PENALTY:g}%)")
+
+
+def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
+    """The fastest fitting plan without the simplicity margin, when the margin passed it over: one line
+    with both predicted step times (one more search, ranked with ``margin=0``)."""
+    from lightning_memplan.planning.search import _Search
+
+    if not chosen.step.modelled or search.margin == 0:
+        return []
+    sub = _Search(search.model, search.train, search.hardware, search.allow, search.global_batch, search.headroom,
+                  search.explicit_budget, search.calibration, 1, margin=0.0)
+    found = sub.run()
+    search.evaluations += sub.evaluations
+    if not found["candidates"]:
+        return []
+    fast = found["candidates"][0]
+    if _same(fast, chosen) or fast.step.tokens_per_s <= chosen.step.tokens_per_s * 1.0005:
+        return []
+    return [f"fastest predicted plan {fast.describe()}: {fast.step.total_s:.3g} s/step vs the choice's "
+            f"{chosen.step.total_s:.3g} s, {readable_bytes(fast.peak_bytes)} peak; " + faster_but_not_chosen(fast, chosen)]
+
+
+def axis_notes(search: Any, chosen: Candidate) -> list[str]:
+    """For each parallel dimension the choice uses (tp, pp, cp): the best plan without it, in numbers,
+    so every extra axis is justified by memory (nothing fits without it) or by a predicted gain above
+    :data:`~lightning_memplan.planning.search.SIMPLICITY_MARGIN` (one restricted search per axis)."""
+    from lightning_memplan.planning.search import SIMPLICITY_MARGIN, _Search
+
+    if not chosen.step.modelled:
+        return []
+    lines = []
+    for axis in _axes(chosen):
+        sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, {axis: [1]}), search.global_batch,
+                      search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin)
+        try:
+            found = sub.run()
+        except ValueError as exc:
+            lines.append(f"without {axis}: no layout ({str(exc).split('; ')[0]})")
+            continue
+        search.evaluations += sub.evaluations
+        if not found["candidates"]:
+            closest = found["closest"]
+            miss = (f": the closest, {closest.describe()}, needs {readable_bytes(closest.estimate.total)} > "
+                    f"{readable_bytes(closest.budget.budget)}") if closest is not None else ""
+            lines.append(f"without {axis} nothing fits{miss}")
+            continue
+        alt = found["candidates"][0]
+        gain = chosen.step.tokens_per_s / alt.step.tokens_per_s - 1
+        lines.append(
+            f"without {axis}: best {alt.describe()}: {alt.step.total_s:.3g} s/step, {readable_bytes(alt.peak_bytes)} "
+            f"peak; the choice is predicted {100 * gain:.1f}% faster (a parallel dimension must buy > "
+            f"{100 * SIMPLICITY_MARGIN:g}%, the time model's error band)")
+    return lines
+
+
 def known_layout_notes(search: Any, chosen: Candidate, fits: bool) -> list[str]:
     """One line per well-known family: its best plan, predicted time and memory, and how the choice
     compares (``"the choice is 12.3 % faster (2.41 s vs 2.71 s per step, 61.2 vs 58.0 GiB)"``)."""
     if not fits:
         return []
-    lines = []
+    lines = fastest_plan_note(search, chosen) + axis_notes(search, chosen)
     for k in known_layouts(search):
         if k.candidate is None:
             lines.append(f"well-known layout {k.name}: {k.reason}")
@@ -120,8 +201,7 @@ def known_layout_notes(search: Any, chosen: Candidate, fits: bool) -> list[str]:
         elif gain > -0.0005:
             verdict = "the same predicted speed; the choice needs fewer changes"
         else:
-            verdict = (f"it is predicted {100 * -gain / (1 + gain):.1f}% faster but needs more machinery "
-                       f"(change cost {c.change_cost:g} vs {chosen.change_cost:g})")
+            verdict = faster_but_not_chosen(c, chosen)
         terms = ", ".join(f"{key} {v:.3g} s" for key, v in c.step.exposed_s.items() if v > 0.01 * c.step.total_s)
         lines.append(
             f"well-known layout {k.name}: {c.describe()}: {c.step.total_s:.3g} s/step "

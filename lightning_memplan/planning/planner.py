@@ -5,7 +5,9 @@ Search (analytic, no profiling):
 1. :func:`~lightning_memplan.planning.space.enumerate_layouts` lists every ``dp x tp x pp x cp = world``
    layout with its micro-batch and schedule, rejecting shape-invalid ones with a reason.
 2. :class:`~lightning_memplan.planning.timing.StepTimeModel` prices each layout; every inner option
-   (zero, sp, recompute, loss) gets ``score = step_time * (1 + CHANGE_PENALTY * change_cost)``.
+   (zero, sp, recompute, loss) gets ``score = step_time * (1 + CHANGE_PENALTY * change_cost) *
+   (1 + SIMPLICITY_MARGIN) ** axes`` (axes: how many of tp, pp, cp it uses; the margin only where the
+   step is modelled): a parallel dimension must be predicted to buy > 5 %, the time model's error band.
 3. Best-first: layouts are visited in order of a lower bound of their score, their options in score
    order; the memory model (:func:`~lightning_memplan.model.estimate.estimate_memory`) is called only
    for what is visited. The first option of a layout that fits becomes a candidate; the search stops
@@ -35,11 +37,17 @@ from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model.result import Calibration, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.decision import Candidate, PlanDecision, Suggestion
-from lightning_memplan.planning.search import CHANGE_COST, CHANGE_PENALTY, DEFAULT_TOP_K, _Search
+from lightning_memplan.planning.search import (
+    CHANGE_COST,
+    CHANGE_PENALTY,
+    DEFAULT_TOP_K,
+    SIMPLICITY_MARGIN,
+    _Search,
+)
 from lightning_memplan.planning.space import Allow
 from lightning_memplan.validation import check_int, check_number, check_optional_int
 
-__all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "plan"]
+__all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "SIMPLICITY_MARGIN", "plan"]
 
 GiB = 2**30
 

@@ -109,12 +109,18 @@ def applicable(candidate: Any, train: TrainSpec) -> bool:
 
 
 def rank_key(candidate: Any) -> float:
-    """Seconds per token with the planner's simplicity penalty: ``score / step_time / tokens_per_s``.
+    """Seconds per token times the planner's own ranking factor (change cost and the simplicity margin
+    per parallel dimension, :func:`~lightning_memplan.planning.search.ranking_factor`): the key
+    ``plan()`` ranks by, so memplan_auto and the planner agree wherever both can apply a plan.
 
-    The planner ranks by step time, which compares layouts at equal global batch. Under a Trainer the
-    dataloader fixes the per-rank batch, so the global batch grows with dp; per token is the fair unit.
+    The planner ranks per token too, which compares layouts fairly under a Trainer, where the
+    dataloader fixes the per-rank batch and the global batch grows with dp.
     """
-    factor = candidate.score / candidate.step_time_s if candidate.step_time_s > 0 else 1.0
+    from lightning_memplan.planning.search import parallel_axes, ranking_factor
+
+    plan = candidate.plan
+    factor = ranking_factor(candidate.change_cost, len(parallel_axes(plan.tp, plan.pp, plan.cp)),
+                            modelled=candidate.step.modelled)
     return factor / max(candidate.tokens_per_s, 1e-30)
 
 

@@ -16,6 +16,7 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
     CHANGE_COST,
     CHANGE_PENALTY,
+    SIMPLICITY_MARGIN,
     PlanDecision,
     PlanDoesNotFitError,
     memory_budget,
@@ -300,7 +301,8 @@ def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1
                             continue
                         cost = base + (CHANGE_COST[f"zero{z}"] if z else 0) + (CHANGE_COST["sp"] if sp else 0)
                         cost += CHANGE_COST.get(rc, 0) + (CHANGE_COST[lm] if lm != train.loss else 0)
-                        score = lt.total(rc, z, lm) / lt.tokens * (1 + CHANGE_PENALTY * cost)
+                        axes = (lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)  # the simplicity margin, per axis
+                        score = lt.total(rc, z, lm) / lt.tokens * (1 + CHANGE_PENALTY * cost) * (1 + SIMPLICITY_MARGIN) ** axes
                         if best is None or score < best[0]:
                             best = (score, p, t)
         if best:

@@ -5,6 +5,7 @@ Table 1, Llama 3's Table 4; sources in the rows)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -74,19 +75,58 @@ def test_405b_choice_at_least_as_fast_as_the_published_layout_that_fits(row):
         assert full.step.tokens_per_s >= forced.step.tokens_per_s
 
 
-def test_405b_choice_on_16k_gpus_is_llama3s_structure():
-    """On Llama 3's 16,384 H100 the choice is the published TP 8 x PP 16 (v = 8) structure; it adds CP 2
-    (DP 64): twice the micro-batches of half the tokens halve the interleaved bubble (benchmarks/
-    planner_vs_published.md gives the per-term seconds)."""
+def test_405b_choice_on_16k_gpus_is_the_published_layout():
+    """On Llama 3's 16,384 H100 the choice is the published layout itself (TP 8 x PP 16 x DP 128, v = 8,
+    zero 2). Adding CP 2 (DP 64) is predicted 3.9 % faster (half the interleaved bubble), below the 5 %
+    a parallel dimension must buy (SIMPLICITY_MARGIN); the explanation says so in numbers."""
     from lightning_memplan.planning import plan
 
     row = next(r for r in LLAMA3_405B if "16,384" in r.name)
     full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1, headroom=0.0)
-    chosen = full.plan
-    assert (chosen.tp, chosen.pp, chosen.schedule, chosen.virtual_stages) == (8, 16, "interleaved", 8)
-    assert chosen.dp * chosen.cp == 128 and chosen.sp
     forced = _plan_405b(row)
-    assert full.step.bubble_s < forced.step.bubble_s
+    assert (full.plan, full.train) == (forced.plan, forced.train) and full.plan == row.plan
+    note = next(n for n in full.notes if n.startswith("fastest predicted plan"))
+    assert re.search(r"cp=2 .*it is predicted [0-4]\.\d% faster but adds cp; each added parallel dimension must buy > 5%", note)
+
+
+def test_405b_choice_on_8k_gpus_keeps_cp_only_where_memory_needs_it():
+    """On 8,192 H100 the published layout does not fit the memory model (79.0 GiB, see the xfail below);
+    every layout without CP then needs recompute, and the explanation names the best of them and the
+    gain, above the 5 % margin, that justifies CP."""
+    from lightning_memplan.planning import SIMPLICITY_MARGIN, plan
+
+    row = next(r for r in LLAMA3_405B if "8,192" in r.name)
+    full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1, headroom=0.0)
+    assert full.fits and full.plan.cp > 1
+    note = next(n for n in full.notes if n.startswith("without cp: best "))
+    gain = float(re.search(r"the choice is predicted ([\d.]+)% faster", note).group(1))
+    assert "cp=" not in note.split(":")[1] and gain > 100 * SIMPLICITY_MARGIN
+
+
+def test_70b_on_64_a100_choice_is_fsdp_x_tp_inside_the_node():
+    """Llama 3 70B on torchtitan's 64 A100: the choice is FSDP x TP 8 (torchtitan's 2D), not the
+    TP 4 x PP 4 x CP 4 layout predicted 4.9 % faster with two more dimensions (> 10.25 % needed); and the
+    single added dimension (tp) is justified by more than the margin over FSDP alone."""
+    from lightning_memplan.planning import SIMPLICITY_MARGIN, plan
+
+    row = next(r for r in bench.rows() if "70B" in r.name)
+    full = plan(row.model, row.train, row.hardware, global_batch=row.global_batch, top_k=1, headroom=0.0)
+    p = full.plan
+    assert (p.dp, p.tp, p.pp, p.cp) == (8, 8, 1, 1)
+    fastest = next(n for n in full.notes if n.startswith("fastest predicted plan"))
+    assert "adds pp and cp" in fastest and "2 > 10.3%" in fastest
+    without_tp = next(n for n in full.notes if n.startswith("without tp: best "))
+    gain = float(re.search(r"the choice is predicted ([\d.]+)% faster", without_tp).group(1))
+    assert gain > 100 * SIMPLICITY_MARGIN
+
+
+def test_simplicity_margin_is_within_the_time_models_error_band():
+    """SIMPLICITY_MARGIN's rationale: a predicted gain smaller than the model's own error against
+    published runs does not justify a parallel dimension; the margin is at most the median |error| of
+    the pinned rows (5.8 % today)."""
+    from lightning_memplan.planning import SIMPLICITY_MARGIN
+
+    assert 0 < 100 * SIMPLICITY_MARGIN <= bench.median_abs_error()
 
 
 _8K_GPUS_XFAIL = pytest.mark.xfail(strict=True, reason=(
