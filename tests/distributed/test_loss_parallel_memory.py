@@ -58,6 +58,7 @@ def _worker(rank: int, world: int) -> dict:
     return {e: _measure(rank, world, dtype) for e, dtype in ((2, torch.bfloat16), (4, torch.float32))}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_loss_parallel_working_set_matches_the_estimate():
     results = run_distributed(_worker, WORLD, timeout_s=150)

@@ -64,6 +64,7 @@ def root_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_root_unit_end_of_backward_matches_the_estimate():
     for rank, r in enumerate(run_distributed(root_worker, 2, timeout_s=280)):
