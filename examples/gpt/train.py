@@ -26,26 +26,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_memplan  # noqa: F401  (registers strategy="memplan_auto")
 from lightning_memplan import LinearCrossEntropy, MemoryPlanCallback
-from lightning_memplan.testing.text import WordTokenizer, offline_corpus
+from lightning_memplan.testing.text import TokenWindows, WordTokenizer, offline_corpus
 from lightning_memplan.testing.zoo import GPT, GPTConfig
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of ``seq_len`` tokens from one long token stream."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
-        self.n = (tokens.numel() - 1) // seq_len
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
 
 
 class GPTLanguageModel(L.LightningModule):

@@ -19,8 +19,9 @@ import re
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["WordTokenizer", "offline_corpus"]
+__all__ = ["TokenWindows", "WordTokenizer", "offline_corpus"]
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]|\s+")
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
@@ -136,3 +137,18 @@ class WordTokenizer:
             else:
                 out.extend(self.vocab[tid - 256].encode("utf-8"))
         return out.decode("utf-8", errors="replace")
+
+
+class TokenWindows:
+    """Non-overlapping windows of ``seq_len`` tokens from one long token stream: a map-style dataset
+    (``len`` and indexing) for ``torch.utils.data.DataLoader``, shared by the examples' training jobs."""
+
+    def __init__(self, tokens: Any, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.tokens[i * self.seq_len : (i + 1) * self.seq_len]

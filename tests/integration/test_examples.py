@@ -115,3 +115,39 @@ def test_hf_llama_example_on_two_processes_under_memplan_auto(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert abs(r["measured_to_estimated"] - 1) <= 0.10, r
+
+
+def _printed_block(readme: pathlib.Path) -> str:
+    (block,) = re.findall(r"```text\n(.*?)```", readme.read_text(encoding="utf-8"), re.S)[:1]
+    return block
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "memplan_auto"])
+def test_fabric_example_on_two_processes_reports_both_ranks(tmp_path, strategy):
+    """The Fabric example's ``--devices 2`` run (litgpt-style loop, MemoryMonitor around each step): both
+    ranks calibrated, estimated and measured, the report gathered on rank 0; the README's printed output
+    names the lines this run prints, in order (the README is the default run's real output)."""
+    out = _run(
+        "examples/fabric/train.py", tmp_path,
+        "--devices", "2", "--strategy", strategy, "--epochs", "1", "--steps-per-epoch", "3",
+        "--corpus-chars", "200000", "--vocab-size", "4096", "--measure-every-n-steps", "2",
+    )
+    report = _report(tmp_path)
+    assert report["run"]["world_size"] == 2 and report["run"]["estimate_source"] in ("calibrated", "analytic")
+    ranks = report["epochs"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert abs(r["measured_to_estimated"] - 1) <= 0.10, r
+    # The README's output block: every line the script itself prints (its label, the text before the
+    # first number, is in the script's source; rich's tables come from the library) is printed by this
+    # run too, in the same order of first appearance.
+    source = (ROOT / "examples" / "fabric" / "train.py").read_text(encoding="utf-8")
+    block = _printed_block(ROOT / "examples" / "fabric" / "README.md")
+    labels = [re.split(r"[\d(]", line, maxsplit=1)[0].strip() for line in block.splitlines()]
+    labels = list(dict.fromkeys(label for label in labels if len(label) > 3 and label in source))
+    assert len(labels) >= 6, labels
+    position = 0
+    for label in labels:
+        position = out.index(label, position)
