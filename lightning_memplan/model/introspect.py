@@ -89,6 +89,28 @@ def _require_trace_for(cfg: Mapping[str, Any], model_type: str, vision: bool) ->
         )
 
 
+# Families whose q/k/v projections carry biases but o_proj and the MLP do not (transformers
+# models/qwen2/modeling_qwen2.py Qwen2Attention: q_proj/k_proj/v_proj bias=True, o_proj bias=False).
+_QKV_BIAS = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# Four norms per block (input, post-attention, pre- and post-feedforward) instead of two
+# (modeling_gemma2.py / modeling_gemma3.py Gemma2DecoderLayer).
+_FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
+# RMSNorm over each head's d_h on q and on k (modeling_qwen3.py / modeling_gemma3.py q_norm, k_norm).
+_HEAD_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")
+# RMSNorm over all of q (a*d_h) and all of k (k*d_h) (modeling_olmo2.py Olmo2Attention q_norm, k_norm).
+_FULL_QK_NORM = ("olmo2",)
+
+
+def _extra_layer_params(model_type: str, hidden: int, n_heads: int, kv_heads: int, head_dim: int) -> int:
+    """Per-block parameters beyond the linears and two norms: extra norms and q/k norms (RMSNorm weights)."""
+    extra = 2 * hidden if model_type in _FOUR_NORMS else 0
+    if model_type in _HEAD_QK_NORM:
+        extra += 2 * head_dim
+    elif model_type in _FULL_QK_NORM:
+        extra += (n_heads + kv_heads) * head_dim
+    return extra
+
+
 def spec_from_hf_config(config: Any) -> ModelSpec:
     """A :class:`ModelSpec` from a Hugging Face config (Llama, Mistral, Qwen2, Gemma, GPT-2, GPT-NeoX, ...).
 
@@ -147,17 +169,23 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias")
     )
     hidden = whole(_HIDDEN, values["hidden"])
+    n_heads = whole(_HEADS, values["n_heads"])
+    n_kv = whole(_KV_HEADS, kv) if kv is not None else None
+    head_dim = whole(("head_dim",), cfg["head_dim"]) if cfg.get("head_dim") else None
+    extra = _extra_layer_params(model_type, hidden, n_heads, n_kv or n_heads, head_dim or hidden // n_heads)
     return ModelSpec(
         whole(_LAYERS, values["n_layers"]),
         hidden,
-        whole(_HEADS, values["n_heads"]),
+        n_heads,
         whole(("vocab_size",), values["vocab_size"]),
-        n_kv_heads=whole(_KV_HEADS, kv) if kv is not None else None,
-        head_dim=whole(("head_dim",), cfg["head_dim"]) if cfg.get("head_dim") else None,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
         ffn_hidden=whole(_FFN, _first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * hidden,
         ffn_kind="swiglu" if gated else "gelu",
         norm="rmsnorm" if rms else "layernorm",
         bias=bias,
+        qkv_bias=model_type in _QKV_BIAS and not bias,
+        extra_layer_params=extra,
         tied_embeddings=check_bool("config['tie_word_embeddings']", tied),
         position_embedding="learned" if learned else "rope",
         max_positions=whole(_POSITIONS, positions) if positions else None,

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_memplan.model.lora import lora_trainable_params
+from lightning_memplan.model.param_counts import param_count
 from lightning_memplan.validation import check_bool as _check_bool
 from lightning_memplan.validation import check_choice as _check_choice
 from lightning_memplan.validation import check_int as _check_int
@@ -112,7 +114,11 @@ class ModelSpec:
         n_trainable_params: parameters that train (``requires_grad``); the rest are frozen (peft LoRA's
             base weights, frozen embeddings) and have no gradients, optimizer states or master copy.
             ``None`` means all of them train. :meth:`from_module` counts them; for a config-only
-            LoRA estimate pass the adapter's count (peft's ``print_trainable_parameters()``).
+            LoRA estimate pass the adapter's count (peft's ``print_trainable_parameters()``) or use
+            :meth:`with_lora`.
+        qkv_bias: only the q/k/v projections carry biases (Qwen2); ``bias=True`` means every linear.
+        extra_layer_params: parameters per block beyond the linears, their biases and two norms (Gemma-2's
+            four norms per block, OLMo-2's and Qwen3's q/k norms); the config reader counts them.
     """
 
     n_layers: int
@@ -134,6 +140,8 @@ class ModelSpec:
     name: str | None = field(default=None, kw_only=True)
     hf_config: str | None = field(default=None, kw_only=True, repr=False)
     n_trainable_params: int | None = field(default=None, kw_only=True)
+    qkv_bias: bool = field(default=False, kw_only=True)
+    extra_layer_params: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_int("n_layers", self.n_layers, hint="a transformer has at least one block")
@@ -170,7 +178,9 @@ class ModelSpec:
             _check_int("max_positions", self.max_positions)
         _check_number("dropout", self.dropout, minimum=0.0, maximum=1.0, max_inclusive=False,
                       hint="a probability in [0, 1), e.g. dropout=0.1")
-        for name in ("bias", "tied_embeddings", "qkv_fused"):
+        _check_int("extra_layer_params", self.extra_layer_params, minimum=0,
+                   hint="parameters per block beyond the linears and two norms (0 for most models)")
+        for name in ("bias", "tied_embeddings", "qkv_fused", "qkv_bias"):
             _check_bool(name, getattr(self, name))
         if self.n_params is not None:
             _check_int("n_params", self.n_params, hint="the total number of parameters")
@@ -214,8 +224,6 @@ class ModelSpec:
         """N: total parameters (``n_params`` when given, else :func:`param_count`)."""
         if self.n_params is not None:
             return self.n_params
-        from lightning_memplan.model.terms import param_count
-
         return param_count(self)
 
     @property
@@ -224,6 +232,18 @@ class ModelSpec:
         if self.n_trainable_params is None:
             return 1.0
         return self.n_trainable_params / self.num_params
+
+    def with_lora(self, *, rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> ModelSpec:
+        """This spec with a LoRA adapter's trainable count (``n_trainable_params``), no peft needed:
+        ``rank`` r on the block linears named in ``targets`` (Hugging Face names, as peft's
+        ``target_modules``); see :func:`~lightning_memplan.model.lora.lora_trainable_params`.
+
+        The base weights become frozen (no gradients, optimizer states or master copy); the adapter's
+        own weights (the same count, under 1% of N for usual ranks) are not added to N.
+        """
+        from dataclasses import replace
+
+        return replace(self, n_trainable_params=lora_trainable_params(self, rank, targets))
 
     # Constructors --------------------------------------------------------------------------------
     @classmethod

@@ -24,6 +24,14 @@ import functools
 import math
 from dataclasses import dataclass
 
+from lightning_memplan.model.param_counts import (
+    embedding_param_count,
+    head_param_count,
+    layer_matmul_param_count,
+    layer_param_count,
+    norm_param_count,
+    param_count,
+)
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
 __all__ = [
@@ -81,51 +89,8 @@ SDPA_LSE_BYTES = FP32_BYTES
 # ---------------------------------------------------------------------------------------------
 
 
-def norm_param_count(model: ModelSpec) -> int:
-    """Parameters of one norm layer: ``2h`` for LayerNorm (weight and bias), ``h`` for RMSNorm."""
-    return 2 * model.hidden if model.norm == "layernorm" else model.hidden
-
-
-def layer_matmul_param_count(model: ModelSpec) -> int:
-    """Weights of the linear layers of one block (what autocast copies and TP splits).
-
-    Attention: q ``h*a*d_h``, k and v ``h*k*d_h`` each, output ``a*d_h*h``.
-    MLP: ``2*h*f`` for gelu/relu (up, down), ``3*h*f`` for swiglu (gate, up, down).
-    """
-    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
-    attn = h * a * dh + 2 * h * k * dh + a * dh * h
-    mlp = (3 if model.ffn_kind == "swiglu" else 2) * h * f
-    return attn + mlp
-
-
-def _layer_bias_count(model: ModelSpec) -> int:
-    if not model.bias:
-        return 0
-    h, dh, a, k, f = model.hidden, model.dim_head, model.n_heads, model.kv_heads, model.ffn
-    mlp_bias = (2 * f if model.ffn_kind == "swiglu" else f) + h
-    return a * dh + 2 * k * dh + h + mlp_bias
-
-
-def layer_param_count(model: ModelSpec) -> int:
-    """Parameters of one transformer block: matmul weights + biases + two norms."""
-    return layer_matmul_param_count(model) + _layer_bias_count(model) + 2 * norm_param_count(model)
-
-
-def embedding_param_count(model: ModelSpec) -> int:
-    """Token embedding ``V*h`` plus a learned position table ``P*h`` (stage 0 holds them)."""
-    pos = (model.max_positions or 0) * model.hidden if model.position_embedding == "learned" else 0
-    return model.vocab_size * model.hidden + pos
-
-
-def head_param_count(model: ModelSpec) -> int:
-    """Final norm plus an untied lm_head ``V*h`` (tied: the head reuses the embedding)."""
-    head = 0 if model.tied_embeddings else model.vocab_size * model.hidden
-    return norm_param_count(model) + head
-
-
-def param_count(model: ModelSpec) -> int:
-    """N = embeddings + L * block + final norm + untied head."""
-    return embedding_param_count(model) + model.n_layers * layer_param_count(model) + head_param_count(model)
+# Parameter counts: one formula each in model/param_counts.py (ModelSpec.num_params reads them too);
+# imported above and re-exported here.
 
 
 # ---------------------------------------------------------------------------------------------

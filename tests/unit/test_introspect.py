@@ -208,3 +208,52 @@ def test_non_transformers_get_exact_count_and_say_what_was_guessed() -> None:
         assert "not a transformer" in spec.name and "guessed" in spec.name
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         spec_from_module("gpt2")
+
+
+def test_qwen2_qkv_biases_counted_by_hand_without_transformers() -> None:
+    """Qwen2: q/k/v carry biases, o_proj and the MLP do not: a*d_h + 2*k*d_h per block (hand count)."""
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": False}
+    spec = replace(spec_from_hf_config(cfg), hf_config=None)
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64 + (64 + 2 * 32)  # q, k, v, o weights + q/k/v biases
+    block = attn + 3 * 64 * 128 + 2 * 64  # swiglu MLP + two RMSNorms
+    assert spec.qkv_bias and not spec.bias
+    assert spec.num_params == 100 * 64 + 2 * block + 64 + 100 * 64
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "olmo2", "llama", "gpt2", "phi3", "gpt_neox"])
+def test_analytic_parameter_count_equals_the_real_model(name: str) -> None:
+    """The config reader alone (no trace) counts what transformers builds: Qwen2 q/k/v biases, Gemma-2's
+    four norms per block, Qwen3's per-head and OLMo-2's full-width q/k norms."""
+    pytest.importorskip("transformers")
+    from lightning_memplan.model.hf_trace import model_class
+    from lightning_memplan.testing.hf_architectures import ARCHITECTURES
+
+    config = ARCHITECTURES[name].config(0.0)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in model_class(config)._from_config(config).parameters())
+    assert replace(spec_from_hf_config(config), hf_config=None).num_params == real
+
+
+def test_specs_depends_on_no_memory_term_module() -> None:
+    """The import circle specs -> terms -> specs is gone: parameter counts live in model/param_counts.py
+    and model/lora.py, which import nothing from the model package at run time."""
+    import ast
+    from pathlib import Path
+
+    import lightning_memplan.model as pkg
+
+    root = Path(pkg.__file__).parent
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((root / name).read_text())
+        out = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        return out | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    assert not {m for m in imported("specs.py") if m.endswith((".terms", ".estimate"))}
+    for leaf in ("param_counts.py", "lora.py"):
+        runtime = {m for m in imported(leaf) if m.startswith("lightning_memplan.model")}
+        assert runtime <= {"lightning_memplan.model.specs"}, runtime  # only under TYPE_CHECKING
+    from lightning_memplan.model import terms
+
+    assert terms.param_count is __import__("lightning_memplan.model.param_counts", fromlist=["x"]).param_count
