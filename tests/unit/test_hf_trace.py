@@ -188,3 +188,50 @@ def test_from_module_keeps_the_config_only_for_the_bare_model() -> None:
     from lightning_memplan.model.introspect import recompute_of
 
     assert recompute_of(model) == "full"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_primed_one_step_trace_equals_the_two_step_steady_state(precision: str) -> None:
+    """The config-only path traces one step with zero gradients and optimizer states made by torch's own
+    step (half the trace time); every phase, component and pinned moment of the calibration is the same,
+    byte for byte, as tracing two Lightning-order steps."""
+    from lightning_memplan.model.trace import calibrate
+
+    cfg = _llama().to_dict()
+    t0 = hf_trace._traced_train(TrainSpec(micro_batch=2, seq_len=32, precision=precision,
+                                          optimizer_impl="for_loop", device="cpu"))
+    model = hf_trace._build(cfg, 2, t0)
+    input_fn, _ = hf_trace._input_fn(model, cfg)
+    shapes = ((1, 16), (2, 32))
+    two = calibrate(model, shapes, input_fn=input_fn, precision=precision, optimizer="adamw",
+                    optimizer_impl="for_loop", quadratic=False)
+    one = calibrate(model, shapes, input_fn=input_fn, precision=precision, steps=1,
+                    optimizer=hf_trace._primed_optimizer("adamw", "for_loop"), quadratic=False)
+    assert one == two
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("llama", ("q_proj", "v_proj")), ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj")),
+     ("gpt2", ("c_attn", "c_proj")), ("phi3", ("qkv_proj", "gate_up_proj")), ("gpt_neox", ("query_key_value",))],
+)
+def test_with_lora_counts_what_peft_trains(family: str, targets: tuple[str, ...]) -> None:
+    """ModelSpec.with_lora (no peft) equals peft's trainable count on the real model."""
+    peft = pytest.importorskip("peft")
+    from lightning_memplan.model.hf_trace import model_class
+    from lightning_memplan.testing.hf_architectures import ARCHITECTURES
+
+    config = ARCHITECTURES[family].config(0.0)
+    model = peft.get_peft_model(model_class(config)._from_config(config),
+                                peft.LoraConfig(r=4, target_modules=list(targets)))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelSpec.from_hf_config(config).with_lora(rank=4, targets=targets).n_trainable_params == trained
+
+
+def test_with_lora_refuses_an_unknown_module_name() -> None:
+    spec = ModelSpec.from_hf_config(_llama())
+    with pytest.raises(ValueError, match="wq.*n_trainable_params"):
+        spec.with_lora(rank=8, targets=("wq",))
+    with pytest.raises(TypeError, match="list of module names"):
+        spec.with_lora(rank=8, targets="q_proj")  # type: ignore[arg-type]
