@@ -95,6 +95,28 @@ def test_choices_on_published_clusters_are_recognisable():
     assert d.plan.pp == 1 or model.n_layers // d.plan.pp >= 4
 
 
+def test_fastest_plan_the_margin_passes_over_is_named_in_numbers():
+    """Llama 3 70B at 8K on torchtitan's 64 A100: the fastest predicted plan adds pp and cp to the choice
+    for a gain below the 10.25 % two more dimensions must buy (SIMPLICITY_MARGIN, 5 % each); the note says
+    so with both step times, and its percentage is the step-time ratio (equal global batch)."""
+    import re
+
+    from lightning_memplan.planning import SIMPLICITY_MARGIN
+
+    model, train = ModelSpec.preset("llama3-70b"), TrainSpec(micro_batch=1, seq_len=8192)
+    d = plan(model, train, HardwareSpec.preset("a100-80gb", gpus_per_node=8, num_nodes=8), global_batch=64)
+    assert (d.plan.tp, d.plan.pp, d.plan.cp) == (8, 1, 1)
+    note = next(n for n in d.notes if n.startswith("fastest predicted plan"))
+    m = re.search(r"plan (.+?): ([\d.]+) s/step vs the choice's ([\d.]+) s, .*it is predicted ([\d.]+)% faster but "
+                  r"adds pp and cp; each added parallel dimension must buy > 5% \(the time model's error band\), 2 > 10.3%", note)
+    assert m, note
+    fast_s, chosen_s, gain = float(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert chosen_s == pytest.approx(d.step.total_s, rel=2e-3)
+    assert gain == pytest.approx(100 * (chosen_s / fast_s - 1), abs=0.3)
+    assert 0 < gain < 100 * ((1 + SIMPLICITY_MARGIN) ** 2 - 1)
+    assert " pp=" in m.group(1) and " cp=" in m.group(1)
+
+
 def test_no_rejection_is_bounded_by_itself():
     """A layout checked first as its family's bound reports its own estimate, not "needs at least as much
     as <itself>"."""
