@@ -182,7 +182,9 @@ def litgpt_case(tp: int) -> dict:
 
 
 WORLD2_PLANS = [ParallelPlan(dp=2), ParallelPlan(dp=2, zero=3), ParallelPlan(tp=2)]
-WORLD4_PLANS = [ParallelPlan(dp=2, tp=2, zero=3), ParallelPlan(dp=4, zero=2)]
+#: one 4-process case (4 processes on a 2-core CI machine are the expensive part of this file): the 2-D
+#: mesh, FSDP2 over dp=2 around TP over tp=2, with full activation checkpointing
+WORLD4_PLANS = [ParallelPlan(dp=2, tp=2, zero=3)]
 
 
 def world2_worker(rank: int, world: int, root: str, litgpt: bool) -> dict:
@@ -195,7 +197,7 @@ def world2_worker(rank: int, world: int, root: str, litgpt: bool) -> dict:
 
 def world4_worker(rank: int, world: int) -> list[dict]:
     recompute = TrainSpec(micro_batch=GLOBAL_BATCH // 2, seq_len=SEQ, precision="32-true", recompute="full")
-    return [forced_case(WORLD4_PLANS[0], recompute), forced_case(WORLD4_PLANS[1])]
+    return [forced_case(WORLD4_PLANS[0], recompute)]
 
 
 def check_parity(results: list[dict], plan: ParallelPlan) -> None:
@@ -275,4 +277,3 @@ def test_combined_plans_match_single_process_world4():
     for i, plan in enumerate(WORLD4_PLANS):
         check_parity([r[i] for r in results], plan)
     assert results[0][0]["mesh"] == (1, 1, 2, 2)
-    assert results[0][1]["mesh"] == (1, 1, 4, 1)
