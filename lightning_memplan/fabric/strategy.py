@@ -31,7 +31,9 @@ import torch
 from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import Strategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -353,6 +355,43 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
                 **kwargs,
             )
         self._loaders = []
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    @property  # type: ignore[override]
+    @override
+    def checkpoint_io(self) -> Any:
+        """Fabric's single-device checkpoint IO (``torch.save``; loading passes ``weights_only`` as given),
+        used only for a model the plan left without DTensors (one process); see :meth:`save_checkpoint`."""
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        return TorchCheckpointIO()
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        raise NotImplementedError(f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin.")
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None) -> None:
+        """``ModelParallelStrategy``'s distributed checkpoint; a model without DTensors (the one-process
+        plan ``dp=1``, which shards nothing) is saved as Fabric saves a single device's, since Fabric's
+        distributed checkpoint insists on DTensor modules."""
+        if self._unsharded():
+            Strategy.save_checkpoint(self, path, state, storage_options=storage_options, filter=filter)
+            return
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`save_checkpoint`; ``weights_only`` is passed on as given (``None``: torch's default,
+        ``True``), never turned off here."""
+        if self._unsharded() and os.path.isfile(path):
+            return Strategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+
+    def _unsharded(self) -> bool:
+        return self._module is not None and not _has_dtensor_modules(self._module)
 
     # -------------------------------------------------------------------------------------- records
     def plan_record(self) -> dict[str, Any]:

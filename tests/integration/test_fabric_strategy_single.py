@@ -71,6 +71,14 @@ def test_registry_name_plans_from_the_dataloader_and_keeps_the_optimizer(tmp_pat
         fabric_optimizer.step()
         fabric_optimizer.zero_grad()
     assert optimizer.state  # the optimizer really stepped the model's parameters
+    # checkpoint round trip (one process: nothing sharded, saved as Fabric saves a single device's)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": fabric_optimizer, "step": 4})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    rest = fabric.load(tmp_path / "ckpt", {"model": model, "optimizer": fabric_optimizer})
+    assert rest == {"step": 4} and all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     strategy.log_plan(fabric)
     written = json.loads((tmp_path / "lightning_logs" / "version_0" / "memplan_plan.json").read_text())
     assert written["plan"] == strategy.applied_plan.to_dict() == strategy.plan_record()["plan"]
