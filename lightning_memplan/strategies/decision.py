@@ -110,7 +110,7 @@ def applicability(
     reason = tensor_parallel_blocker(layout, module, plan.tp)
     if reason:
         out["tp"] = reason
-    reason = pipeline_blocker(layout, plan.pp, plan.virtual_stages)
+    reason = pipeline_blocker(layout, plan.pp, plan.virtual_stages, module=module)
     if reason:
         out["pp"] = reason
     if plan.sp and "tp" not in out:
@@ -141,7 +141,7 @@ def module_blockers(
     sizes = [d for d in range(2, world_size + 1) if world_size % d == 0]
     for dim, blocker in (
         ("tp", lambda d: tensor_parallel_blocker(layout, module, d)),
-        ("pp", lambda d: pipeline_blocker(layout, d, 1)),
+        ("pp", lambda d: pipeline_blocker(layout, d, 1, module=module)),
     ):
         reasons = {d: why for d in sizes if (why := blocker(d))}
         if sizes and len(reasons) == len(sizes):

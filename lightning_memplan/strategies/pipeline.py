@@ -3,7 +3,8 @@
 **Contract.** A transformer can be split into stages when memplan_auto recognises its block list (see
 :mod:`~lightning_memplan.strategies.layouts`) and it knows how to run a slice of it:
 
-* the zoo GPT and Hugging Face ``LlamaForCausalLM`` (transformers >= 4.53) are built in;
+* the zoo GPT and Hugging Face ``LlamaForCausalLM`` (transformers >= 4.53; the LightningModule must
+  define ``pipeline_loss``: Hugging Face shifts labels inside the model) are built in;
 * any other model defines ``pipeline_forward(self, x, blocks, *, first, last) -> Tensor``: embed ``x``
   when ``first``, run ``blocks`` in order, apply the final norm and head when ``last``; plus the
   attributes ``pipeline_first_modules`` / ``pipeline_last_modules`` (names of the top-level submodules
@@ -80,8 +81,17 @@ def _hf_llama_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], 
     return h
 
 
-def _hf_llama_blocker(layout: TransformerLayout) -> str | None:
-    """Why the built-in Hugging Face slice forward does not cover this ``hf-llama`` layout."""
+def _hf_llama_blocker(layout: TransformerLayout, module: nn.Module | None = None) -> str | None:
+    """Why the built-in Hugging Face slice forward does not cover this ``hf-llama`` layout (``module``:
+    the LightningModule, when known)."""
+    if module is not None and not callable(getattr(module, "pipeline_loss", None)):
+        # Under PP the schedule replaces training_step; Hugging Face labels are shifted inside the model
+        # (and may come with a padding mask), so the zoo's default loss would silently change the run.
+        return (
+            f"{type(module).__name__} defines no pipeline_loss(logits, labels): under pipeline parallelism "
+            "the schedule replaces training_step, and a Hugging Face model's loss convention (labels shifted "
+            "inside, e.g. self.model.loss_function(logits=..., labels=..., vocab_size=...)) must be stated"
+        )
     config = getattr(getattr(layout.root, "model", None), "config", None)
     kind = getattr(config, "model_type", None)
     if layout.head is None:
@@ -111,15 +121,18 @@ def _stage_parts(layout: TransformerLayout) -> tuple[Callable[..., torch.Tensor]
     raise ValueError(f"no pipeline contract for {type(root).__name__}")
 
 
-def pipeline_blocker(layout: TransformerLayout | None, pp: int, virtual_stages: int = 1) -> str | None:
-    """Why the model cannot be cut into ``pp * virtual_stages`` stages (``None`` when it can)."""
+def pipeline_blocker(
+    layout: TransformerLayout | None, pp: int, virtual_stages: int = 1, *, module: nn.Module | None = None
+) -> str | None:
+    """Why the model cannot be cut into ``pp * virtual_stages`` stages (``None`` when it can);
+    ``module``: the LightningModule, whose ``pipeline_loss`` a Hugging Face Llama needs."""
     if pp == 1:
         return None
     if layout is None:
         return "the module has no list of repeated blocks to split into stages"
     if not callable(getattr(layout.root, "pipeline_forward", None)):
         if layout.family == "hf-llama":
-            if (why := _hf_llama_blocker(layout)) is not None:
+            if (why := _hf_llama_blocker(layout, module)) is not None:
                 return why
         elif layout.family != "zoo-gpt":
             return (

@@ -46,3 +46,25 @@ def test_other_hf_llama_family_models_need_their_own_contract():
     assert layout is not None and layout.family == "hf-llama"
     why = pipeline_blocker(layout, 2)
     assert why is not None and "model_type='mistral'" in why and "pipeline_forward" in why
+
+
+def test_a_lightning_module_must_state_the_hf_loss_to_pipeline():
+    """Under PP the schedule replaces ``training_step``; a Hugging Face model shifts its labels inside,
+    so without ``pipeline_loss`` the module is not pipelined (nothing silently changes the loss)."""
+    import lightning as L
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _llama("sdpa", layers=2)
+
+    class Stated(Plain):
+        def pipeline_loss(self, logits, labels):
+            return self.model.loss_function(logits=logits, labels=labels, vocab_size=64)
+
+    for cls, blocked in ((Plain, True), (Stated, False)):
+        module = cls()
+        why = pipeline_blocker(find_layout(module), 2, module=module)
+        assert (why is not None) == blocked, why
+        if blocked:
+            assert "pipeline_loss" in why and "shifted" in why
