@@ -14,6 +14,9 @@ traced instead:
 2. each copy is traced with :func:`~lightning_memplan.model.trace.calibrate` (one Lightning-order
    training step per batch shape under ``FakeTensorMode``: nothing is allocated, however large the
    width) at :data:`TRACE_SHAPES`, giving per phase and component ``c0 + c1*(b*s) + c2*(b*s^2)``;
+   the step starts from a primed steady state (:func:`_primed_optimizer`: the previous step's
+   gradients and the optimizer states exist), so one traced step measures what the second of two
+   would, at half the cost;
 3. per-block cost = depth 2 - depth 1, fixed cost (embedding, head, loss) = depth 1 - per-block, and
    the full model is ``fixed + L * per_block``, evaluated at the requested ``(b, s)``;
 4. the coefficients are cached in memory and, when the environment variable
