@@ -73,7 +73,7 @@ def known_layouts(search: Any) -> list[KnownLayout]:
     out = []
     for name, extra in _families(search):
         sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, extra), search.global_batch,
-                      search.headroom, search.explicit_budget, search.calibration, 1)
+                      search.headroom, search.explicit_budget, search.calibration, 1, share=search)
         try:
             found = sub.run()
         except ValueError as exc:
@@ -132,7 +132,7 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     if not chosen.step.modelled or search.margin == 0:
         return []
     sub = _Search(search.model, search.train, search.hardware, search.allow, search.global_batch, search.headroom,
-                  search.explicit_budget, search.calibration, 1, margin=0.0)
+                  search.explicit_budget, search.calibration, 1, margin=0.0, share=search)
     found = sub.run()
     search.evaluations += sub.evaluations
     if not found["candidates"]:
@@ -155,7 +155,7 @@ def axis_notes(search: Any, chosen: Candidate) -> list[str]:
     lines = []
     for axis in _axes(chosen):
         sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, {axis: [1]}), search.global_batch,
-                      search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin)
+                      search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin, share=search)
         try:
             found = sub.run()
         except ValueError as exc:

@@ -87,7 +87,7 @@ class _Search:
     """One planning run (state shared by the search, the suggestions and the explanation)."""
 
     def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k,
-                 *, margin: float = SIMPLICITY_MARGIN) -> None:
+                 *, margin: float = SIMPLICITY_MARGIN, share: _Search | None = None) -> None:
         self.model, self.train, self.hardware = model, train, hardware
         self.margin = margin
         self.allow, self.global_batch = allow, global_batch
@@ -97,6 +97,18 @@ class _Search:
         self._plans: dict[tuple, ParallelPlan] = {}
         self._trains: dict[tuple, TrainSpec] = {}
         self.evaluations = 0
+        self._share = share
+        self._enumerated: tuple | None = None
+        self._priced: tuple[StepTimeModel, dict[tuple, LayoutTimes]] | None = None
+        # combinations that do not fit (facts about the model and budget, whatever allow= searched)
+        self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
+        self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
+        if share is not None:  # a sub-search on the same model, TrainSpec, cluster and budget: reuse its estimates
+            if (share.model, share.train, share.hardware, share.headroom, share.explicit_budget, share.calibration) != (
+                    model, train, hardware, headroom, explicit_budget, calibration):
+                raise ValueError("share= must be a search of the same model, train, hardware and budget")
+            self._cache, self._plans, self._trains = share._cache, share._plans, share._trains
+            self.failures, self._misses = share.failures, share._misses
 
     # -- memory ------------------------------------------------------------------------------------
     def materialise(self, lc: LayoutChoice, rc: str, z: int, loss: str, sp: bool) -> tuple[ParallelPlan, TrainSpec]:
@@ -159,19 +171,28 @@ class _Search:
         t0 = time.perf_counter()
         model, train = self.model, self.train
         world = self.hardware.world_size
-        layouts, early = enumerate_layouts(model, train, world, self.allow, self.global_batch)
+        share = self._share
+        if share is not None and share._enumerated is not None and share._enumerated[0] == (self.allow, self.global_batch):
+            layouts, early = share._enumerated[1]
+        else:
+            layouts, early = enumerate_layouts(model, train, world, self.allow, self.global_batch)
+        self._enumerated = ((self.allow, self.global_batch), (layouts, early))
         rejected = [Rejection(layout=w, kind=k, reason=r) for w, k, r in early]
         if not layouts:
             self._raise_no_layout(world, early)
         recomputes = tuple(self.allow.recompute)
         zeros = tuple(sorted({z for lc in layouts for z in lc.zeros}))
         losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
-        tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
-        times: dict[tuple, LayoutTimes] = {}
-        margin = self.margin
+        if share is not None and share._priced is not None and _covers(share._priced[0], recomputes, zeros, losses):
+            tm, times = share._priced  # a superset of this search's options: its layout prices serve
+        else:
+            tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
+            times = {}
+        self._priced = (tm, times)
+        mult = [ranking_factor(0.0, n, modelled=tm.modelled, margin=self.margin) for n in range(4)]
 
-        def factor(lc: LayoutChoice, cost: float) -> float:
-            return ranking_factor(cost, len(parallel_axes(lc.tp, lc.pp, lc.cp)), modelled=tm.modelled, margin=margin)
+        def factor(lc: LayoutChoice, cost: float) -> float:  # ranking_factor, its axes term tabled
+            return (1.0 + CHANGE_PENALTY * cost) * mult[(lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)]
 
         def price(lc: LayoutChoice) -> LayoutTimes:
             key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
@@ -203,8 +224,6 @@ class _Search:
                 j = first_in_family.get(fam)
                 if j is None or lc.b < layouts[j].b:
                     first_in_family[fam] = i
-        self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
-        self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
         self._bounds_done: set[tuple] = set()
         done: set[int] = set()
         candidates: list[Candidate] = []
@@ -443,6 +462,11 @@ class _Search:
             f"{sample or 'every axis is restricted by allow'}; allow data parallelism (it divides any world "
             "size), change allow=, or use a world size that divides the heads/layers/global batch"
         )
+
+
+def _covers(tm: StepTimeModel, recomputes: tuple, zeros: tuple, losses: tuple) -> bool:
+    """Whether ``tm``'s layout prices hold every option a search over these sets looks up."""
+    return set(recomputes) <= set(tm.recomputes) and set(zeros) <= set(tm.zeros) and set(losses) <= set(tm.losses)
 
 
 def _layout(lc: LayoutChoice) -> Layout:
