@@ -318,6 +318,8 @@ class _Search:
             "world_size": world, "layouts": len(layouts), "layouts_priced": len(times),
             "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
         }
+        if not candidates and self._closest is None and share is not None:
+            self._closest_from_shared_misses(set(layouts))
         closest = None
         if self._closest is not None:  # price the closest miss (its layout may never have been priced)
             _, est, bud, lc, rc, z, lm, sp = self._closest
@@ -446,6 +448,24 @@ class _Search:
         ratio = est.total / bud.budget
         if best is None or ratio < best[0]:
             self._closest = (ratio, est, bud, lc, rc, z, lm, sp)
+
+    def _closest_from_shared_misses(self, layouts: set[LayoutChoice]) -> None:
+        """Where a sub-search's misses were all proven by a search it shares failures with, its closest
+        plan is the shared miss, among its own layouts, with the smallest worst-rank peak / budget."""
+        def dims(lc: LayoutChoice) -> tuple:
+            return (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
+
+        mine = {dims(lc): lc for lc in layouts}
+        own = []
+        for (flc, rc, z, lm, sp), (est, bud) in self._misses.items():
+            lc = mine.get(dims(flc))
+            if lc is not None and z in lc.zeros and sp in lc.sps and lm in lc.losses and rc in self.allow.recompute:
+                own.append((est.total / bud.budget, (lc, rc, z, lm, sp)))
+        if own:
+            lc, rc, z, lm, sp = min(own, key=lambda x: x[0])[1]
+            plan, tr = self.materialise(lc, rc, z, lm, sp)
+            est, bud = self.worst(plan, tr), self.budget(plan)
+            self._closest = (est.total / bud.budget, est, bud, lc, rc, z, lm, sp)
 
     def _raise_no_layout(self, world: int, early: list[tuple[str, str, str]]) -> None:
         kinds = {k for _, k, _ in early}
