@@ -80,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     with fabric.init_module():
         model = GPT(config)
     fabric.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    model, optimizer = fabric.setup(model, optimizer)
+    # The loader first: strategy="memplan_auto" plans at fabric.setup from its batch shape.
     loader = fabric.setup_dataloaders(
         DataLoader(TokenWindows(tokens, args.seq_len), batch_size=args.micro_batch_size, shuffle=True, drop_last=True)
     )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model, optimizer = fabric.setup(model, optimizer)
     # shift=True: position t predicts token t+1, so the batch is both input and target; the loss runs
     # over chunks of the hidden states, so the [B, S, V] logits never exist whole.
     chunked = LinearCrossEntropy(shift=True)
