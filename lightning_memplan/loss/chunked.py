@@ -42,11 +42,20 @@ STAT_FIELDS = ("n_tokens", "correct", "entropy_sum", "lse_sq_sum")
 """Order of the non-differentiable statistics vector returned next to the loss (sums over tokens)."""
 
 _WEIGHT_GRAD_TEMP_BYTES = 16 * 2**20
-"""Largest temporary of a low-precision per-chunk weight-gradient product before it is added to the
-fp32 accumulator (the product is computed in vocab blocks of this size; torch has no CPU GEMM with a
-low-precision input and an fp32 output, ``mm(out_dtype=)`` is CUDA only)."""
+"""Largest temporaries of a per-chunk weight-gradient product in another dtype than the accumulator
+(the product and the ``add_``'s casts; computed in vocab blocks of this size; torch has no CPU GEMM
+with a low-precision input and an fp32 output, ``mm(out_dtype=)`` is CUDA only)."""
 
 _ARGMAX_SENTINEL = torch.iinfo(torch.int64).max
+
+# CPU layouts of the low-precision GEMMs. torch's CPU bf16/fp16 GEMM is fast only for some operand
+# layouts on CPUs without native bf16 instructions (no AVX512-BF16/AMX): measured with torch 2.13 on
+# one core of the reference machine (AMD EPYC, N=1024, h=256, V=16384, 64-row chunks, seconds per
+# 1024 rows): the input gradient ``grad·W`` takes 28-45 s with ``grad`` row-major and 0.8 s with
+# ``grad`` column-major; the weight gradient ``gradᵀ·x`` takes 6.7-8.4 s in bf16 in every layout and
+# 0.7 s in fp32. So on CPU the chunk's low-precision gradient is written column-major (the same
+# buffer, viewed [V, c]) and the weight gradient is one fp32 GEMM of the fp32 gradient buffer (which
+# exists anyway) into the fp32 accumulator. CUDA keeps the bf16 GEMMs (tensor cores).
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,23 +252,38 @@ class _ChunkRunner:
             probs.mul_(self.deriv[:c])
         if self.gb is not None:
             self.gb.add_(probs.sum(0, dtype=self.gb.dtype))
-        grad = probs if self.low is None else self.low[:c].copy_(probs)
         x_c = self.x[start:end]
+        cpu = probs.device.type == "cpu"
+        if self.low is None:
+            grad = probs
+        elif cpu:
+            # column-major [c, V] view of the low-precision buffer (see the CPU layout note above)
+            grad = self.low.view(-1)[: c * self.v_local].view(self.v_local, c).copy_(probs.t()).t()
+        else:
+            grad = self.low[:c].copy_(probs)
         if self.gx is not None:
             if self.gx.dtype == grad.dtype:
                 torch.mm(grad, self.w, out=self.gx[start:end])
             else:
                 self.gx[start:end] = torch.mm(grad, self.w)
         if self.gw is not None:
-            _accumulate_weight_grad(self.gw, grad, x_c)
+            if cpu and self.low is not None:
+                _accumulate_weight_grad(self.gw, probs, x_c.to(probs.dtype))
+            else:
+                _accumulate_weight_grad(self.gw, grad, x_c)
 
 
 def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, x_c: torch.Tensor) -> None:
-    """``acc += gradᵀ·x_c``; low-precision products are computed per vocab block, added in fp32."""
+    """``acc += gradᵀ·x_c``; a product in another dtype than ``acc`` is computed per vocab block (at
+    most :data:`_WEIGHT_GRAD_TEMP_BYTES`) and added to it."""
     if grad.dtype == acc.dtype:
         acc.addmm_(grad.t(), x_c.to(acc.dtype))
         return
-    rows = max(256, _WEIGHT_GRAD_TEMP_BYTES // max(x_c.shape[1] * grad.element_size(), 1))
+    # The mixed-dtype ``add_`` holds fp32 temporaries of the block next to the product: measured with
+    # the profiler's allocator events (torch 2.13 CPU, a 16384 x 256 block), 3x the block's fp32 bytes
+    # for an fp32 product into a bf16 accumulator, 3x its bf16 bytes for a bf16 product into fp32.
+    per_elem = grad.element_size() + 4 + (4 if acc.element_size() < 4 else 0)
+    rows = max(256, _WEIGHT_GRAD_TEMP_BYTES // max(x_c.shape[1] * per_elem, 1))
     for v0 in range(0, acc.shape[0], rows):
         v1 = min(acc.shape[0], v0 + rows)
         acc[v0:v1].add_(torch.mm(grad[:, v0:v1].t(), x_c))
