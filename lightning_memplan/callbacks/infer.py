@@ -255,6 +255,12 @@ def infer_train_spec(
         value = getattr(resolution, name, None)
         if value in allowed:
             changes[name] = value
+    if changes.get("loss", "naive") == "naive":
+        # A Fabric loop's loss is a callable beside the module (MemoryMonitor(loss_fn=...)); a
+        # LinearCrossEntropy it uses never materialises the logits, whatever the strategy assumed.
+        mode = _loss_mode_of_callable(getattr(trainer, "loss_fn", None))
+        if mode is not None:
+            changes["loss"] = mode
     if "recompute" not in changes:
         # checkpointing the user applied (HF gradient_checkpointing_enable, checkpoint_wrapper, composable)
         from lightning_memplan.model.introspect import recompute_of
@@ -263,6 +269,19 @@ def infer_train_spec(
         if detected != "none":
             changes["recompute"] = detected
     return spec.replace(**changes) if changes else spec
+
+
+def _loss_mode_of_callable(loss_fn: Any) -> str | None:
+    """``"chunked"`` when ``loss_fn`` reaches a ``LinearCrossEntropy`` (a global it names or a variable
+    it closes over, see ``tracking.compiled.referenced_objects``), else ``None`` (nothing known)."""
+    if loss_fn is None:
+        return None
+    from lightning_memplan.loss.module import LinearCrossEntropy
+    from lightning_memplan.tracking.compiled import referenced_objects
+
+    if any(isinstance(obj, LinearCrossEntropy) for _, obj in referenced_objects(loss_fn)):
+        return "chunked"
+    return None
 
 
 def _fsdp_zero(sharding_strategy: Any) -> int:

@@ -53,7 +53,7 @@ from torch import nn
 from lightning_memplan.model.result import PHASES
 from lightning_memplan.tracking.tracker import TensorTracker
 
-__all__ = ["AllocationMeter", "CompileSafeTracker", "compiled_parts", "dynamo_frames", "eager_view"]
+__all__ = ["AllocationMeter", "CompileSafeTracker", "compiled_parts", "dynamo_frames", "eager_view", "referenced_objects"]
 
 #: Name prefix of the profiler marker events opened at each phase boundary.
 _MARK = "memplan::"
@@ -101,19 +101,26 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _compiled_free_functions(module: nn.Module, method: str) -> list[str]:
-    """Compiled callables that ``type(module).<method>`` names as globals or closes over."""
-    fn = inspect.unwrap(getattr(type(module), method, None) or (lambda: None))
+def referenced_objects(fn: Any) -> list[tuple[str, Any]]:
+    """``(name, object)`` for every global ``fn``'s code names (nested functions included) and every
+    variable it closes over: what a function such as ``training_step`` or a Fabric loop's ``loss_fn``
+    can reach without being handed it. Written by hand: ``inspect.getclosurevars`` misses nested code."""
+    fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
     scope = getattr(fn, "__globals__", {})
-    found = [name for name in sorted(_code_names(code)) if _is_dynamo_wrapped(scope.get(name))]
+    found = [(name, scope[name]) for name in sorted(_code_names(code)) if name in scope]
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
         with contextlib.suppress(ValueError):  # an empty cell
-            if _is_dynamo_wrapped(cell.cell_contents):
-                found.append(name)
+            found.append((name, cell.cell_contents))
     return found
+
+
+def _compiled_free_functions(module: nn.Module, method: str) -> list[str]:
+    """Compiled callables that ``type(module).<method>`` names as globals or closes over."""
+    fn = getattr(type(module), method, None) or (lambda: None)
+    return [name for name, obj in referenced_objects(fn) if _is_dynamo_wrapped(obj)]
 
 
 def compiled_parts(module: nn.Module | None) -> list[str]:
