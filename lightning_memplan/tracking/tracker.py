@@ -358,6 +358,36 @@ class TensorTracker(TorchDispatchMode):
                 self._classify_existing(p.grad, "grads")
         for b in module.buffers():
             self._classify_existing(b, "other")
+        self._register_fsdp2_buffers(module)
+
+    def _register_fsdp2_buffers(self, module: nn.Module) -> None:
+        # FSDP2 holds storages that ``module.parameters()`` does not reach (torch 2.13
+        # ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``, ``FSDPParam``): the unsharded buffers
+        # (``all_gather_outputs``, which ``_unsharded_param`` views; freed and re-grown with
+        # ``UntypedStorage.resize_``, kept even on a shard group of size 1: ``FSDPParamGroup.
+        # wait_for_unshard``) and the unsharded gradients a ``set_requires_gradient_sync(False)``
+        # backward leaves for the next micro-batch (``_unsharded_param.grad``,
+        # ``unsharded_accumulated_grad``). A tracker entered between two micro-batches, or whose
+        # resize_ hook must see a buffer re-grow, registers them here: buffers as comm (size 0 while
+        # resharded), gradients as grads.
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch built without distributed
+            return
+        for mod in module.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            group = getattr(mod._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if isinstance(sharded, torch.Tensor):  # module.parameters() may be the unsharded ones
+                    self._classify_existing(sharded, "params")
+                for out in getattr(fsdp_param, "all_gather_outputs", ()):
+                    self._classify_existing(out, "comm")
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+                    if isinstance(grad, torch.Tensor):
+                        self._classify_existing(grad, "grads")
 
     def _register_optimizer_states(self, opt: torch.optim.Optimizer) -> None:
         for state in opt.state.values():
