@@ -291,7 +291,11 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
     def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
         """``ModelParallelStrategy``'s ``parallelize_fn``: apply the broadcast resolution."""
         assert self.resolution is not None
-        applied = apply_resolution(module, self.resolution, mesh, self.root_device, warn=rank_zero_warn)
+        # The loop computes its loss outside the module and may read lm_head.weight whole
+        # (LinearCrossEntropy(model(x), model.lm_head.weight, y)): the head stays in the root unit.
+        applied = apply_resolution(
+            module, self.resolution, mesh, self.root_device, warn=rank_zero_warn, head_in_root=True
+        )
         self._layout = applied.layout
         for note in applied.notes:
             rank_zero_info(f"memplan_auto: {note}")

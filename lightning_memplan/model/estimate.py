@@ -357,9 +357,14 @@ def _estimate_stage(
         # (``FSDPParamGroup.wait_for_unshard``, world size 1 branch) [PT fully_shard].
         unit = math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
         root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * gathered
-        # forward: the root unit (embedding/head) and one block; backward: current + prefetched block
-        # and the unsharded gradient of one block waiting for reduce-scatter.
-        comm_fwd = root + unit
+        # forward: the root unit (embedding/head) and, under ZeRO-3, the last block's flat all-gather
+        # output, kept until the next unit's copy-out (``comm_ctx.all_gather_state``); a replicate mesh's
+        # shard group has size 1 and keeps none (torch 2.13 ``_fsdp_param_group.py``,
+        # ``FSDPParamGroup.wait_for_unshard``: ``world_size > 1``); measured on 2 gloo ranks,
+        # examples/fabric memplan_auto dp=2 (tests/integration/test_examples.py): one block's
+        # parameters over without this. Backward: current + prefetched block and the unsharded
+        # gradient of one block waiting for reduce-scatter.
+        comm_fwd = root + (unit if plan.zero == 3 else 0)
         comm_bwd = root + 2 * unit + unit // gathered * pb.grad
         if pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
             comm_bwd = local * gathered

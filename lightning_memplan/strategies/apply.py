@@ -54,6 +54,7 @@ def apply_resolution(
     device: torch.device,
     *,
     warn: Callable[[str], None],
+    head_in_root: bool | None = None,
 ) -> Applied:
     """Apply the plan to ``module`` in place: pipeline split, TP(+SP), activation checkpointing, FSDP2.
 
@@ -63,6 +64,11 @@ def apply_resolution(
         mesh: the ``pp x dp_replicate x dp_shard x tp`` mesh built from ``resolution.mesh``.
         device: this rank's device (pipeline stages are placed on it).
         warn: rank-zero warning function (the loss-mode warning).
+        head_in_root: keep the untied embedding and lm_head in the FSDP2 root unit (gathered from forward
+            to backward, as the estimate's root term counts them), so that a loss outside the module's
+            forward can read ``lm_head.weight`` whole. ``None``: when the module holds a
+            ``LinearCrossEntropy`` (a LightningModule's ``training_step`` loss); a Fabric loop's loss is
+            outside the module, so the Fabric strategy passes ``True``.
     """
     sizes = resolution.mesh
     layout = find_layout(module)
@@ -98,7 +104,7 @@ def apply_resolution(
         else:
             apply_data_parallel(
                 module, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
-                separate_head=not find_linear_cross_entropy(module),
+                separate_head=not (bool(find_linear_cross_entropy(module)) if head_in_root is None else head_in_root),
             )
     notes += configure_losses(module, resolution, pipelined=pipeline is not None, warn=warn)
     return Applied(layout=layout, pipeline=pipeline, notes=tuple(n for n in notes if n))

@@ -139,12 +139,11 @@ def test_fabric_example_on_two_processes_reports_both_ranks(tmp_path, strategy):
     ranks = report["epochs"][0]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["measured_peak"] and r["estimated_peak"] for r in ranks)
-    if strategy == "ddp":
-        # (under memplan_auto the ratio is 0.61 today: the FSDP2-replicated module is not calibrated, and
-        # the strategy's resolution says loss="naive", so the analytic estimate holds 21 MiB of logits the
-        # loop's LinearCrossEntropy never builds; an open gap, reported with the issue, not asserted)
-        for r in ranks:
-            assert abs(r["measured_to_estimated"] - 1) <= 0.10, r
+    # memplan_auto (FSDP2 replication, dp_replicate=2 x dp_shard=1) is estimated analytically (the module
+    # is sharded before the monitor sees it): measured/estimated 1.000 on both ranks; ddp is calibrated
+    tolerance = 0.05 if strategy == "memplan_auto" else 0.10
+    for r in ranks:
+        assert abs(r["measured_to_estimated"] - 1) <= tolerance, r
     # The README's output block: every line the script itself prints (its label, the text before the
     # first number, is in the script's source; rich's tables come from the library) is printed by this
     # run too, in the same order of first appearance.

@@ -356,6 +356,8 @@ def test_fsdp2_replication_counts_the_unsharded_unit_copies_by_hand():
     # DDP holds its gradient buckets all step long; FSDP2 replication none, only transient unit copies
     assert ddp.by_phase["optimizer"]["comm"] == terms.ddp_bucket_bytes(model.num_params * 4) > 0
     assert fsdp2.by_phase["optimizer"]["comm"] == 0
-    assert fsdp2.by_phase["forward"]["comm"] == (root + block) * 4  # the root unit and one block
+    # the root unit only: a shard group of size 1 keeps no block's all-gather output for the next unit
+    # (FSDPParamGroup.wait_for_unshard sets all_gather_state only when world_size > 1)
+    assert fsdp2.by_phase["forward"]["comm"] == root * 4
     assert fsdp2.by_phase["backward"]["comm"] == (root + 2 * block) * 4 + block * 4  # + prefetch + a grad
     assert fsdp2.params == ddp.params == single.params  # replication: nothing is sharded
