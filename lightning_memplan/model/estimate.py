@@ -364,13 +364,18 @@ def _estimate_stage(
         # examples/fabric memplan_auto dp=2 (tests/integration/test_examples.py): one block's
         # parameters over without this. Backward: current + prefetched block and the unsharded
         # gradient of one block waiting for reduce-scatter.
-        comm_fwd = root + (unit if plan.zero == 3 else 0)
-        comm_bwd = root + 2 * unit + unit // gathered * pb.grad
+        # reshard_after_forward=n (1 < n < d): every block keeps 1/n of its gathered parameters from its
+        # forward to its backward (terms.fsdp_post_forward_shard_bytes), all of them at the loss; at the
+        # last block's backward that block and the prefetched one have been re-gathered (their slices
+        # dropped), the other L - 2 still hold theirs.
+        post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
+        comm_fwd = root + (unit if plan.zero == 3 else 0) + post_fwd(layout.n_layers)
+        comm_bwd = root + 2 * unit + unit // gathered * pb.grad + post_fwd(max(layout.n_layers - 2, 0))
         if pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
             comm_bwd = local * gathered
         # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet:
         # FSDP2 unshards a block in its pre-backward hook [PT fully_shard].
-        comm_bwd_start = root
+        comm_bwd_start = root + post_fwd(layout.n_layers)
         if not pipelined_fsdp and root:
             # the root unit reduce-scatters last, in the backward's final callback: its unsharded
             # gradients and their reduce-dtype copy-in (its gathered parameters are freed just before)

@@ -413,6 +413,15 @@ class ParallelPlan:
             copy of the gradients (``torch.nn.parallel.DistributedDataParallel``, Lightning's
             ``DDPStrategy``); ``False`` for replication that reduces the gradients in place (FSDP2's
             replicate mesh dimension, which ``memplan_auto`` uses for its data-parallel ranks).
+        reshard_after_forward: FSDP2 ``fully_shard(reshard_after_forward=...)`` for the per-block units.
+            ``None`` (default) follows ``zero``: ``True`` for zero=3, ``False`` for zero=2. ``True``
+            only with zero=3 and ``False`` only with zero=2 (they *are* those stages). An int ``n``
+            (zero=3 only, 1 < n < dp*cp, dividing dp*cp, tp=1) reshards each block to ``n`` ranks
+            after its forward: it keeps ``1/n`` of its gathered parameters until its backward, whose
+            all-gather then runs over ``n`` ranks (torch 2.13
+            ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``, ``fully_shard`` docstring;
+            ``FSDPParam.to_sharded_post_forward``, which refuses DTensor (TP) parameters). The
+            planner does not search over ints; it only estimates a plan that sets one.
     """
 
     dp: int = 1
@@ -425,6 +434,7 @@ class ParallelPlan:
     schedule: str = field(default="1f1b", kw_only=True)
     virtual_stages: int = field(default=1, kw_only=True)
     grad_buckets: bool = field(default=True, kw_only=True)
+    reshard_after_forward: bool | int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
@@ -433,6 +443,7 @@ class ParallelPlan:
             raise ValueError(
                 f"zero={self.zero!r} must be 0 (none), 1 (optimizer states), 2 (+grads) or 3 (+params)"
             )
+        self._check_reshard_after_forward()
         _check_choice("schedule", self.schedule, SCHEDULES)
         for name in ("sp", "grad_buckets"):
             _check_bool(name, getattr(self, name))
@@ -457,6 +468,48 @@ class ParallelPlan:
                 "or schedule='1f1b'"
             )
 
+    def _check_reshard_after_forward(self) -> None:
+        raf = self.reshard_after_forward
+        if raf is None:
+            return
+        if isinstance(raf, bool):
+            wanted = 3 if raf else 2
+            if self.zero != wanted:
+                raise ValueError(
+                    f"reshard_after_forward={raf!r} is zero={wanted} (got zero={self.zero!r}); set "
+                    f"zero={wanted}, or leave reshard_after_forward=None to follow zero"
+                )
+            return
+        shard = self.dp * self.cp
+        _check_int("reshard_after_forward", raf, minimum=2,
+                   hint="an int is the world size each block reshards to after forward; use True, False or None")
+        if self.zero != 3:
+            raise ValueError(
+                f"reshard_after_forward={raf!r} (an int) needs zero=3 (got zero={self.zero!r}): it reshards "
+                "the parameters FSDP2 frees after forward; set zero=3 or reshard_after_forward=None"
+            )
+        if self.tp > 1:
+            raise ValueError(
+                f"reshard_after_forward={raf!r} (an int) needs tp=1 (got tp={self.tp!r}): FSDP2 cannot reshard "
+                "DTensor (tensor-parallel) parameters to a smaller mesh (torch FSDPParam.to_sharded_post_forward); "
+                "use reshard_after_forward=True or tp=1"
+            )
+        if raf >= shard or shard % raf:
+            choices = [n for n in range(2, shard) if shard % n == 0]
+            fix = f"use one of {choices}" if choices else "use True (there is no non-trivial divisor)"
+            raise ValueError(
+                f"reshard_after_forward={raf!r} must divide the data-parallel shard size dp*cp={shard} and be "
+                f"smaller than it (FSDP2 fully_shard: a non-trivial divisor); {fix}"
+            )
+
+    @property
+    def reshard_to(self) -> int:
+        """Ranks a ZeRO-3 block stays sharded over between its forward and backward: the int
+        ``reshard_after_forward``, else the whole shard group dp*cp (``True``); 1 (whole) otherwise."""
+        if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+            return self.reshard_after_forward
+        return self.dp * self.cp if self.zero == 3 else 1
+
     @property
     def world_size(self) -> int:
         """dp * tp * pp * cp."""
@@ -472,6 +525,8 @@ class ParallelPlan:
         parts = [f"dp={self.dp}"]
         if self.zero:
             parts.append(f"zero={self.zero}")
+        if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+            parts.append(f"raf={self.reshard_after_forward}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("+sp" if self.sp else ""))
         if self.pp > 1:

@@ -561,6 +561,21 @@ def fsdp_root_post_backward_bytes(root_params: int, unsharded_grad_bytes: int, r
     return root_params * (unsharded_grad_bytes + reduce_bytes)
 
 
+def fsdp_post_forward_shard_bytes(unit_bytes: int, units: int, reshard_to: int, shard: int) -> int:
+    """Bytes the ZeRO-3 block units hold between their forward and backward, ``units * ceil(U / n)``
+    for ``fully_shard(reshard_after_forward=n)`` with ``1 < n < d`` (U the bytes of one block's gathered
+    parameters, d the shard group): after its forward each block clones its ``1/n`` slice of the
+    all-gather output (``FSDPParam.to_sharded_post_forward``, ``narrow(...).clone()``) and frees the rest;
+    the slice lives until that block's pre-backward all-gather over the ``n`` ranks copies it in
+    (``FSDPParam.to_unsharded`` drops it) [PT torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+    ``fully_shard`` docstring]. ``n = d`` is ``True`` (ZeRO-3: the slice is the rank's own shard,
+    nothing extra: 0); ``n = 1`` would be ``False`` (ZeRO-2: the whole unit, counted as gathered
+    parameters instead). So the int case lies between: ``0 < units * U / n < units * U``."""
+    if reshard_to >= shard or reshard_to <= 1:
+        return 0
+    return units * math.ceil(unit_bytes / reshard_to)
+
+
 def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param: int) -> int:
     """Temporaries of ``optimizer.step()`` [PT torch/optim/adam.py]:
 

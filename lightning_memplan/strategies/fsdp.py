@@ -54,7 +54,7 @@ def apply_data_parallel(
     transformer: TransformerLayout | None,
     dp_mesh: DeviceMesh,
     *,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     roots: tuple[nn.Module, ...] | None = None,
     separate_head: bool = True,
     forward_methods: tuple[str, ...] = ("logits",),
@@ -65,7 +65,8 @@ def apply_data_parallel(
         module: the LightningModule; any parameter left outside the units is sharded with it as a last unit.
         transformer: the recognised layout inside it, or ``None`` to shard ``module`` as one unit.
         dp_mesh: from :func:`data_parallel_mesh`.
-        reshard_after_forward: ZeRO-3 (``True``) or ZeRO-2 (``False``) for the per-block units.
+        reshard_after_forward: ZeRO-3 (``True``), ZeRO-2 (``False``) or an int ``n`` (reshard to ``n``
+            ranks after forward; FSDP2 ``fully_shard``) for the per-block units.
         roots: the modules whose ``forward`` runs the model (default: ``module``, the LightningModule,
             with its :data:`STEP_METHODS` registered as forward methods); pipeline stages pass their
             :class:`~lightning_memplan.strategies.pipeline.StageModule` objects.

@@ -73,7 +73,9 @@ class MeshLayout:
         dp_shard: ranks that shard parameters, gradients and optimizer states (FSDP2 ``fully_shard``).
         tp: tensor-parallel width.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
-            ``True``; keeps them until backward (ZeRO-2, ``SHARD_GRAD_OP``) when ``False``.
+            ``True``; keeps them until backward (ZeRO-2, ``SHARD_GRAD_OP``) when ``False``; an int
+            ``n`` (a non-trivial divisor of ``dp_shard``) keeps them sharded over ``n`` ranks until
+            backward (``ParallelPlan.reshard_after_forward``).
         notes: why the layout differs from the plan it came from (shown to the user).
     """
 
@@ -81,7 +83,7 @@ class MeshLayout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -109,7 +111,8 @@ class MeshLayout:
 
         ``zero=0`` -> all DP ranks replicate (DDP); ``zero=3`` -> all shard with resharding after
         forward (FSDP ``FULL_SHARD``); ``zero=2`` -> shard, keep parameters gathered until backward
-        (``SHARD_GRAD_OP``); ``zero=1`` has no FSDP2 form, so it is applied as ``zero=2`` (it shards
+        (``SHARD_GRAD_OP``); an explicit ``plan.reshard_after_forward`` (an int: a smaller world after
+        forward) is passed through as it is; ``zero=1`` has no FSDP2 form, so it is applied as ``zero=2`` (it shards
         gradients too, so it never uses more memory than planned). Context parallelism is planner-only:
         its ranks become data-parallel ranks (same world size), with :data:`CP_NOT_APPLIED` as the note.
         """
@@ -130,7 +133,7 @@ class MeshLayout:
             dp_replicate=1,
             dp_shard=dp,
             tp=plan.tp,
-            reshard_after_forward=plan.zero == 3,
+            reshard_after_forward=plan.zero == 3 if plan.reshard_after_forward is None else plan.reshard_after_forward,
             notes=tuple(notes),
         )
 

@@ -221,6 +221,17 @@ case("ParallelPlan v=3 pp=1", lambda: ParallelPlan(schedule="interleaved", virtu
 case("ParallelPlan v=2 1f1b", lambda: ParallelPlan(pp=2, virtual_stages=2, microbatches=2), "virtual_stages=2")
 case("ParallelPlan pp=4 m=2 interleaved", lambda: ParallelPlan(pp=4, microbatches=2, schedule="interleaved", virtual_stages=2), "microbatches=2")
 case("ParallelPlan sp without tp", lambda: ParallelPlan(sp=True), "sp=True")
+# FSDP2 reshard_after_forward: an int is a non-trivial divisor of the shard size, ZeRO-3, no TP
+case("ParallelPlan raf=2 zero=2", lambda: ParallelPlan(dp=4, zero=2, reshard_after_forward=2), "needs zero=3")
+case("ParallelPlan raf=3 dp=4", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward=3), "use one of [2]")
+case("ParallelPlan raf=4 dp=4", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward=4), "reshard_after_forward=4")
+case("ParallelPlan raf=2 dp=2", lambda: ParallelPlan(dp=2, zero=3, reshard_after_forward=2), "use True")
+case("ParallelPlan raf=1", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward=1), "reshard_after_forward=1")
+case("ParallelPlan raf=2.0", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward=2.0), "reshard_after_forward=2.0")
+case("ParallelPlan raf='2'", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward="2"), "reshard_after_forward='2'")
+case("ParallelPlan raf=2 tp=2", lambda: ParallelPlan(dp=4, tp=2, zero=3, reshard_after_forward=2), "needs tp=1")
+case("ParallelPlan raf=False zero=3", lambda: ParallelPlan(dp=4, zero=3, reshard_after_forward=False), "set zero=2")
+case("ParallelPlan raf=True zero=0", lambda: ParallelPlan(dp=4, reshard_after_forward=True), "set zero=3")
 
 # bounded time: values whose divisors used to be enumerated linearly
 case("hang hidden=1e9+1", lambda: ModelSpec(2, 10**9 + 1, 2, 100), "n_heads=2")

@@ -361,3 +361,32 @@ def test_fsdp2_replication_counts_the_unsharded_unit_copies_by_hand():
     assert fsdp2.by_phase["forward"]["comm"] == root * 4
     assert fsdp2.by_phase["backward"]["comm"] == (root + 2 * block) * 4 + block * 4  # + prefetch + a grad
     assert fsdp2.params == ddp.params == single.params  # replication: nothing is sharded
+
+
+def test_reshard_after_forward_int_lies_between_zero3_and_zero2_by_hand():
+    """``fully_shard(reshard_after_forward=n)``: each of the L blocks keeps ceil(U / n) bytes of its
+    gathered parameters from its forward to its backward (``FSDPParam.to_sharded_post_forward``). Worked
+    by hand, fp32, d = 8, n = 2, the model of the replication test above (L = 4, U = 4 * block)."""
+    model = ModelSpec(4, 64, 4, 1000, ffn_kind="gelu", norm="layernorm", bias=True, tied_embeddings=False,
+                      position_embedding="rope")
+    train = TrainSpec(micro_batch=2, seq_len=32, precision="32-true")
+    h, f = 64, 256
+    block = 4 * h * h + 2 * h * f + (4 * h + f + h) + 2 * 2 * h  # 49,984 parameters
+    assert terms.layer_param_count(model) == block == 49_984
+    z3 = estimate_memory(model, train, ParallelPlan(dp=8, zero=3))
+    z3_true = estimate_memory(model, train, ParallelPlan(dp=8, zero=3, reshard_after_forward=True))
+    raf2 = estimate_memory(model, train, ParallelPlan(dp=8, zero=3, reshard_after_forward=2))
+    raf4 = estimate_memory(model, train, ParallelPlan(dp=8, zero=3, reshard_after_forward=4))
+    z2 = estimate_memory(model, train, ParallelPlan(dp=8, zero=2))
+    assert z3_true == z3  # True is what zero=3 does anyway
+    unit = block * 4
+    held = {2: 4 * (unit // 2), 4: 4 * (unit // 4)}  # 399,872 and 199,936 B
+    assert held == {2: 399_872, 4: 199_936}
+    for n, est in ((2, raf2), (4, raf4)):
+        assert est.by_phase["forward"]["comm"] - z3.by_phase["forward"]["comm"] == held[n]
+        # the backward's peak is its start (the loss), before any block is gathered again: all L still hold
+        assert est.by_phase["backward"]["comm"] - z3.by_phase["backward"]["comm"] == held[n]
+        assert est.params == z3.params and est.grads == z3.grads  # the shards themselves do not change
+    assert z3.total < raf4.total < raf2.total < z2.total
+    assert (z3.total, raf2.total, z2.total) == (2_970_624, 2_970_624 + 399_872, 3_770_368)
+    assert ParallelPlan(dp=8, zero=3, reshard_after_forward=2).describe() == "dp=8 zero=3 raf=2"
