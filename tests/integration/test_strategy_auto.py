@@ -289,6 +289,8 @@ def test_forced_pipeline_schedule_is_checked_against_the_batch_at_setup():
         (ParallelPlan(dp=4, zero=2, tp=2), (1, 1, 4, 2), False),
         (ParallelPlan(dp=2, zero=1, pp=2, microbatches=2), (2, 1, 2, 1), False),
         (ParallelPlan(dp=2, cp=2), (1, 4, 1, 1), True),
+        (ParallelPlan(dp=4, zero=3, reshard_after_forward=2), (1, 1, 4, 1), 2),  # passed to fully_shard as is
+        (ParallelPlan(dp=2, cp=2, zero=3, reshard_after_forward=2), (1, 1, 4, 1), 2),
     ],
 )
 def test_mesh_sizes_from_plan(plan, shape, reshard):
