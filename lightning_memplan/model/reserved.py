@@ -140,16 +140,25 @@ def fsdp_stream_pool_bytes(
     }
 
 
-def default_stream_peak_bytes(plan: ParallelPlan, estimate: MemoryEstimate) -> int:
+def default_stream_peak_bytes(plan: ParallelPlan, estimate: MemoryEstimate, pooled_comm: int | None = None) -> int:
     """The default stream's peak: the largest phase of ``estimate`` less what lives in FSDP2's side
-    pools in that phase (its ``comm`` buffers, and its gradients where they are the sharded ones:
-    always without a pipeline; with one only in the optimizer phase, the stages accumulating unsharded
-    gradients on the default stream until the step's reduce-scatter). ``estimate.total`` without FSDP."""
+    pools in that phase (its ``comm`` buffers up to ``pooled_comm``, the in-flight collective buffers
+    the side pools hold, and its gradients where they are the sharded ones: always without a pipeline;
+    with one only in the optimizer phase, the stages accumulating unsharded gradients on the default
+    stream until the step's reduce-scatter). ``estimate.total`` without FSDP.
+
+    ``pooled_comm`` caps the ``comm`` taken out: the unsharded parameters a unit keeps after its
+    forward (ZeRO-2, or an int ``reshard_after_forward``) are copied out of the all-gather buffer into
+    storages allocated on the default stream (torch 2.13 ``_fsdp_collectives.foreach_all_gather_copy_out``
+    and ``FSDPParam.alloc_all_gather_outputs``), so they stay in the default stream's count; without a
+    cap every ``comm`` byte is taken out (the reserved estimate could then fall below the allocated one)."""
     if not _fsdp(plan):
         return estimate.total
     peaks = []
     for phase, comps in estimate.by_phase.items():
         side = comps.get("comm", 0)
+        if pooled_comm is not None:
+            side = min(side, pooled_comm)
         if plan.pp == 1 or phase == "optimizer":
             side += comps.get("grads", 0)
         peaks.append(sum(comps.values()) - side)
@@ -205,7 +214,9 @@ def reserved_memory(
     rounding = 0 if expandable_segments else tensors * K_ROUND_LARGE // 2
     return ReservedEstimate(
         allocated=estimate.total,
-        default_stream_peak=default_stream_peak_bytes(plan, estimate),
+        default_stream_peak=default_stream_peak_bytes(
+            plan, estimate, pooled_comm=pools["all_gather"] + pools["reduce_scatter"] - sharded_grads
+        ),
         all_gather_pool=pools["all_gather"],
         reduce_scatter_pool=pools["reduce_scatter"],
         loss_segment=loss_segment_bytes(model, train, plan, expandable_segments=expandable_segments),
