@@ -26,6 +26,9 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # the strategy's one-process group must not outlive the test (later tests check none exists)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _gpt() -> GPT:
