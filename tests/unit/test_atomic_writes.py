@@ -1,8 +1,8 @@
 """Data on disk: atomic writes (report/atomic.py), stale temporaries, malformed reports, the plan file.
 
-The kill loop forks a writer that rewrites the report files as fast as it can and SIGKILLs it at random
-moments, 24 times; after every kill the files on disk are complete and valid (never torn), and after
-the next write no temporary file is left.
+The kill loop forks a writer that rewrites the report files as fast as it can and SIGKILLs it 24 times,
+half at random moments and half once a write is under way; after every kill the files on disk are
+complete and valid (never torn), and after the next write no temporary file is left.
 """
 
 from __future__ import annotations
@@ -111,18 +111,23 @@ def _writer(directory: Path) -> None:
 def test_kill_during_write_leaves_only_valid_files(tmp_path):
     rng = random.Random(0)
     torn_seen = 0
-    for _ in range(KILLS):
+    for i in range(KILLS):
         pid = os.fork()
         if pid == 0:  # the writer: never returns
             try:
                 _writer(tmp_path)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.005, 0.12))
+        if i % 2:  # every other kill waits until a write is under way (a loaded machine may fork slowly)
+            deadline = time.monotonic() + 10.0
+            while not any(p.endswith(f".tmp{pid}") for p in _temps(tmp_path)) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        else:  # the others land at a random moment: before the first write, between writes, inside one
+            time.sleep(rng.uniform(0.005, 0.12))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        torn_seen += bool(_temps(tmp_path))
+        torn_seen += any(p.endswith(f".tmp{pid}") for p in _temps(tmp_path))  # this writer's, killed mid-write
         for name in ("memory_report.json", "memplan_plan.json"):
             path = tmp_path / name
             if path.exists():  # absent only before the first complete write
