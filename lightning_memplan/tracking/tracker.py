@@ -220,16 +220,30 @@ class TensorTracker(TorchDispatchMode):
             raise ValueError(f"phase={phase!r} must be one of {PHASES}")
         self._phase = phase
         self._fresh.clear()
-        self._phase_ops[phase] = {}
-        self._moment[phase] = ("start", 0)
-        self._check_peak(phase)
+        self._start_moment(phase)
 
     def reset_peaks(self) -> None:
-        """Forget the peaks so far (call at the start of each measured step); live storages stay."""
+        """Forget the peaks so far (call at the start of each measured step); live storages stay.
+
+        Moments count from here: every phase's operator counts restart, and the phase in progress is at
+        its ``"start"``, so a moment named after the measured step never points into the step before.
+        """
         self._peak = (-1, self._phase, dict(self._cur), ())
         self._phase_peaks.clear()
         self._pinned.clear()
-        self._check_peak(self._phase)
+        for phase in PHASES:
+            self._phase_ops[phase] = {}
+            self._moment[phase] = ("start", 0)
+        self._start_moment(self._phase)
+
+    def _start_moment(self, phase: str) -> None:
+        # The "start" moment of a phase: a peak there is named "start", so a pin on it is taken here
+        # (no operator runs at this moment, so __torch_dispatch__ never sees it).
+        self._phase_ops[phase] = {}
+        self._moment[phase] = ("start", 0)
+        self._check_peak(phase)
+        if self._pin.get(phase) == "start":
+            self._pinned[phase] = self._snapshot()
 
     def track(self, obj: Any, component: str = "other") -> None:
         """Register tensors created outside the tracker (a batch, a master copy, a comm bucket).

@@ -59,6 +59,30 @@ def test_linear_adamw_steady_state_worked_by_hand() -> None:
     assert report.phase_total("optimizer") == 1352
 
 
+def test_a_peak_at_a_phase_start_is_named_and_pinnable() -> None:
+    """Plain SGD updates in place, so its optimizer phase peaks at its start: the peak is named
+    "start" (never an operator of the step before, whose counts reset_peaks restarts), and a pin on
+    "start" is taken there (calibrate compares shapes at that moment)."""
+    lin, _, x = _linear_setup()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, foreach=False)
+
+    def run(pin):
+        tracker = TensorTracker(lin, opt, pin=pin)
+        with tracker:
+            tracker.track(x, "other")
+            for _ in range(2):
+                tracker.reset_peaks()
+                run_training_step(lin, x, _sum_loss, opt, on_phase=tracker.set_phase)
+        return tracker.report()
+
+    report = run(None)
+    assert report.peak_ops["optimizer"] == "start"
+    at_start = {"params": 36 * FP32, "grads": 36 * FP32, "other": 16 * 8 * FP32}
+    assert {c: v for c, v in report.by_phase["optimizer"].items() if v} == at_start
+    pinned = run(dict(report.peak_ops)).pinned
+    assert set(pinned) == {"forward", "backward", "optimizer"} and pinned["optimizer"] == report.by_phase["optimizer"]
+
+
 def test_first_step_optimizer_states_resolve_to_optimizer() -> None:
     report = _run_linear(steps=1)
     opt = report.by_phase["optimizer"]
