@@ -268,6 +268,12 @@ def infer_train_spec(
         detected = recompute_of(getattr(trainer, "lightning_module", None))
         if detected != "none":
             changes["recompute"] = detected
+    # the RMSNorm implementation (Hugging Face's and torchtune's save fp32 copies a fused kernel does not)
+    from lightning_memplan.model.introspect import norm_impl_of
+
+    norm_impl = norm_impl_of(getattr(trainer, "lightning_module", None))
+    if norm_impl != "native":
+        changes["norm_impl"] = norm_impl
     return spec.replace(**changes) if changes else spec
 
 

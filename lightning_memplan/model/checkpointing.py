@@ -133,8 +133,8 @@ def selective_op_rebuild_bytes(
     (:func:`~lightning_memplan.model.terms.layer_activation_bytes` + its eager probabilities) minus
     what it shares with the kept set (those tensors are the cached ones, not new storage):
 
-    - the block input, when the first norm saves its input itself (LayerNorm, CUDA's fused RMSNorm,
-      or a composite RMSNorm whose input is already fp32);
+    - the block input, when the first norm saves its input itself
+      (:func:`~lightning_memplan.model.terms.norm_saves_its_input`);
     - ``q`` (or the fused ``qkv``) when no rotary embedding makes a new tensor of it;
     - ``v`` when the kernel receives it as a view (sdpa, or eager without GQA's ``repeat_interleave``);
     - the first MLP matmul's output (the activation function saves its input);
@@ -147,8 +147,7 @@ def selective_op_rebuild_bytes(
         model, none, b, s, t=t
     )
     shared = _attention_output_bytes(model, train, tokens, t)
-    pb = terms.precision_bytes(train)
-    if model.norm == "layernorm" or train.device == "cuda" or pb.residual == terms.FP32_BYTES:
+    if terms.norm_saves_its_input(model, train):
         shared += _block_input_bytes(model, train, tokens, t if sp else 1)
     widths = dict(selective_op_saved_matmuls(model, t=t))
     if "qkv" in widths:  # v is a view of the fused projection: its storage is saved either way

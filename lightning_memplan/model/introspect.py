@@ -25,7 +25,7 @@ from lightning_memplan.model.hf_trace import canonical_config_json
 from lightning_memplan.model.specs import ModelSpec
 from lightning_memplan.validation import check_bool, check_int, check_number
 
-__all__ = ["recompute_of", "spec_from_hf_config", "spec_from_module"]
+__all__ = ["norm_impl_of", "recompute_of", "spec_from_hf_config", "spec_from_module"]
 
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
@@ -427,3 +427,67 @@ def recompute_of(module: Any) -> str:
         if any("checkpoint" in getattr(hook, "__qualname__", "") for hook in state.values()):
             return "full"
     return "none"
+
+
+def _probe_rmsnorm(norm: Any) -> str | None:
+    """The ``TrainSpec.norm_impl`` one RMSNorm module behaves as, from what autograd saves when its
+    ``forward`` runs once on a ``[1, 2, h]`` bf16 probe under ``FakeTensorMode`` (no memory allocated,
+    no device touched, the module's hooks not called): an fp32 and a bf16 ``[1, 2, h]`` tensor saved
+    means ``"composite"`` (the normalised tensor cast back to the input dtype before the weight), fp32
+    ones only ``"composite_fp32"``, bf16 ones only ``"native"`` (a fused kernel saving its input).
+    ``None`` when the module has no ``[h]`` weight or cannot run on the probe."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    weight = next((p for p in norm.parameters(recurse=False) if p.dim() == 1), None)
+    if weight is None or type(weight) is not torch.nn.Parameter:  # e.g. a DTensor shard after fully_shard
+        return None
+    h = weight.shape[0]
+    dtypes: set[torch.dtype] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 2 * h:
+            dtypes.add(t.dtype)
+        return t
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            probe = torch.empty(1, 2, h, dtype=torch.bfloat16, device=weight.device, requires_grad=True)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                type(norm).forward(norm, probe)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None
+    if torch.float32 in dtypes:
+        return "composite" if torch.bfloat16 in dtypes else "composite_fp32"
+    return "native" if dtypes else None
+
+
+def norm_impl_of(module: Any) -> str:
+    """The ``TrainSpec.norm_impl`` that describes ``module``'s RMSNorms (``"native"`` when it has none).
+
+    ``torch.nn.RMSNorm`` is ``"native"`` by class. Any other module whose class name ends in
+    ``RMSNorm`` (transformers' ~120 ``*RMSNorm`` classes, torchtune's and litgpt's ``RMSNorm``) is
+    classified by behaviour, one probe per class (:func:`_probe_rmsnorm`): Hugging Face's
+    ``LlamaRMSNorm`` and its copies (Mistral, Qwen2/3, Phi-3 ...) and torchtune's are ``"composite"``;
+    Gemma's, OLMo-2's and litgpt's, which multiply by the weight in fp32, are ``"composite_fp32"``.
+    With several kinds the most common wins. Known limit: a Python class that calls ``F.rms_norm`` is
+    probed on the module's device, so on CPU it reads as ``"composite_fp32"`` (what CPU runs; CUDA would
+    run the fused kernel).
+    """
+    import torch.nn as nn
+
+    if not isinstance(module, nn.Module):
+        return "native"
+    by_class: dict[type, str | None] = {}
+    found: Counter[str] = Counter()
+    for sub in module.modules():
+        cls = type(sub)
+        if isinstance(sub, nn.RMSNorm):
+            found["native"] += 1
+        elif cls.__name__.endswith("RMSNorm"):
+            if cls not in by_class:
+                by_class[cls] = _probe_rmsnorm(sub)
+            impl = by_class[cls]
+            if impl is not None:
+                found[impl] += 1
+    return found.most_common(1)[0][0] if found else "native"

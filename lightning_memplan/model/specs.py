@@ -24,6 +24,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "FFN_KINDS",
     "LOSS_MODES",
+    "NORM_IMPLS",
     "NORM_KINDS",
     "OPTIMIZERS",
     "POSITION_KINDS",
@@ -39,6 +40,8 @@ __all__ = [
 
 FFN_KINDS = ("gelu", "swiglu", "relu")
 NORM_KINDS = ("layernorm", "rmsnorm")
+#: How an RMSNorm is implemented (what autograd saves differs; ``lightning_memplan.model.terms.norm_saved_bytes``).
+NORM_IMPLS = ("native", "composite", "composite_fp32")
 POSITION_KINDS = ("learned", "rope", "none")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion")
@@ -320,6 +323,15 @@ class TrainSpec:
             ``"cuda"`` has a fused RMSNorm (saves its input and rstd) and autocast runs softmax in
             fp32; on ``"cpu"`` RMSNorm is composite (saves an fp32 copy of its input and the fp32
             normalised tensor) and autocast leaves softmax in bf16.
+        norm_impl: how the RMSNorms are implemented (LayerNorm is always ``native_layer_norm``):
+            ``"native"`` (``torch.nn.RMSNorm``/``F.rms_norm``: what ``device`` runs, see above),
+            ``"composite"`` (a Python RMSNorm that upcasts to fp32 and casts the normalised tensor back
+            to the input dtype before the weight multiply, as Hugging Face's ``LlamaRMSNorm`` and its
+            ~100 copies and torchtune's ``RMSNorm`` do: saves an fp32 copy of its input, the fp32 rstd
+            and the normalised tensor in the input dtype) or ``"composite_fp32"`` (one that multiplies
+            by the weight in fp32, as Gemma's, OLMo-2's and litgpt's do: the fp32 input copy, rstd and
+            the fp32 normalised tensor). ``spec_from_module``'s companion
+            :func:`~lightning_memplan.model.introspect.norm_impl_of` detects it from a module.
         framework: the training stack the step runs on (a description): ``"torch"`` (what memplan_auto
             runs: DTensor TP/SP, torch.distributed.pipelining, FSDP2), ``"megatron"`` (Megatron-LM's
             kernels: sequence-parallel linears save their 1/t shard) or ``"llama3"`` (Llama 3's stack,
@@ -347,9 +359,11 @@ class TrainSpec:
     grads_alive_in_forward: bool = True
     device: str = "cuda"
     framework: str = "torch"
+    norm_impl: str = "native"
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
+        _check_choice("norm_impl", self.norm_impl, NORM_IMPLS)
         _check_choice("framework", self.framework, FRAMEWORK_NAMES)
         _check_int("micro_batch", self.micro_batch)
         _check_int("seq_len", self.seq_len)

@@ -61,6 +61,7 @@ __all__ = [
     "layer_param_count",
     "norm_param_count",
     "norm_saved_bytes",
+    "norm_saves_its_input",
     "logits_bytes",
     "model_state_bytes",
     "optimizer_state_bytes_per_param",
@@ -257,24 +258,51 @@ def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t:
 
 
 def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: int = 1) -> int:
-    """Bytes one norm layer saves for ``tokens`` tokens [PT]:
+    """Bytes one norm layer saves for ``tokens`` tokens, per token (``x`` = the residual dtype's bytes):
 
-    - LayerNorm (``native_layer_norm``): its input (residual dtype) and fp32 mean and rstd per token;
-    - RMSNorm on CUDA (``_fused_rms_norm``): its input and an fp32 rstd per token;
-    - RMSNorm on CPU (composite ``F.rms_norm``): an fp32 copy of its input (the input itself when it
-      is fp32), the fp32 normalised tensor (for the weight's gradient) and an fp32 rstd.
+    - LayerNorm (``native_layer_norm``): its input and fp32 mean and rstd: ``h*x + 8`` [PT];
+    - RMSNorm, ``norm_impl="native"`` on CUDA (``_fused_rms_norm``): its input and an fp32 rstd:
+      ``h*x + 4`` [PT];
+    - RMSNorm, ``"native"`` on CPU (the composite ATen ``rms_norm``), and ``"composite_fp32"`` (a Python
+      RMSNorm that multiplies by the weight in fp32: huggingface/transformers@c4cdd1a
+      ``src/transformers/models/gemma/modeling_gemma.py`` ``GemmaRMSNorm``: ``out = _norm(x.float()) *
+      (1 + weight.float())``; OLMo-2's ``(weight * hs).to(input_dtype)``): an fp32 copy of its input (the
+      input itself when it is fp32), the fp32 rstd and the fp32 normalised tensor that the weight
+      multiply saves: ``8h + 4``;
+    - RMSNorm, ``"composite"`` (huggingface/transformers@0022728
+      ``src/transformers/models/llama/modeling_llama.py`` ``LlamaRMSNorm``, unchanged in v5.3.0:
+      ``hs = x.to(float32); hs = hs * rsqrt(hs.pow(2).mean(-1) + eps); return weight * hs.to(x.dtype)``;
+      pytorch/torchtune@1b0918f ``torchtune/modules/rms_norm.py`` ``RMSNorm`` the same with
+      ``type_as``): ``pow`` and the first ``mul`` save the fp32 input copy, ``rsqrt`` its fp32 output,
+      and the weight multiply the normalised tensor cast back to the input dtype: ``4h + 4 + h*x``.
+      Measured with ``MemTracker`` (tests/unit/test_impl_variants.py): each variant 1.000 of the estimate.
 
-    ``split`` divides by the sequence-parallel width.
+    The fp32 variants matter on CUDA: under bf16-mixed (fp32 residual) a composite RMSNorm saves
+    ``8h + 4`` bytes per token where the fused kernel saves ``4h + 4``; under bf16-true ``6h + 4``
+    (``8h + 4`` for ``"composite_fp32"``) against ``2h + 4``. ``split`` divides by the
+    sequence-parallel width.
     """
     h = model.hidden
     pb = precision_bytes(train)
     if model.norm == "layernorm":
         per_token = h * pb.residual + LAYERNORM_STAT_COUNT * FP32_BYTES
-    elif train.device == "cuda":
+    elif train.norm_impl == "composite":
+        per_token = h * FP32_BYTES + RMSNORM_STAT_COUNT * FP32_BYTES + h * pb.residual
+    elif train.norm_impl == "native" and train.device == "cuda":
         per_token = h * pb.residual + RMSNORM_STAT_COUNT * FP32_BYTES
     else:
         per_token = 2 * h * FP32_BYTES + RMSNORM_STAT_COUNT * FP32_BYTES
     return tokens * per_token // split
+
+
+def norm_saves_its_input(model: ModelSpec, train: TrainSpec) -> bool:
+    """Whether a block's first norm saves its input tensor itself rather than an fp32 copy of it
+    (:func:`norm_saved_bytes`): LayerNorm and CUDA's fused RMSNorm always; any composite RMSNorm
+    (CPU's ATen one, ``"composite"``, ``"composite_fp32"``) only when the input is already fp32, since
+    ``x.to(float32)`` of an fp32 tensor returns it [PT]."""
+    if model.norm == "layernorm" or (train.norm_impl == "native" and train.device == "cuda"):
+        return True
+    return precision_bytes(train).residual == FP32_BYTES
 
 
 def layer_activation_bytes(

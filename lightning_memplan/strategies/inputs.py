@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memplan.model.introspect import norm_impl_of
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.strategies.layouts import TransformerLayout
 
@@ -87,7 +88,8 @@ def peek_loader(make_loader: Any) -> Any:
 
 #: TrainSpec fields that describe the run itself; each one left at its TrainSpec default in ``train=``
 #: is read from the Trainer and the LightningModule instead (the fields the user set win).
-RUN_FIELDS = ("precision", "grad_accumulation", "device", "optimizer", "optimizer_impl", "loss", "loss_chunk_size")
+RUN_FIELDS = ("precision", "grad_accumulation", "device", "optimizer", "optimizer_impl", "loss", "loss_chunk_size",
+              "norm_impl")
 
 
 def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) -> TrainSpec:
@@ -136,7 +138,8 @@ def compose_train_spec(
     """The TrainSpec of a run from what its front door read (shared by the Trainer and Fabric).
 
     ``shape``: ``(micro_batch, seq_len)``; ``optimizer``: ``(optimizer, optimizer_impl)``; the loss mode
-    comes from ``module`` (:func:`lce_loss_mode`). ``base`` (the strategy's ``train=``) overrides every
+    (:func:`lce_loss_mode`) and the RMSNorm implementation
+    (:func:`~lightning_memplan.model.introspect.norm_impl_of`) come from ``module``. ``base`` (the strategy's ``train=``) overrides every
     :data:`RUN_FIELDS` field it sets to a non-default value; a precision that contradicts the run's is
     warned about (``runner`` names the run, e.g. ``"the Trainer"``, ``"Fabric"``).
     """
@@ -152,6 +155,7 @@ def compose_train_spec(
         optimizer_impl=optimizer[1],
         loss=loss,
         loss_chunk_size=chunk,
+        norm_impl=norm_impl_of(module),
     )
     if base is None:
         return run
