@@ -2,10 +2,10 @@
 model and the hardware, explain every choice and every rejection. Pure: no Lightning, no device query."""
 
 from lightning_memplan.planning.budget import (
-    ALLOCATOR_FRAGMENTATION_FRACTION,
     CUDA_CONTEXT_BYTES,
     NCCL_BYTES_PER_GROUP,
     Budget,
+    device_need,
     memory_budget,
 )
 from lightning_memplan.planning.decision import (
@@ -28,7 +28,6 @@ from lightning_memplan.planning.timing import (
 )
 
 __all__ = [
-    "ALLOCATOR_FRAGMENTATION_FRACTION",
     "ALLOW_NAMES",
     "Allow",
     "Budget",
@@ -48,6 +47,7 @@ __all__ = [
     "TIME_MODEL_OFF",
     "bubble_fraction",
     "bubble_overhead",
+    "device_need",
     "memory_budget",
     "plan",
     "predict_step_time",

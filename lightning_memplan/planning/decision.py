@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.planning.budget import Budget
+from lightning_memplan.planning.budget import Budget, need_text
 from lightning_memplan.planning.timing import StepTime
 
 __all__ = ["Candidate", "PlanDecision", "PlanDoesNotFitError", "Rejection", "Suggestion", "train_changes"]
@@ -43,8 +44,11 @@ class Candidate:
 
     Attributes:
         plan: the layout. train: the TrainSpec it runs with (micro-batch, accumulation, recompute and
-        loss as chosen). estimate: the worst rank's :class:`MemoryEstimate`. budget: the budget
-        derivation for this plan. step: the predicted :class:`StepTime`. change_cost: how far it is
+        loss as chosen). estimate: the worst rank's :class:`MemoryEstimate` (allocated bytes). need: that
+        rank's :class:`~lightning_memplan.model.reserved.ReservedEstimate`, what the device must hold
+        (the modelled reserved bytes on CUDA, the allocated ones on CPU; ``planning.budget.device_need``),
+        compared with ``budget``; ``None`` (a decision saved without it) reads as the allocated bytes.
+        budget: the budget derivation for this plan. step: the predicted :class:`StepTime`. change_cost: how far it is
         from plain data parallelism with the user's settings (see ``planning.planner.CHANGE_COST``).
         score: seconds per token x ``ranking_factor`` (change cost and the simplicity margin per
         parallel dimension, ``planning.search``), the ranking key. notes: remarks
@@ -59,15 +63,25 @@ class Candidate:
     change_cost: float = 0.0
     score: float = 0.0
     notes: tuple[str, ...] = ()
+    need: ReservedEstimate | None = None
 
     @property
     def peak_bytes(self) -> int:
-        """Predicted peak tensor bytes of the worst rank."""
+        """Predicted peak allocated tensor bytes of the worst rank."""
         return self.estimate.total
 
     @property
+    def reserved_bytes(self) -> int:
+        """Predicted peak reserved bytes of the worst rank (== ``peak_bytes`` on CPU): what must fit."""
+        return self.estimate.total if self.need is None else self.need.reserved
+
+    @property
     def fits(self) -> bool:
-        return self.estimate.total <= self.budget.budget
+        return self.reserved_bytes <= self.budget.budget
+
+    def need_text(self) -> str:
+        """``"81.4 GiB reserved (68.0 GiB allocated)"`` (just the allocated bytes where they are equal)."""
+        return need_text(self.need) if self.need is not None else readable_bytes(self.estimate.total)
 
     @property
     def step_time_s(self) -> float:
@@ -101,6 +115,8 @@ class Candidate:
             "score": self.score,
             "notes": list(self.notes),
             "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "need": None if self.need is None else asdict(self.need),
             "fits": self.fits,
         }
 
@@ -110,12 +126,17 @@ class Candidate:
             plan=ParallelPlan.from_dict(data["plan"]),
             train=TrainSpec.from_dict(data["train"]),
             estimate=MemoryEstimate.from_dict(data["estimate"]),
-            budget=Budget(**data["budget"]),
+            budget=Budget.from_dict(data["budget"]),
             step=StepTime.from_dict(data["step"]),
             change_cost=float(data.get("change_cost", 0.0)),
             score=float(data.get("score", 0.0)),
             notes=tuple(data.get("notes", ())),
+            need=_need_from_dict(data.get("need")),
         )
+
+
+def _need_from_dict(data: Mapping[str, Any] | None) -> ReservedEstimate | None:
+    return None if data is None else ReservedEstimate(**dict(data))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,10 +146,12 @@ class Rejection:
     Attributes:
         layout: what was rejected (``"dp=4 tp=16 pp=1 cp=1"`` or a candidate description).
         kind: ``"divisibility"`` (shape rule), ``"batch"`` (global batch), ``"allow"``, ``"memory"``
-            (predicted peak over the budget) or ``"slower"`` (not memory-checked: its best possible
+            (predicted peak reserved bytes over the budget) or ``"slower"`` (not memory-checked: its best possible
             step time ranks below the kept candidates).
-        reason: e.g. ``"stage 0 needs 93.1 GiB > 71.2 GiB budget"``, ``"n_heads=40 not divisible by tp=16"``.
-        peak_bytes, budget_bytes: for memory rejections.
+        reason: e.g. ``"stage 0 needs 93.1 GiB reserved (81.0 GiB allocated) > 71.2 GiB budget"``,
+            ``"n_heads=40 not divisible by tp=16"``.
+        peak_bytes, reserved_bytes, budget_bytes: for memory rejections (allocated and reserved peak:
+            equal on CPU; ``reserved_bytes`` is what exceeded ``budget_bytes``).
     """
 
     layout: str
@@ -136,15 +159,18 @@ class Rejection:
     reason: str
     peak_bytes: int | None = None
     budget_bytes: int | None = None
+    reserved_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "kind": self.kind, "reason": self.reason,
-                "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes}
+        return {k: getattr(self, k) for k in _REJECTION_FIELDS}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Rejection:
-        fields: dict[str, Any] = {k: data.get(k) for k in ("layout", "kind", "reason", "peak_bytes", "budget_bytes")}
+        fields: dict[str, Any] = {k: data.get(k) for k in _REJECTION_FIELDS}
         return cls(**fields)
+
+
+_REJECTION_FIELDS = ("layout", "kind", "reason", "peak_bytes", "reserved_bytes", "budget_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +180,8 @@ class Suggestion:
     Attributes:
         change: the change in words (``"loss='chunked'"``, ``"2x the GPUs (64)"``, ``"seq_len <= 16384"``).
         kind: ``"train"``, ``"sequence"``, ``"hardware"`` or ``"cluster"``.
-        fits: whether the planner predicts it fits. peak_bytes, budget_bytes: the prediction.
+        fits: whether the planner predicts it fits. peak_bytes, reserved_bytes, budget_bytes: the
+        prediction (allocated and reserved peak, the latter compared with the budget).
         detail: the numbers in words.
     """
 
@@ -164,14 +191,18 @@ class Suggestion:
     detail: str = ""
     peak_bytes: int | None = None
     budget_bytes: int | None = None
+    reserved_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")}
+        return {k: getattr(self, k) for k in _SUGGESTION_FIELDS}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Suggestion:
-        fields: dict[str, Any] = {k: data.get(k) for k in ("change", "kind", "fits", "detail", "peak_bytes", "budget_bytes")}
+        fields: dict[str, Any] = {k: data.get(k) for k in _SUGGESTION_FIELDS}
         return cls(**fields)
+
+
+_SUGGESTION_FIELDS = ("change", "kind", "fits", "detail", "peak_bytes", "reserved_bytes", "budget_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,16 +212,19 @@ class PlanDecision:
     Attributes:
         plan: the chosen :class:`ParallelPlan` (the closest one when ``fits`` is False).
         train: the :class:`TrainSpec` actually chosen (micro-batch, grad accumulation, recompute, loss).
-        estimate: the worst rank's :class:`MemoryEstimate` for (plan, train).
+        estimate: the worst rank's :class:`MemoryEstimate` for (plan, train) (allocated bytes).
+        need: that rank's :class:`~lightning_memplan.model.reserved.ReservedEstimate`: the modelled
+        reserved bytes on CUDA (== allocated on CPU), what is compared with ``budget``.
         step: the predicted :class:`StepTime`.
         candidates: ranked fitting candidates, best first (``candidates[0]`` is the choice when it fits).
         rejected: every rejected layout/candidate with its reason.
         fits: whether the chosen plan is predicted to fit its budget.
         budget: the chosen plan's budget derivation.
-        shortfall_bytes: predicted peak minus budget when it does not fit, else 0.
+        shortfall_bytes: predicted peak reserved bytes minus budget when it does not fit, else 0.
         suggestions: when nothing fits, the cheapest changes that would make it fit.
         model, base_train, hardware: the inputs. global_batch: sequences per optimizer step (``None``:
-        per-replica batch fixed to ``micro_batch * grad_accumulation``). headroom: as given.
+        per-replica batch fixed to ``micro_batch * grad_accumulation``). headroom, expandable_segments:
+        as given.
         stats: search statistics (layouts, memory evaluations, seconds).
         notes: assumptions (fallback hardware values, ...).
     """
@@ -212,21 +246,25 @@ class PlanDecision:
     headroom: float = 0.1
     stats: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    expandable_segments: bool = False
 
     # ------------------------------------------------------------------------------------------
     @property
     def chosen(self) -> Candidate:
-        """The chosen candidate (plan, train, estimate, step together)."""
-        return Candidate(plan=self.plan, train=self.train, estimate=self.estimate, budget=self.budget, step=self.step)
+        """The chosen candidate (plan, train, estimate, need, step together)."""
+        return Candidate(plan=self.plan, train=self.train, estimate=self.estimate, budget=self.budget, step=self.step,
+                         need=self.reserved)
 
     @property
-    def reserved(self) -> Any:
-        """The chosen plan's predicted peak *reserved* bytes on CUDA next to the allocated ``estimate``
-        (a :class:`~lightning_memplan.model.reserved.ReservedEstimate`: ``.reserved``, ``.allocated``
-        and its terms: FSDP2 stream pools, the loss's extra segment, block rounding)."""
-        from lightning_memplan.model.reserved import reserved_memory
+    def reserved(self) -> ReservedEstimate:
+        """The chosen plan's predicted peak *reserved* bytes next to the allocated ``estimate`` (a
+        :class:`~lightning_memplan.model.reserved.ReservedEstimate`: ``.reserved``, ``.allocated`` and
+        its terms: FSDP2 stream pools, the loss's extra segment, block rounding; on CPU every term is 0
+        and reserved == allocated). This is what the planner compared with ``budget``."""
+        from lightning_memplan.planning.budget import device_need
 
-        return reserved_memory(self.model, self.train, self.plan, self.estimate)
+        return device_need(self.model, self.train, self.plan, self.estimate, self.hardware,
+                           expandable_segments=self.expandable_segments)
 
     def train_changes(self) -> list[str]:
         """What the planner changed in the user's TrainSpec (``"recompute: 'none' -> 'full'"``)."""
@@ -241,7 +279,7 @@ class PlanDecision:
         raise PlanDoesNotFitError(
             f"no parallel plan fits {self.model.name or 'the model'} on {self.hardware.world_size} x "
             f"{self.hardware.name}: the closest, {self.plan.describe()}, needs "
-            f"{readable_bytes(self.estimate.total)} > {readable_bytes(self.budget.budget)} budget (short by "
+            f"{need_text(self.reserved)} > {readable_bytes(self.budget.budget)} budget (short by "
             f"{readable_bytes(self.shortfall_bytes)}); changes that fit: {hints}",
             self,
         )
@@ -278,6 +316,8 @@ class PlanDecision:
             "hardware": self.hardware.to_dict(),
             "global_batch": self.global_batch,
             "headroom": self.headroom,
+            "expandable_segments": self.expandable_segments,
+            "reserved_bytes": self.reserved.reserved,
             "stats": dict(self.stats),
             "notes": list(self.notes),
         }
@@ -292,7 +332,7 @@ class PlanDecision:
             candidates=tuple(Candidate.from_dict(c) for c in data.get("candidates", ())),
             rejected=tuple(Rejection.from_dict(r) for r in data.get("rejected", ())),
             fits=bool(data["fits"]),
-            budget=Budget(**data["budget"]),
+            budget=Budget.from_dict(data["budget"]),
             shortfall_bytes=int(data.get("shortfall_bytes", 0)),
             suggestions=tuple(Suggestion.from_dict(s) for s in data.get("suggestions", ())),
             model=ModelSpec.from_dict(data["model"]),
@@ -302,4 +342,5 @@ class PlanDecision:
             headroom=float(data.get("headroom", 0.1)),
             stats=dict(data.get("stats", {})),
             notes=tuple(data.get("notes", ())),
+            expandable_segments=bool(data.get("expandable_segments", False)),
         )

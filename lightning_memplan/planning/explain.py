@@ -35,7 +35,7 @@ def _header(d: Any) -> list[str]:
         f"hardware {hw.describe()}; world size {hw.world_size}",
         f"chosen: {d.plan.describe()}  [{status}]",
         f"budget per device: {d.budget.describe()}",
-        f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}): {_gib(d.estimate.total)} GiB",
+        f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}): {_peak_text(d.reserved)}",
     ]
     changes = d.train_changes()
     lines.append("training changes: " + (", ".join(changes) if changes else "none"))
@@ -62,6 +62,18 @@ def _header(d: Any) -> list[str]:
             f"{1000 * float(s.get('seconds', 0.0)):.0f} ms"
         )
     return lines
+
+
+def _peak_text(need: Any) -> str:
+    """``"68.0 GiB allocated, 81.4 GiB reserved (default stream 66.0 + ...)"`` on CUDA; the allocated
+    GiB alone where nothing is modelled above them (CPU: no caching allocator)."""
+    if need.reserved == need.allocated and not need.overhead:
+        return f"{_gib(need.allocated)} GiB"
+    terms = [("default stream", need.default_stream_peak), ("all-gather pool", need.all_gather_pool),
+             ("reduce-scatter pool", need.reduce_scatter_pool), ("loss segment", need.loss_segment),
+             ("rounding", need.rounding)]
+    shown = " + ".join(f"{name} {_gib(v)}" for name, v in terms if v)
+    return f"{_gib(need.allocated)} GiB allocated, {_gib(need.reserved)} GiB reserved ({shown}); the reserved bytes must fit"
 
 
 def _why_not_runner_up(d: Any) -> str | None:
@@ -98,17 +110,20 @@ def _candidate_rows(d: Any, top: int) -> list[list[str]]:
     best = d.candidates[0].step.tokens_per_s if d.candidates else None
     for i, c in enumerate(d.candidates[:top], 1):
         if not c.step.modelled:
-            rows.append([str(i), c.describe(), _gib(c.peak_bytes), _gib(c.budget.budget), "-", "-", "-", "-", "; ".join(c.notes)])
+            rows.append([str(i), c.describe(), _gib(c.peak_bytes), _gib(c.reserved_bytes), _gib(c.budget.budget),
+                         "-", "-", "-", "-", "; ".join(c.notes)])
             continue
         delta = f"{100 * (c.step.tokens_per_s / best - 1):+.1f}% tokens/s" if best else "-"
         rows.append([
-            str(i), c.describe(), _gib(c.peak_bytes), _gib(c.budget.budget), _fmt_s(c.step.total_s),
+            str(i), c.describe(), _gib(c.peak_bytes), _gib(c.reserved_bytes), _gib(c.budget.budget), _fmt_s(c.step.total_s),
             f"{c.step.tokens_per_s:,.0f}", f"{100 * c.step.mfu:.1f}%", delta, "; ".join(c.notes),
         ])
     return rows
 
 
-_CAND_HEAD = ["#", "plan | training", "peak GiB", "budget GiB", "step", "tokens/s", "MFU", "vs best", "notes"]
+_CAND_HEAD = ["#", "plan | training", "alloc GiB", "reserved GiB", "budget GiB", "step", "tokens/s", "MFU", "vs best",
+              "notes"]
+_NUMERIC = frozenset(_CAND_HEAD[2:-1])
 
 
 def _rejected_lines(d: Any, max_rejected: int) -> list[str]:
@@ -192,7 +207,7 @@ def rich_renderable(d: Any, *, top: int = 5, max_rejected: int = 12) -> Any:
     if d.candidates:
         tab = Table(title=f"top {min(top, len(d.candidates))} of {len(d.candidates)} ranked candidates")
         for h in _CAND_HEAD:
-            tab.add_column(h, justify="right" if h in ("peak GiB", "budget GiB", "step", "tokens/s", "MFU", "vs best") else "left")
+            tab.add_column(h, justify="right" if h in _NUMERIC else "left")
         for row in _candidate_rows(d, top):
             tab.add_row(*row)
         parts.append(tab)

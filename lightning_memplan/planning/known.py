@@ -73,7 +73,8 @@ def known_layouts(search: Any) -> list[KnownLayout]:
     out = []
     for name, extra in _families(search):
         sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, extra), search.global_batch,
-                      search.headroom, search.explicit_budget, search.calibration, 1, share=search)
+                      search.headroom, search.explicit_budget, search.calibration, 1, share=search,
+                      expandable_segments=search.expandable_segments)
         try:
             found = sub.run()
         except ValueError as exc:
@@ -86,7 +87,7 @@ def known_layouts(search: Any) -> list[KnownLayout]:
             closest = found["closest"]
             why = "does not fit"
             if closest is not None:
-                why += (f": best {closest.describe()} needs {readable_bytes(closest.estimate.total)} > "
+                why += (f": best {closest.describe()} needs {closest.need_text()} > "
                         f"{readable_bytes(closest.budget.budget)}")
             out.append(KnownLayout(name, None, why))
     return out
@@ -132,7 +133,8 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     if not chosen.step.modelled or search.margin == 0:
         return []
     sub = _Search(search.model, search.train, search.hardware, search.allow, search.global_batch, search.headroom,
-                  search.explicit_budget, search.calibration, 1, margin=0.0, share=search)
+                  search.explicit_budget, search.calibration, 1, margin=0.0, share=search,
+                  expandable_segments=search.expandable_segments)
     found = sub.run()
     search.evaluations += sub.evaluations
     if not found["candidates"]:
@@ -141,7 +143,7 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     if _same(fast, chosen) or fast.step.tokens_per_s <= chosen.step.tokens_per_s * 1.0005:
         return []
     return [f"fastest predicted plan {fast.describe()}: {fast.step.total_s:.3g} s/step vs the choice's "
-            f"{chosen.step.total_s:.3g} s, {readable_bytes(fast.peak_bytes)} peak; " + faster_but_not_chosen(fast, chosen)]
+            f"{chosen.step.total_s:.3g} s, {fast.need_text()} peak; " + faster_but_not_chosen(fast, chosen)]
 
 
 def axis_notes(search: Any, chosen: Candidate) -> list[str]:
@@ -155,7 +157,8 @@ def axis_notes(search: Any, chosen: Candidate) -> list[str]:
     lines = []
     for axis in _axes(chosen):
         sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, {axis: [1]}), search.global_batch,
-                      search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin, share=search)
+                      search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin, share=search,
+                      expandable_segments=search.expandable_segments)
         try:
             found = sub.run()
         except ValueError as exc:
@@ -164,14 +167,14 @@ def axis_notes(search: Any, chosen: Candidate) -> list[str]:
         search.evaluations += sub.evaluations
         if not found["candidates"]:
             closest = found["closest"]
-            miss = (f": the closest, {closest.describe()}, needs {readable_bytes(closest.estimate.total)} > "
+            miss = (f": the closest, {closest.describe()}, needs {closest.need_text()} > "
                     f"{readable_bytes(closest.budget.budget)}") if closest is not None else ""
             lines.append(f"without {axis} nothing fits{miss}")
             continue
         alt = found["candidates"][0]
         gain = chosen.step.tokens_per_s / alt.step.tokens_per_s - 1
         lines.append(
-            f"without {axis}: best {alt.describe()}: {alt.step.total_s:.3g} s/step, {readable_bytes(alt.peak_bytes)} "
+            f"without {axis}: best {alt.describe()}: {alt.step.total_s:.3g} s/step, {alt.need_text()} "
             f"peak; the choice is predicted {100 * gain:.1f}% faster (a parallel dimension must buy > "
             f"{100 * SIMPLICITY_MARGIN:g}%, the time model's error band)")
     return lines
@@ -191,7 +194,7 @@ def known_layout_notes(search: Any, chosen: Candidate, fits: bool) -> list[str]:
         if _same(c, chosen):
             lines.append(f"well-known layout {k.name}: {c.describe()} is the choice")
             continue
-        mem = f"{readable_bytes(c.peak_bytes)} peak vs the choice's {readable_bytes(chosen.peak_bytes)}"
+        mem = f"{c.need_text()} peak vs the choice's {chosen.need_text()}"
         if not chosen.step.modelled:
             lines.append(f"well-known layout {k.name}: {c.describe()} fits ({mem}); step time not modelled here")
             continue

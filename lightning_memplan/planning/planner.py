@@ -1,5 +1,9 @@
 """``plan()``: the cheapest-to-run layout whose worst rank fits the memory budget.
 
+"Fits": the worst rank's modelled peak *reserved* bytes (on CUDA: the caching allocator's segments,
+FSDP2's side-stream pools and block rounding on top of the allocated tensors; on CPU the allocated
+bytes) are at most ``memory * (1 - headroom) - CUDA context - NCCL`` (``planning.budget``).
+
 Search (analytic, no profiling):
 
 1. :func:`~lightning_memplan.planning.space.enumerate_layouts` lists every ``dp x tp x pp x cp = world``
@@ -34,8 +38,9 @@ from typing import Any
 
 from lightning_memplan.hardware.presets import CHIP_TABLE
 from lightning_memplan.hardware.spec import HardwareSpec
-from lightning_memplan.model.result import Calibration, readable_bytes
+from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.planning.budget import need_text
 from lightning_memplan.planning.decision import Candidate, PlanDecision, Suggestion
 from lightning_memplan.planning.search import (
     CHANGE_COST,
@@ -79,6 +84,7 @@ def plan(
     allow: Any = None,
     calibration: Calibration | None = None,
     top_k: int = DEFAULT_TOP_K,
+    expandable_segments: bool = False,
 ) -> PlanDecision:
     """Choose dp / ZeRO / tp (+sp) / pp (schedule, micro-batches) / cp, recompute, loss mode and
     micro-batch so the worst rank fits and the predicted step is fastest.
@@ -90,14 +96,17 @@ def plan(
         hardware: the cluster (``world = gpus_per_node * num_nodes``; every GPU is used).
         global_batch: sequences per optimizer step; ``dp * micro_batch * m`` must equal it. ``None``
             keeps the per-replica batch ``train.micro_batch * train.grad_accumulation``.
-        memory_budget: bytes per device the predicted tensor peak must fit under; replaces the derived
-            budget ``memory * (1 - headroom) - CUDA context - NCCL - fragmentation`` (see ``planning.budget``).
+        memory_budget: bytes per device the predicted peak reserved bytes (the allocated ones on CPU)
+            must fit under; replaces the derived budget ``memory * (1 - headroom) - CUDA context - NCCL``
+            (see ``planning.budget``).
         headroom: fraction of device memory kept free (default 10 %).
         allow: restrict the search (see :class:`~lightning_memplan.planning.space.Allow`): a sequence of
             names such as ``("dp", "fsdp", "tp", "pp")``, a dict such as ``{"tp": [1, 2], "recompute":
             ["none"]}``, or an ``Allow``.
         calibration: traced coefficients for this model (passed to ``estimate_memory``).
         top_k: ranked candidates to keep.
+        expandable_segments: whether the run sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+            (no block rounding, no extra loss segment in the reserved bytes; ``model.reserved``).
 
     Returns:
         :class:`PlanDecision`; when nothing fits, ``fits=False`` with the closest plan, its shortfall
@@ -111,9 +120,13 @@ def plan(
     t0 = time.perf_counter()
     _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
     check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
+    if not isinstance(expandable_segments, bool):
+        raise TypeError(f"expandable_segments={expandable_segments!r} must be a bool (True when the run sets "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     allow_spec = Allow.parse(allow)
     explicit = None if memory_budget is None else int(memory_budget)
-    search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k)
+    search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k,
+                     expandable_segments=expandable_segments)
     found = search.run()
     candidates: list[Candidate] = found["candidates"]
     notes = _notes(search, hardware)
@@ -124,7 +137,7 @@ def plan(
         chosen = found["closest"]
         if chosen is None:  # every layout was rejected before any memory check (cannot happen with layouts)
             raise ValueError("no layout could be evaluated; relax allow=")
-        fits, shortfall = False, chosen.estimate.total - chosen.budget.budget
+        fits, shortfall = False, chosen.reserved_bytes - chosen.budget.budget
         from lightning_memplan.planning.suggest import suggest
 
         suggestions = tuple(suggest(search, chosen))
@@ -140,6 +153,7 @@ def plan(
         candidates=tuple(candidates), rejected=tuple(found["rejected"]), fits=fits, budget=chosen.budget,
         shortfall_bytes=max(0, shortfall), suggestions=suggestions, model=model, base_train=train,
         hardware=hardware, global_batch=global_batch, headroom=float(headroom), stats=stats, notes=tuple(notes),
+        expandable_segments=expandable_segments,
     )
 
 
@@ -168,7 +182,7 @@ def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
     base_plan = ParallelPlan(world)
     base_train = train.replace(micro_batch=b, grad_accumulation=max(1, per_replica // b))
     if chosen.plan == base_plan and chosen.train == base_train:
-        if chosen.estimate.total > chosen.budget.budget:
+        if not chosen.fits:
             return [f"plain data parallelism (dp={world}) with your settings is the closest plan"]
         if not chosen.step.modelled:
             return ["plain data parallelism with your settings fits and needs no changes"]
@@ -177,12 +191,12 @@ def _baseline_note(search: _Search, chosen: Candidate) -> list[str]:
         est = search.worst(base_plan, base_train)
     except ValueError as exc:
         return [f"plain data parallelism (dp={world}) is invalid: {exc}"]
-    bud = search.budget(base_plan)
-    if est.total > bud.budget:
-        return [f"plain data parallelism (dp={world}, your settings): {search.miss_reason(est, bud)}"]
+    if not search.fits(base_plan, base_train, est):
+        return [f"plain data parallelism (dp={world}, your settings): {search.miss_reason(base_plan, base_train, est)}"]
+    need = need_text(search.need(base_plan, base_train, est))
     if not chosen.step.modelled:
-        return [f"plain data parallelism (dp={world}, your settings) would fit ({readable_bytes(est.total)})"]
-    return [f"plain data parallelism (dp={world}, your settings) would fit ({readable_bytes(est.total)}) but is "
+        return [f"plain data parallelism (dp={world}, your settings) would fit ({need})"]
+    return [f"plain data parallelism (dp={world}, your settings) would fit ({need}) but is "
             "predicted slower than the choice"]
 
 

@@ -8,9 +8,10 @@ import time
 from typing import Any
 
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.planning.budget import Budget, memory_budget
+from lightning_memplan.planning.budget import Budget, device_need, memory_budget, need_text
 from lightning_memplan.planning.decision import Candidate, Rejection
 from lightning_memplan.planning.space import LayoutChoice, enumerate_layouts
 from lightning_memplan.planning.timing import (
@@ -87,9 +88,11 @@ class _Search:
     """One planning run (state shared by the search, the suggestions and the explanation)."""
 
     def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k,
-                 *, margin: float = SIMPLICITY_MARGIN, share: _Search | None = None) -> None:
+                 *, margin: float = SIMPLICITY_MARGIN, share: _Search | None = None,
+                 expandable_segments: bool = False) -> None:
         self.model, self.train, self.hardware = model, train, hardware
         self.margin = margin
+        self.expandable_segments = expandable_segments
         self.allow, self.global_batch = allow, global_batch
         self.headroom, self.explicit_budget = headroom, explicit_budget
         self.calibration, self.top_k = calibration, top_k
@@ -104,8 +107,9 @@ class _Search:
         self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
         self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
         if share is not None:  # a sub-search on the same model, TrainSpec, cluster and budget: reuse its estimates
-            if (share.model, share.train, share.hardware, share.headroom, share.explicit_budget, share.calibration) != (
-                    model, train, hardware, headroom, explicit_budget, calibration):
+            if (share.model, share.train, share.hardware, share.headroom, share.explicit_budget, share.calibration,
+                    share.expandable_segments) != (
+                    model, train, hardware, headroom, explicit_budget, calibration, expandable_segments):
                 raise ValueError("share= must be a search of the same model, train, hardware and budget")
             self._cache, self._plans, self._trains = share._cache, share._plans, share._trains
             self.failures, self._misses = share.failures, share._misses
@@ -145,7 +149,7 @@ class _Search:
             est = estimate_memory(self.model, train, plan, rank=0, calibration=self.calibration)
         else:
             est = hit[0]
-        full = plan.pp == 1 or not quick or est.total <= self.budget(plan).budget
+        full = plan.pp == 1 or not quick or self.fits(plan, train, est)
         if plan.pp > 1 and full:
             per_stage = plan.dp * plan.cp * plan.tp
             for stage in _candidate_stages(plan, self.model.n_layers, train.framework):
@@ -158,13 +162,32 @@ class _Search:
     def budget(self, plan: ParallelPlan) -> Budget:
         return memory_budget(self.hardware, plan, headroom=self.headroom, explicit=self.explicit_budget)
 
-    @staticmethod
-    def miss_reason(est: MemoryEstimate, budget: Budget) -> str:
+    def need(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> ReservedEstimate:
+        """What ``est`` needs of the device (``planning.budget.device_need``: reserved on CUDA)."""
+        return device_need(self.model, train, plan, est, self.hardware, expandable_segments=self.expandable_segments)
+
+    def fits(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> bool:
+        """The fit test: the modelled reserved peak (allocated on CPU) <= the plan's budget."""
+        return self.need(plan, train, est).reserved <= self.budget(plan).budget
+
+    def ratio(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> float:
+        """Need / budget (the closest miss has the smallest)."""
+        return self.need(plan, train, est).reserved / self.budget(plan).budget
+
+    def miss_reason(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> str:
         largest = est.largest_component()
         return (
-            f"stage {est.stage} needs {readable_bytes(est.total)} > {readable_bytes(budget.budget)} budget "
+            f"stage {est.stage} needs {need_text(self.need(plan, train, est))} > "
+            f"{readable_bytes(self.budget(plan).budget)} budget "
             f"(largest: {largest} {readable_bytes(getattr(est, largest))}, {est.peak_phase} peak)"
         )
+
+    def memory_rejection(self, layout: str, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate,
+                         prefix: str = "") -> Rejection:
+        """The :class:`Rejection` of a combination whose need exceeds its budget."""
+        return Rejection(layout=layout, kind="memory", reason=prefix + self.miss_reason(plan, train, est),
+                         peak_bytes=est.total, reserved_bytes=self.need(plan, train, est).reserved,
+                         budget_bytes=self.budget(plan).budget)
 
     # -- search ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -253,9 +276,7 @@ class _Search:
                 verdict = self._max_saving_check(lc, recomputes)
                 if verdict is not None:
                     done.add(i)
-                    rejected.append(Rejection(layout=lc.describe(), kind=verdict[3], reason=verdict[2],
-                                              peak_bytes=verdict[0].total if verdict[0] else None,
-                                              budget_bytes=verdict[1].budget if verdict[1] else None))
+                    rejected.append(verdict)
                     continue
                 base = _layout_cost(lc, train.micro_batch)
                 opts = [
@@ -269,7 +290,12 @@ class _Search:
             sc, rc, z, lm, sp = combos[i][k]
             est = bud = None
             dom = self._bounded_out(lc, rc, z, lm, sp, layouts[first_in_family.get(fam, i)])
-            if dom is not None:
+            if dom is not None and dom == (lc, rc, z, lm, sp) and dom in self._misses:
+                # this very combination was estimated as a bound and missed: report its numbers
+                rejected.append(self.memory_rejection(
+                    f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}",
+                    *self.materialise(lc, rc, z, lm, sp), self._misses[dom][0]))
+            elif dom is not None:
                 pruned[i] = pruned.get(i, 0) + 1  # reported once per layout below
             else:
                 plan, tr = self.materialise(lc, rc, z, lm, sp)
@@ -280,14 +306,13 @@ class _Search:
                     rejected.append(Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc)))
                     continue
                 bud = self.budget(plan)
-                if est.total <= bud.budget:
+                if self.fits(plan, tr, est):
                     candidates.append(self._candidate(lc, lt, rc, z, lm, sp, est, bud, score=sc))
                     done.add(i)
                     continue
                 self._record_miss(lc, rc, z, lm, sp, est, bud)
-                rejected.append(Rejection(
-                    layout=f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", kind="memory",
-                    reason=self.miss_reason(est, bud), peak_bytes=est.total, budget_bytes=bud.budget))
+                rejected.append(self.memory_rejection(
+                    f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", plan, tr, est))
             if k + 1 < len(combos[i]):
                 heapq.heappush(heap, (combos[i][k + 1][0], i, k + 1))
             else:
@@ -331,7 +356,7 @@ class _Search:
         plan, tr = self.materialise(lc, rc, z, lm, sp)  # cached
         cost = _layout_cost(lc, self.train.micro_batch) + _option_cost(z, sp, rc, lm, self.train.loss)
         return Candidate(plan=plan, train=tr, estimate=est, budget=bud, step=lt.step_time(rc, z, lm),
-                         change_cost=cost, score=score, notes=lt.notes)
+                         change_cost=cost, score=score, notes=lt.notes, need=self.need(plan, tr, est))
 
     def _bounded_out(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, family_first: LayoutChoice) -> tuple | None:
         """Prove ``(lc, options)`` infeasible without estimating it, when possible.
@@ -361,7 +386,7 @@ class _Search:
                 except ValueError:
                     continue
                 bud = self.budget(plan)
-                if est.total > bud.budget:
+                if not self.fits(plan, tr, est):
                     self._record_miss(target, *level, est, bud)
                     dom = self._dominated(lc, rc, z, lm, sp)
                     if dom is not None:
@@ -409,63 +434,63 @@ class _Search:
         lm = next((m for m in ("chunked", "vocab_parallel") if m in lc.losses), lc.losses[0])
         return rc, max(lc.zeros), lm, max(lc.sps)
 
-    def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]):
-        """``None`` when the most memory-saving options of ``lc`` fit, else ``(estimate or None,
-        budget or None, reason, kind)``; a miss is recorded so :meth:`_dominated` prunes what it bounds."""
+    def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> Rejection | None:
+        """``None`` when the most memory-saving options of ``lc`` fit, else the layout's
+        :class:`Rejection`; a miss is recorded so :meth:`_dominated` prunes what it bounds."""
         rc, z, lm, sp = self._max_saving_opts(lc, recomputes)
+        opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
+        prefix = f"even with {', '.join(o for o in opts if o)}: "
         dom = self._dominated(lc, rc, z, lm, sp)
         if dom is not None and dom[0] == lc and dom[1:] == (rc, z, lm, sp) and dom in self._misses:
             # checked already (as its family's bound): report that estimate, not "as much as itself"
-            est, bud = self._misses[dom]
-            opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
-            return est, bud, f"even with {', '.join(o for o in opts if o)}: " + self.miss_reason(est, bud), "memory"
+            est, _ = self._misses[dom]
+            return self.memory_rejection(lc.describe(), *self.materialise(lc, rc, z, lm, sp), est, prefix)
         if dom is not None:
-            return None, None, f"needs at least as much as {self._failure_text(dom)}, which does not fit", "memory"
+            return Rejection(layout=lc.describe(), kind="memory",
+                             reason=f"needs at least as much as {self._failure_text(dom)}, which does not fit")
         plan, tr = self.materialise(lc, rc, z, lm, sp)
         try:
             est = self.worst(plan, tr, quick=True)
         except ValueError as exc:  # the memory model rejects this layout outright
-            return None, None, str(exc), "divisibility"
-        bud = self.budget(plan)
-        if est.total <= bud.budget:
+            return Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc))
+        if self.fits(plan, tr, est):
             return None
-        self._record_miss(lc, rc, z, lm, sp, est, bud)
+        self._record_miss(lc, rc, z, lm, sp, est, self.budget(plan))
         if -(-self.model.n_layers // lc.pp) <= 2:
             return None  # full recompute's rebuilt block may exceed selective here: not a bound
-        opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
-        return est, bud, f"even with {', '.join(o for o in opts if o)}: " + self.miss_reason(est, bud), "memory"
+        return self.memory_rejection(lc.describe(), plan, tr, est, prefix)
 
     def _record_miss(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, est: MemoryEstimate, bud: Budget) -> None:
         """Record a combination that does not fit (for :meth:`_dominated`) and keep the closest miss:
-        the smallest worst-rank peak / budget ratio, which the decision reports when nothing fits."""
+        the smallest worst-rank need (reserved) / budget ratio, which the decision reports when nothing fits."""
         self._record_failure(lc, rc, z, lm, sp)
         self._misses[(lc, rc, z, lm, sp)] = (est, bud)
         best = self._closest
-        if best is not None and best[0] <= est.total / bud.budget:
-            return  # ``est`` may be a stage-0 lower bound; the full worst rank is only larger
         plan, tr = self.materialise(lc, rc, z, lm, sp)
+        if best is not None and best[0] <= self.ratio(plan, tr, est):
+            return  # ``est`` may be a stage-0 lower bound; the full worst rank is only larger
         est = self.worst(plan, tr)
-        ratio = est.total / bud.budget
+        ratio = self.ratio(plan, tr, est)
         if best is None or ratio < best[0]:
             self._closest = (ratio, est, bud, lc, rc, z, lm, sp)
 
     def _closest_from_shared_misses(self, layouts: set[LayoutChoice]) -> None:
         """Where a sub-search's misses were all proven by a search it shares failures with, its closest
-        plan is the shared miss, among its own layouts, with the smallest worst-rank peak / budget."""
+        plan is the shared miss, among its own layouts, with the smallest worst-rank need / budget."""
         def dims(lc: LayoutChoice) -> tuple:
             return (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
 
         mine = {dims(lc): lc for lc in layouts}
         own = []
-        for (flc, rc, z, lm, sp), (est, bud) in self._misses.items():
+        for (flc, rc, z, lm, sp), (est, _bud) in self._misses.items():
             lc = mine.get(dims(flc))
             if lc is not None and z in lc.zeros and sp in lc.sps and lm in lc.losses and rc in self.allow.recompute:
-                own.append((est.total / bud.budget, (lc, rc, z, lm, sp)))
+                own.append((self.ratio(*self.materialise(lc, rc, z, lm, sp), est), (lc, rc, z, lm, sp)))
         if own:
             lc, rc, z, lm, sp = min(own, key=lambda x: x[0])[1]
             plan, tr = self.materialise(lc, rc, z, lm, sp)
             est, bud = self.worst(plan, tr), self.budget(plan)
-            self._closest = (est.total / bud.budget, est, bud, lc, rc, z, lm, sp)
+            self._closest = (self.ratio(plan, tr, est), est, bud, lc, rc, z, lm, sp)
 
     def _raise_no_layout(self, world: int, early: list[tuple[str, str, str]]) -> None:
         kinds = {k for _, k, _ in early}

@@ -16,7 +16,9 @@ from typing import Any
 
 from lightning_memplan.hardware.presets import CHIP_TABLE
 from lightning_memplan.hardware.spec import HardwareSpec
+from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import readable_bytes
+from lightning_memplan.planning.budget import need_text
 from lightning_memplan.planning.decision import Candidate, Suggestion
 
 __all__ = ["cluster_with", "device_memory_needed", "suggest"]
@@ -30,9 +32,17 @@ MAX_SUGGESTED_GPUS = 4096
 NODE_GPUS = 8
 
 
-def _fit_text(peak: int, budget: int) -> str:
-    rel = "<=" if peak <= budget else ">"
-    return f"peak {readable_bytes(peak)} {rel} {readable_bytes(budget)} budget"
+def _fit_text(need: ReservedEstimate, budget: int) -> str:
+    rel = "<=" if need.reserved <= budget else ">"
+    return f"peak {need_text(need)} {rel} {readable_bytes(budget)} budget"
+
+
+def _checked(search: Any, change: str, kind: str, plan: Any, train: Any, est: Any, where: str = "") -> Suggestion:
+    """A suggestion whose ``(plan, train)`` was estimated: fits when its need is within its budget."""
+    need, budget = search.need(plan, train, est), search.budget(plan).budget
+    return Suggestion(change=change, kind=kind, fits=need.reserved <= budget,
+                      detail=f"{plan.describe()}{where}: {_fit_text(need, budget)}",
+                      peak_bytes=est.total, reserved_bytes=need.reserved, budget_bytes=budget)
 
 
 def _train_changes(search: Any, closest: Candidate) -> list[Suggestion]:
@@ -60,10 +70,7 @@ def _train_changes(search: Any, closest: Candidate) -> list[Suggestion]:
             est = search.worst(new_plan, new)
         except ValueError:
             continue
-        bud = search.budget(new_plan)
-        out.append(Suggestion(change=text, kind="train", fits=est.total <= bud.budget,
-                              detail=f"{new_plan.describe()}: {_fit_text(est.total, bud.budget)}",
-                              peak_bytes=est.total, budget_bytes=bud.budget))
+        out.append(_checked(search, text, "train", new_plan, new, est))
     return out
 
 
@@ -71,7 +78,7 @@ def _shorter_sequence(search: Any, closest: Candidate) -> list[Suggestion]:
     tr, plan = closest.train, closest.plan
     unit = 2 * plan.cp * plan.tp
     lo, hi = 0, tr.seq_len // unit  # multiples of unit; hi does not fit
-    best = None
+    best: tuple[Any, Any] | None = None
     while hi - lo > 1:
         mid = (lo + hi) // 2
         cand = tr.replace(seq_len=mid * unit)
@@ -82,17 +89,14 @@ def _shorter_sequence(search: Any, closest: Candidate) -> list[Suggestion]:
         except ValueError:
             hi = mid
             continue
-        if est.total <= search.budget(plan).budget:
-            lo, best = mid, est
+        if search.fits(plan, cand, est):
+            lo, best = mid, (cand, est)
         else:
             hi = mid
     if best is None:
         return [Suggestion(change="a shorter sequence", kind="sequence", fits=False,
                            detail=f"even seq_len={unit} does not fit {plan.describe()}")]
-    s = lo * unit
-    return [Suggestion(change=f"seq_len <= {s}", kind="sequence", fits=True,
-                       detail=f"{plan.describe()} at seq_len={s}: {_fit_text(best.total, search.budget(plan).budget)}",
-                       peak_bytes=best.total, budget_bytes=search.budget(plan).budget)]
+    return [_checked(search, f"seq_len <= {lo * unit}", "sequence", plan, *best, where=f" at seq_len={lo * unit}")]
 
 
 def cluster_with(hardware: HardwareSpec, gpus: int) -> HardwareSpec:
@@ -110,7 +114,7 @@ def _fits_on(search: Any, hw: HardwareSpec) -> Candidate | None:
     from lightning_memplan.planning.search import _Search
 
     sub = _Search(search.model, search.train, hw, search.allow, search.global_batch, search.headroom,
-                  search.explicit_budget, search.calibration, 1)
+                  search.explicit_budget, search.calibration, 1, expandable_segments=search.expandable_segments)
     try:
         found = sub.run()
     except ValueError:
@@ -152,20 +156,18 @@ def _more_gpus(search: Any) -> list[Suggestion]:
     nodes = f"{hw.num_nodes} node{'s' if hw.num_nodes > 1 else ''} of {hw.gpus_per_node}"
     return [Suggestion(change=f"{hw.world_size} GPUs ({nodes} x {hw.name}), the fewest that fit",
                        kind="cluster", fits=True,
-                       detail=f"{c.describe()}: {_fit_text(c.peak_bytes, c.budget.budget)}",
-                       peak_bytes=c.peak_bytes, budget_bytes=c.budget.budget)]
+                       detail=f"{c.describe()}: peak {c.need_text()} <= {readable_bytes(c.budget.budget)} budget",
+                       peak_bytes=c.peak_bytes, reserved_bytes=c.reserved_bytes, budget_bytes=c.budget.budget)]
 
 
 def device_memory_needed(search: Any, closest: Candidate) -> int:
-    """Device bytes per GPU at which the closest plan's peak fits its budget (the budget's overheads
-    scale: ``M (1 - headroom - fragmentation) - context - NCCL >= peak``)."""
-    from lightning_memplan.planning.budget import ALLOCATOR_FRAGMENTATION_FRACTION
-
+    """Device bytes per GPU at which the closest plan's need (its reserved peak, which does not depend
+    on the device's size) fits its budget: ``M (1 - headroom) - context - NCCL >= reserved``."""
     bud = closest.budget
     if bud.explicit:
-        return closest.estimate.total
+        return closest.reserved_bytes
     fixed = bud.cuda_context + bud.nccl
-    return math.ceil((closest.estimate.total + fixed) / (1 - search.headroom - ALLOCATOR_FRAGMENTATION_FRACTION))
+    return math.ceil((closest.reserved_bytes + fixed) / (1 - search.headroom))
 
 
 def _bigger_device(search: Any, closest: Candidate) -> list[Suggestion]:
@@ -177,19 +179,22 @@ def _bigger_device(search: Any, closest: Candidate) -> list[Suggestion]:
         from lightning_memplan.planning.budget import memory_budget
 
         bud = memory_budget(other, closest.plan, headroom=search.headroom, explicit=search.explicit_budget)
-        if closest.estimate.total <= bud.budget:
+        if closest.reserved_bytes <= bud.budget:
             return [Suggestion(change=f"a {chip.memory_bytes / GiB:.0f} GiB device such as {chip.key}", kind="hardware",
-                               fits=True, detail=f"{closest.plan.describe()}: {_fit_text(closest.estimate.total, bud.budget)}",
-                               peak_bytes=closest.estimate.total, budget_bytes=bud.budget)]
+                               fits=True, detail=f"{closest.plan.describe()}: peak {closest.need_text()} <= "
+                               f"{readable_bytes(bud.budget)} budget",
+                               peak_bytes=closest.peak_bytes, reserved_bytes=closest.reserved_bytes,
+                               budget_bytes=bud.budget)]
     return []
 
 
 def _device_memory(search: Any, closest: Candidate) -> list[Suggestion]:
     need = device_memory_needed(search, closest)
-    return [Suggestion(change=f"{need / GiB:.0f} GiB per GPU (same {search.hardware.world_size} GPUs)", kind="hardware",
-                       fits=True, detail=f"{closest.plan.describe()} needs {readable_bytes(closest.estimate.total)}; with "
-                       f"{need / GiB:.0f} GiB devices its budget covers it", peak_bytes=closest.estimate.total,
-                       budget_bytes=None)]
+    size = f"{need / GiB:.0f} GiB" if need >= GiB else readable_bytes(need)
+    return [Suggestion(change=f"{size} per GPU (same {search.hardware.world_size} GPUs)", kind="hardware",
+                       fits=True, detail=f"{closest.plan.describe()} needs {closest.need_text()}; with "
+                       f"{size} devices its budget covers it", peak_bytes=closest.peak_bytes,
+                       reserved_bytes=closest.reserved_bytes, budget_bytes=None)]
 
 
 def suggest(search: Any, closest: Candidate) -> list[Suggestion]:

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.reserved import reserved_memory
 from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
@@ -29,10 +30,18 @@ GiB = 2**30
 LONGCTX = ModelSpec(4, 1024, 8, 128256, ffn_kind="swiglu", norm="rmsnorm", name="longctx")
 
 
+def _reserved(model, train, plan_, est=None) -> int:
+    """The modelled peak reserved bytes of a CUDA step (model/reserved.py), what the planner's fit uses."""
+    est = estimate_memory(model, train, plan_) if est is None else est
+    return reserved_memory(model, train, plan_, est).reserved
+
+
 def _fits(d: PlanDecision) -> None:
-    assert d.fits and d.estimate.total <= d.budget.budget and d.shortfall_bytes == 0
+    assert d.fits and d.reserved.reserved <= d.budget.budget and d.shortfall_bytes == 0
     # the reported estimate is the worst rank's, as estimate_memory computes it independently
     assert d.estimate.total == estimate_memory(d.model, d.train, d.plan).total
+    if d.train.device == "cuda" and not d.hardware.name.startswith("cpu"):
+        assert d.reserved.reserved == _reserved(d.model, d.train, d.plan) >= d.estimate.total
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,10 +218,11 @@ def test_nothing_fits_returns_closest_with_shortfall_and_fixes():
     hw = HardwareSpec.preset("h100-sxm")
     d = plan(model, TrainSpec(micro_batch=1, seq_len=4096), hw)
     assert not d.fits and not d.candidates
-    assert d.shortfall_bytes == d.estimate.total - d.budget.budget > 0
+    assert d.shortfall_bytes == d.reserved.reserved - d.budget.budget > 0
+    assert d.reserved.reserved == _reserved(model, d.train, d.plan) > d.estimate.total
     fixes = {s.kind: s for s in d.suggestions if s.fits}
     assert "cluster" in fixes and "GPUs" in fixes["cluster"].change
-    assert fixes["cluster"].peak_bytes <= fixes["cluster"].budget_bytes
+    assert fixes["cluster"].peak_bytes <= fixes["cluster"].reserved_bytes <= fixes["cluster"].budget_bytes
     with pytest.raises(PlanDoesNotFitError, match=r"short by .* GiB") as err:
         d.require_fit()
     assert isinstance(err.value, ValueError) and err.value.decision is d
@@ -230,8 +240,8 @@ def test_suggested_shorter_sequence_fits_and_next_does_not():
     s_max = int(seq[0].change.split("<=")[1])
     tr = d.train
     unit = 2 * d.plan.cp * d.plan.tp
-    fits = estimate_memory(model, tr.replace(seq_len=s_max), d.plan).total
-    over = estimate_memory(model, tr.replace(seq_len=s_max + unit), d.plan).total
+    fits = _reserved(model, tr.replace(seq_len=s_max), d.plan)
+    over = _reserved(model, tr.replace(seq_len=s_max + unit), d.plan)
     budget = memory_budget(hw, d.plan, headroom=0.1).budget
     assert fits <= budget < over
 
@@ -267,7 +277,8 @@ def test_rejections_carry_reasons_in_words():
     assert "n_heads=40 not divisible by tp=16" in reasons
     mem = [r for r in d.rejected if r.kind == "memory" and r.peak_bytes is not None]
     for r in mem:
-        assert r.peak_bytes > r.budget_bytes and f"> {readable_bytes(r.budget_bytes)} budget" in r.reason
+        assert r.reserved_bytes > r.budget_bytes and f"> {readable_bytes(r.budget_bytes)} budget" in r.reason
+        assert f"needs {readable_bytes(r.reserved_bytes)} reserved ({readable_bytes(r.peak_bytes)} allocated)" in r.reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +307,7 @@ def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1
                         chunk = planned_chunk_size(model, train, lc.b * train.seq_len // lc.cp) if lm == "chunked" else None
                         t = train.replace(micro_batch=lc.b, grad_accumulation=1 if pp else lc.m, recompute=rc, loss=lm,
                                           loss_chunk_size=chunk)
-                        peak = estimate_memory(model, t, p).total
+                        peak = _reserved(model, t, p)
                         if peak > memory_budget(hw, p, headroom=headroom, explicit=budget_bytes).budget:
                             continue
                         cost = base + (CHANGE_COST[f"zero{z}"] if z else 0) + (CHANGE_COST["sp"] if sp else 0)
@@ -383,7 +394,7 @@ def _check_decision(d: PlanDecision, model: ModelSpec, world: int, gb: int) -> N
     assert d.plan.dp * d.train.micro_batch * m == gb
     assert d.estimate.total == estimate_memory(model, d.train, d.plan).total
     if d.fits:
-        assert d.estimate.total <= d.budget.budget and d.candidates[0].plan == d.plan
+        assert d.reserved.reserved <= d.budget.budget and d.candidates[0].plan == d.plan
         scores = [c.score for c in d.candidates]
         assert scores == sorted(scores)
         assert all(c.fits for c in d.candidates)
@@ -426,4 +437,4 @@ def test_sentences_use_a_readable_unit_for_small_budgets():
              memory_budget=20 * 2**20)
     assert not d.fits
     msg = str(pytest.raises(PlanDoesNotFitError, d.require_fit).value)
-    assert "MiB > 20.0 MiB budget (short by " in msg and "0.0 GiB" not in msg
+    assert "MiB allocated) > 20.0 MiB budget (short by " in msg and "0.0 GiB" not in msg and " 0 GiB" not in msg

@@ -9,7 +9,12 @@ import pytest
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.planning import TIME_MODEL_OFF, plan
-from lightning_memplan.planning.explain import _candidate_rows, _rejected_lines, _why_not_runner_up
+from lightning_memplan.planning.explain import (
+    _CAND_HEAD,
+    _candidate_rows,
+    _rejected_lines,
+    _why_not_runner_up,
+)
 from lightning_memplan.planning.suggest import cluster_with
 
 GiB = 2**30
@@ -32,7 +37,7 @@ def test_vs_best_compares_tokens_per_second():
     d = _decision()
     best = d.candidates[0].step.tokens_per_s
     for c, row in zip(d.candidates[:5], _candidate_rows(d, 5), strict=True):
-        assert row[7] == f"{100 * (c.step.tokens_per_s / best - 1):+.1f}% tokens/s"
+        assert row[_CAND_HEAD.index("vs best")] == f"{100 * (c.step.tokens_per_s / best - 1):+.1f}% tokens/s"
 
 
 def test_rejected_none_is_said_in_words():
@@ -111,7 +116,7 @@ def test_fastest_plan_the_margin_passes_over_is_named_in_numbers():
                   r"adds pp and cp; each added parallel dimension must buy > 5% \(the time model's error band\), 2 > 10.3%", note)
     assert m, note
     fast_s, chosen_s, gain = float(m.group(2)), float(m.group(3)), float(m.group(4))
-    assert chosen_s == pytest.approx(d.step.total_s, rel=2e-3)
+    assert chosen_s == pytest.approx(d.step.total_s, rel=5e-3)  # printed with 3 significant figures
     assert gain == pytest.approx(100 * (chosen_s / fast_s - 1), abs=0.3)
     assert 0 < gain < 100 * ((1 + SIMPLICITY_MARGIN) ** 2 - 1)
     assert " pp=" in m.group(1) and " cp=" in m.group(1)
