@@ -12,6 +12,7 @@ from typing import Any
 from lightning_memplan.model.specs import (
     ATTENTION_KINDS,
     LOSS_MODES,
+    NORM_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_MODES,
@@ -84,6 +85,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
     group.add_argument("--loss", default="naive", choices=list(LOSS_MODES))
     group.add_argument("--loss-chunk-size", type=int_at_least(1), default=None, help="tokens per chunk for --loss chunked")
     group.add_argument("--grad-accumulation", type=int_at_least(1), default=1)
+    group.add_argument("--norm-impl", default="native", choices=list(NORM_IMPLS),
+                       help="RMSNorm implementation: composite for Hugging Face's LlamaRMSNorm family and torchtune's")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -131,6 +134,7 @@ def train_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSpec:
         loss=args.loss,
         loss_chunk_size=args.loss_chunk_size,
         grad_accumulation=args.grad_accumulation,
+        norm_impl=args.norm_impl,
     )
     fields.update(overrides)
     return TrainSpec(**fields)

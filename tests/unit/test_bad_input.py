@@ -150,7 +150,7 @@ for field in ["calibrate", "write_files", "print_report"]:
 for field in ["ffn_kind", "norm", "position_embedding"]:
     for v in BAD_CHOICES:
         case(f"ModelSpec.{field}={v!r}", model_with(**{field: v}), f"{field}=")
-for field in ["precision", "optimizer", "optimizer_impl", "recompute", "attention", "loss", "device"]:
+for field in ["precision", "optimizer", "optimizer_impl", "recompute", "attention", "loss", "device", "norm_impl"]:
     for v in BAD_CHOICES:
         case(f"TrainSpec.{field}={v!r}", train_with(**{field: v}), f"{field}=")
 for v in BAD_CHOICES:

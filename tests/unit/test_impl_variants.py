@@ -177,3 +177,14 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
                              device="cuda", optimizer=("adamw", "foreach"), base=None, runner="the Trainer")
     assert run.norm_impl == "composite"
     assert norm_impl_of(nn.Sequential(nn.LayerNorm(8))) == "native"
+    import contextlib
+    import io
+    import json
+
+    from lightning_memplan.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["estimate", "--model", "llama3-8b", "--micro-batch", "1", "--seq-len", "64", "--norm-impl",
+              "composite", "--json"])
+    assert json.loads(out.getvalue())["train"]["norm_impl"] == "composite"
