@@ -5,9 +5,9 @@ Example::
     lightning-memplan plan --model llama3-70b --hardware h100-80gb --gpus-per-node 8 --nodes 32 \\
         --seq-len 8192 --global-batch 1024
 
-Prints the decision (plan, training changes, per-rank peak against the budget, predicted step time,
-tokens/s and MFU), the top alternatives and the rejected layouts with their reasons. ``--json`` prints
-``PlanDecision.to_dict()``. When nothing fits, prints the closest plan and the cheapest changes that
+Prints the decision (plan, training changes, per-rank allocated and reserved peak against the budget,
+predicted step time, tokens/s and MFU), the top alternatives and the rejected layouts with their
+reasons. ``--json`` prints ``PlanDecision.to_dict()``. When nothing fits, prints the closest plan and the cheapest changes that
 would make it fit, and exits with status 1.
 
 ``--allow`` restricts the search: a comma list of parallelisms (``--allow dp,fsdp,tp,pp``; names:
@@ -122,8 +122,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     search.add_argument("--global-batch", type=int_at_least(1), default=None,
                         help="sequences per optimizer step (default: micro-batch x grad-accumulation per replica)")
     search.add_argument("--memory-budget", type=_budget_arg, default=None,
-                        help="per-device budget for tensors (e.g. 70GiB); replaces the derived budget")
+                        help="per-device budget for the allocator's reserved bytes (e.g. 70GiB); replaces the derived budget")
     search.add_argument("--headroom", type=finite_float, default=0.1, help="fraction of device memory kept free")
+    search.add_argument("--expandable-segments", action="store_true",
+                        help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                        "(no block rounding in the reserved bytes)")
     search.add_argument("--allow", action="append", default=None, metavar="NAMES|KEY=V,...",
                         help="restrict the search (repeatable; see the description)")
     search.add_argument("--top", type=int_at_least(1), default=5, help="alternatives to show")
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     decision = plan(
         model, train, hardware,
         global_batch=args.global_batch, memory_budget=args.memory_budget, headroom=args.headroom,
-        allow=parse_allow(args.allow),
+        allow=parse_allow(args.allow), expandable_segments=args.expandable_segments,
         # the plan map shows every timed layout: keep more fitting candidates (the choice is the same)
         **({"top_k": max(args.top, _PLAN_MAP_CANDIDATES)} if args.html else {}),
     )

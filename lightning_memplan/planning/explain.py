@@ -176,6 +176,8 @@ def _markdown(d: Any, top: int, max_rejected: int) -> str:
     out += ["", "### Memory at the peak (worst rank)", "", "| component | GiB |", "| --- | ---: |"]
     out += [f"| {k} | {v} |" for k, v in _breakdown_rows(d)]
     out.append(f"| **total** | **{_gib(d.estimate.total)}** |")
+    if d.reserved.overhead:
+        out.append(f"| reserved (CUDA caching allocator; must fit the budget) | {_gib(d.reserved.reserved)} |")
     sugg = _suggestion_lines(d)
     if sugg:
         out += ["", "### Changes that would make it fit", ""] + [f"- {_md_escape(s.strip()[2:])}" for s in sugg[1:]]
@@ -200,6 +202,8 @@ def rich_renderable(d: Any, *, top: int = 5, max_rejected: int = 12) -> Any:
     for k, v in _breakdown_rows(d):
         mem.add_row(k, v)
     mem.add_row("total", _gib(d.estimate.total), style="bold")
+    if d.reserved.overhead:
+        mem.add_row("reserved", _gib(d.reserved.reserved))
     parts.append(mem)
     sugg = _suggestion_lines(d)
     if sugg:

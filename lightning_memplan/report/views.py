@@ -226,7 +226,7 @@ def rank_view(epoch: EpochReport, run: Mapping[str, Any]) -> tuple[list[RankBar]
 # ------------------------------------------------------------------------------------ plan map
 @dataclass(frozen=True, kw_only=True)
 class PlanPoint:
-    """Attributes: label (the layout); peak bytes; step_s (``None``: not timed, a memory rejection);
+    """Attributes: label (the layout); peak bytes (reserved, as the planner's fit test); step_s (``None``: not timed, a memory rejection);
     status ``"chosen"``, ``"fits"`` or ``"rejected"``; reason (why rejected, or the candidate's
     figures); family: the well-known layout it is (``"FSDP only"``, ``"FSDP x TP"``, ``"TP x PP x DP"``,
     ...) or ``""``."""
@@ -284,6 +284,10 @@ def _describe(data: Mapping[str, Any]) -> str:
 
 
 def _peak_of(data: Mapping[str, Any]) -> int:
+    """The peak the planner compared with the budget: the reserved bytes (allocated where the decision
+    predates them, and on CPU, where they are equal)."""
+    if data.get("reserved_bytes") is not None:
+        return int(data["reserved_bytes"])
     if "peak_bytes" in data and data["peak_bytes"] is not None:
         return int(data["peak_bytes"])
     est = data.get("estimate", {})
@@ -321,7 +325,7 @@ def plan_view(decision: Mapping[str, Any]) -> PlanView:
             unplotted.append((str(rej.get("layout")), str(rej.get("kind")), str(rej.get("reason"))))
             continue
         points.append(PlanPoint(
-            label=str(rej.get("layout")), peak=int(rej["peak_bytes"]), step_s=None, status="rejected",
+            label=str(rej.get("layout")), peak=_peak_of(rej), step_s=None, status="rejected",
             reason=f"{rej.get('kind')}: {rej.get('reason')}",
         ))
     model = (decision.get("model") or {}).get("name") or "model"

@@ -137,7 +137,7 @@ ESTIMATE_MARGIN = 0.05
 
 def planning_budget(memory_budget: int | None) -> int | None:
     """The budget the search is run against: ``memory_budget * (1 - ESTIMATE_MARGIN)`` (``None`` stays
-    ``None``: the derived device budget has its own headroom and fragmentation terms)."""
+    ``None``: the derived device budget has its own headroom, and the fit uses the modelled reserved bytes)."""
     if memory_budget is None:
         return None
     return int(memory_budget * (1.0 - ESTIMATE_MARGIN))

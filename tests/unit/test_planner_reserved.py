@@ -109,3 +109,18 @@ def test_torchtitan_table_1_reserved_decides_the_fit(device_gib):
     assert d.reserved.reserved == pytest.approx(PUBLISHED_RESERVED, rel=0.10)
     assert d.estimate.total < d.budget.budget  # allocated fits either way
     assert d.fits == (PUBLISHED_RESERVED <= d.budget.budget) == (d.reserved.reserved <= d.budget.budget)
+
+
+def test_cli_plan_shows_both_numbers_and_takes_expandable_segments(capsys):
+    from lightning_memplan.cli import main
+
+    args = ["plan", "--model", "llama3-8b", "--hardware", "h100-80gb", "--gpus-per-node", "8", "--seq-len", "8192",
+            "--global-batch", "16", "--allow", "dp=8", "--allow", "zero=3", "--top", "1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "GiB allocated, " in text and "GiB reserved (default stream" in text and "reserved GiB" in text
+    assert main([*args, "--json", "--expandable-segments"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["expandable_segments"] is True
+    d = PlanDecision.from_dict(data)
+    assert d.reserved.rounding == d.reserved.loss_segment == 0 and data["reserved_bytes"] == d.reserved.reserved
