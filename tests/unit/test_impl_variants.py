@@ -188,3 +188,12 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
         main(["estimate", "--model", "llama3-8b", "--micro-batch", "1", "--seq-len", "64", "--norm-impl",
               "composite", "--json"])
     assert json.loads(out.getvalue())["train"]["norm_impl"] == "composite"
+    # the callback's inference at fit start reads it from the LightningModule's tree
+    from types import SimpleNamespace
+
+    from lightning_memplan.callbacks.infer import infer_train_spec
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    trainer = SimpleNamespace(strategy=None, world_size=1, precision="bf16-true", accumulate_grad_batches=1,
+                              optimizers=[opt], lightning_module=_Stack(GemmaRMSNorm))
+    assert infer_train_spec(trainer, torch.zeros(2, 8, dtype=torch.long)).norm_impl == "composite_fp32"
