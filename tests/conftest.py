@@ -4,6 +4,8 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# The config-only HF trace keeps an on-disk cache (~/.cache by default): the suite traces afresh, writing nothing there.
+os.environ.setdefault("LIGHTNING_MEMPLAN_HF_TRACE_CACHE", "0")
 
 # Property tests draw fixed examples by default, so CI is reproducible. MEMPLAN_HYPOTHESIS=explore draws
 # new ones each run; MEMPLAN_HYPOTHESIS_SCALE=N (read by each test) runs N times as many.

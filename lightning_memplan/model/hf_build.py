@@ -1,0 +1,215 @@
+"""The depth-reduced copy of a Hugging Face model that the config-only path traces.
+
+From a config dict (``ModelSpec.hf_config``, parsed), :func:`build_reduced` builds the real model
+class (:func:`model_class`) with ``depth`` blocks on the meta device, in fp32, with the attention
+kernel and gradient checkpointing of the traced step; :func:`input_fn_for` says what batch its
+``forward`` takes. Nothing here traces or caches (``model/hf_calibrate.py``, ``model/hf_cache.py``).
+
+Depth reduction: every depth key (``num_hidden_layers`` / ``n_layer`` / ``num_layers``, and a
+seq2seq model's decoder and encoder counts) is set to ``depth`` and every per-layer list in the config
+(``layer_types``, per-layer windows ...) truncated alike, so one block of the copy is one block of the
+full model. Configs whose blocks differ (dense first layers, experts every k-th layer) raise: a
+depth-1/depth-2 pair cannot represent them.
+
+Construction cost: under ``torch.device("meta")`` no storage is allocated and every parameter
+initialiser (``nn.init.*``, the model's ``_init_weights``) runs on meta tensors, which is a no-op
+kernel per parameter, so a 128256 x 8192 embedding costs what a 64 x 32 one does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = [
+    "VOLATILE_KEYS",
+    "build_reduced",
+    "canonical_config_json",
+    "input_fn_for",
+    "model_class",
+    "vision_tokens",
+]
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_DECODER_LAYER_KEYS = ("num_decoder_layers", "decoder_layers")
+_ENCODER_LAYER_KEYS = ("encoder_layers",)
+#: Keys that describe a run, not the architecture: left out of the cache key and of the rebuilt config.
+VOLATILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_commit_hash")
+# Non-uniform layer stacks a depth-1/depth-2 pair cannot represent.
+_NON_UNIFORM = ("first_k_dense_replace", "moe_layer_freq", "mlp_only_layers")
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForImageClassification",
+)
+
+
+def canonical_config_json(config: Mapping[str, Any]) -> str:
+    """The config as sorted, compact JSON without run-specific keys (the cache key's config part)."""
+    clean = {k: v for k, v in config.items() if k not in VOLATILE_KEYS}
+    return json.dumps(clean, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _depth_of(cfg: Mapping[str, Any]) -> tuple[str, int]:
+    for key in _LAYER_KEYS:
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
+            return key, int(cfg[key])
+    raise ValueError(
+        f"config (model_type={cfg.get('model_type')!r}) has none of {_LAYER_KEYS}, so its depth is unknown; "
+        "pass a config with num_hidden_layers or build ModelSpec(...) directly"
+    )
+
+
+def _reduced_config(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
+    """``cfg`` with ``depth`` blocks: the depth keys set and every per-layer list truncated alike."""
+    key, full = _depth_of(cfg)
+    out = dict(cfg)
+    model_type = cfg.get("model_type")
+    for name in _NON_UNIFORM:
+        value = cfg.get(name)
+        if value not in (None, 0, 1, [], ()):
+            raise ValueError(
+                f"{model_type!r} config has {name}={value!r}: its layers are not all alike, so a depth-1/depth-2 "
+                "trace cannot be scaled to the full depth; trace the model itself with trace_memory(model, "
+                "batch_shape=(b, s)) or pass ModelSpec(..., n_params=...)"
+            )
+    if cfg.get("decoder_sparse_step") not in (None, 1):
+        raise ValueError(
+            f"{model_type!r} config has decoder_sparse_step={cfg['decoder_sparse_step']!r} (experts only every "
+            "k-th layer): not uniform; trace the model itself with trace_memory(model, batch_shape=(b, s))"
+        )
+    decoder = [k for k in _DECODER_LAYER_KEYS if isinstance(cfg.get(k), int)]
+    for k in decoder:
+        if cfg[k] != full:
+            raise ValueError(
+                f"{model_type!r} config has {key}={full!r} encoder blocks but {k}={cfg[k]!r} decoder blocks; "
+                "the traced path scales one encoder+decoder pair and needs them equal; trace the model itself "
+                "with trace_memory(model, batch_shape=(b, s))"
+            )
+        out[k] = depth
+    for k in _ENCODER_LAYER_KEYS:
+        if isinstance(cfg.get(k), int):
+            out[k] = depth
+    out[key] = depth
+    for name, value in cfg.items():
+        if isinstance(value, list) and len(value) == full and name not in ("architectures",):
+            out[name] = value[:depth]
+    return out
+
+
+def _config_object(cfg: Mapping[str, Any]) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if not model_type or model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"config model_type={model_type!r} is not an architecture the installed transformers knows; pass a "
+            "config.json with a known model_type, or ModelSpec(n_layers, hidden, n_heads, vocab_size, n_params=...)"
+        )
+    data = {k: v for k, v in cfg.items() if k not in VOLATILE_KEYS}
+    return CONFIG_MAPPING[model_type].from_dict(data)
+
+
+def model_class(config: Any) -> Any:
+    """The transformers class a config is trained as: ``config.architectures[0]``, else the first auto
+    class (causal LM, seq2seq, masked LM, image classification) that maps the config.
+
+    Raises:
+        ValueError: no class builds it (names the model type and what to pass instead).
+    """
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, str(arch), None)
+        if isinstance(cls, type):
+            return cls
+    for auto in _AUTO_CLASSES:
+        mapping = getattr(transformers, auto)._model_mapping
+        with contextlib.suppress(KeyError, ValueError, AttributeError):
+            if type(config) in mapping:
+                return mapping[type(config)]
+    raise ValueError(
+        f"model_type={config.model_type!r}: no causal-LM, seq2seq, masked-LM or image-classification class in "
+        "transformers builds it, so a config-only estimate cannot trace it; trace your model with "
+        "trace_memory(model, example_input=batch) or pass ModelSpec(..., n_params=...)"
+    )
+
+
+def build_reduced(cfg: Mapping[str, Any], depth: int, *, attention: str, recompute: str) -> Any:
+    """The config's model class with ``depth`` blocks on the meta device (fp32), with
+    ``attn_implementation=attention`` (a class without an SDPA path runs eager, as Hugging Face does)
+    and, for ``recompute="full"``, ``gradient_checkpointing_enable()``.
+
+    Raises:
+        ValueError: non-uniform blocks, an unknown architecture, an attention kernel the class lacks,
+            or ``recompute="full"`` on a class without gradient checkpointing.
+    """
+    import torch
+
+    config = _config_object(_reduced_config(cfg, depth))
+    cls = model_class(config)
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": attention}
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = cls._from_config(config, **kwargs)
+        except (ValueError, ImportError) as exc:
+            if attention != "sdpa":
+                raise ValueError(
+                    f"{type(config).__name__} cannot be built with attn_implementation={attention!r} ({exc}); "
+                    "use attention='sdpa'"
+                ) from exc
+            kwargs["attn_implementation"] = "eager"  # the model has no SDPA path: HF runs it eager
+            model = cls._from_config(config, **kwargs)
+    if recompute == "full":
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(
+                f"{cls.__name__} does not support gradient_checkpointing_enable(), so recompute='full' is not "
+                "how it trains; use recompute='none' or wrap its blocks and trace the model with trace_memory"
+            )
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def input_fn_for(model: Any, cfg: Mapping[str, Any]) -> tuple[Callable[[int, int], dict[str, Any]], bool]:
+    """``(input_fn(b, s) -> batch dict, is_vision)`` for the model's forward: token ids that are also
+    the labels, or (a vision model) ``pixel_values`` of the config's image size and class labels."""
+    import torch
+
+    params = inspect.signature(model.forward).parameters
+    if "pixel_values" in params and "input_ids" not in params:
+        size = cfg.get("image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (int(size), int(size))
+        channels = int(cfg.get("num_channels", 3))
+        labels = max(int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)), 1)
+
+        def vision(b: int, s: int) -> dict[str, Any]:
+            return {"pixel_values": torch.randn(b, channels, *size), "labels": torch.randint(0, labels, (b,))}
+
+        return vision, True
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(
+            f"{cfg.get('model_type')!r} config has vocab_size={vocab!r}; token ids cannot be drawn; pass a config "
+            "with vocab_size or trace the model with trace_memory(model, example_input=batch)"
+        )
+
+    def tokens(b: int, s: int) -> dict[str, Any]:
+        ids = torch.randint(0, vocab, (b, s))
+        return {"input_ids": ids, "labels": ids}
+
+    return tokens, False
+
+
+def vision_tokens(cfg: Mapping[str, Any]) -> int:
+    """Patches + 1 (the class token) of a ViT-style config: the sequence length its attention sees."""
+    size = cfg.get("image_size", 224)
+    patch = cfg.get("patch_size", 16)
+    h, w = (size, size) if not isinstance(size, (list, tuple)) else size
+    ph, pw = (patch, patch) if not isinstance(patch, (list, tuple)) else patch
+    return (int(h) // int(ph)) * (int(w) // int(pw)) + 1

@@ -1,0 +1,176 @@
+"""The coefficient cache of the config-only traced path: in memory, and on disk as JSON.
+
+A traced entry is a JSON object (the depth-1 and depth-2 calibrations and parameter counts,
+``model/hf_calibrate.py``). It is looked up by a key, the SHA-256 of:
+
+- the config JSON (:func:`~lightning_memplan.model.hf_build.canonical_config_json`);
+- every field of the traced step ``T0`` except the batch shape (the trace runs at its own shapes);
+- the torch and transformers versions;
+- :data:`CACHE_VERSION` and a fingerprint of the source of the modules that produce an entry (the
+  tracer, the tracker, the training step and the ``hf_*`` modules): an edited tracer never reads what
+  an older one wrote.
+
+On disk: one file ``hf_trace_<key>.json`` per entry in :func:`cache_dir` -- the directory named by
+:data:`CACHE_ENV` (``"0"`` or empty: memory only), else ``$XDG_CACHE_HOME/lightning_memplan/hf_trace``,
+else ``~/.cache/lightning_memplan/hf_trace`` (the XDG base-directory default). Files are written
+atomically (:func:`~lightning_memplan.report.atomic.write_atomic`: a crash leaves the previous file or
+none) and only ever parsed as JSON, never executed or unpickled. A file that does not parse, holds
+another key, or whose content the caller cannot use is ignored with a ``RuntimeWarning`` and
+rewritten. A directory that cannot be written leaves the cache in memory only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["CACHE_ENV", "CACHE_VERSION", "cache_dir", "cached", "clear_cache", "entry_key"]
+
+#: Environment variable naming the directory of the on-disk cache (``"0"`` or empty: memory only).
+CACHE_ENV = "LIGHTNING_MEMPLAN_HF_TRACE_CACHE"
+#: Bump when what an entry means changes in a way the source fingerprint does not see.
+CACHE_VERSION = 3
+# The source files (relative to the package root) whose code decides an entry's bytes: hashed into every key.
+_PRODUCERS = (
+    "model/hf_build.py",
+    "model/hf_calibrate.py",
+    "model/trace.py",
+    "model/result.py",
+    "tracking/tracker.py",
+    "tracking/report.py",
+    "tracking/step.py",
+)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+T = TypeVar("T")
+_MEMORY: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget the in-memory entries (the on-disk cache is left alone)."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
+def cache_dir() -> Path | None:
+    """The on-disk cache directory now in effect (``None``: memory only), see the module docstring."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        configured = configured.strip()
+        return None if configured in ("", "0") else Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
+    return root / "lightning_memplan" / "hf_trace"
+
+
+def _version(dist: str) -> str:
+    module = sys.modules.get(dist)  # imported already: its own version string, no metadata scan
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+@functools.lru_cache(maxsize=1)
+def _fingerprint() -> str:
+    """Versions of torch and transformers and a hash of the producing modules' source files (read as
+    bytes, not imported: finding a module's spec would import its package)."""
+    digest = hashlib.sha256()
+    for dist in ("torch", "transformers"):
+        digest.update(f"{dist}={_version(dist)}\n".encode())
+    for name in _PRODUCERS:
+        digest.update(name.encode())
+        with contextlib.suppress(OSError):  # an installation without sources: the versions still key it
+            digest.update((_PACKAGE_ROOT / name).read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1024)  # hashing the config JSON once per (config, traced step)
+def entry_key(config_json: str, knobs_json: str) -> str:
+    """The cache key of a config (canonical JSON) traced with ``knobs_json`` (sorted JSON of ``T0``)."""
+    payload = f"v{CACHE_VERSION}\n{_fingerprint()}\n{knobs_json}\n{config_json}"
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _path(key: str) -> Path | None:
+    directory = cache_dir()
+    return directory / f"hf_trace_{key}.json" if directory is not None else None
+
+
+def _warn(path: Path, why: str) -> None:
+    warnings.warn(f"ignoring the HF trace cache file {path} ({why}); it is traced again", RuntimeWarning, stacklevel=3)
+
+
+def _read(key: str) -> dict[str, Any] | None:
+    path = _path(key)
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _warn(path, f"unreadable: {exc}")
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        _warn(path, f"not JSON: {exc}")
+        return None
+    if not isinstance(data, dict) or data.get("key") != key:
+        _warn(path, "not an entry for this key")
+        return None
+    return data
+
+
+def _write(key: str, data: dict[str, Any]) -> None:
+    path = _path(key)
+    if path is None:
+        return
+    from lightning_memplan.report.atomic import write_atomic
+
+    try:
+        write_atomic(path, json.dumps(data, sort_keys=True))
+    except OSError as exc:  # a read-only or full cache directory: the memory cache still holds it
+        warnings.warn(f"could not write the HF trace cache file {path} ({exc})", RuntimeWarning, stacklevel=3)
+
+
+def cached(key: str, compute: Callable[[], dict[str, Any]], parse: Callable[[dict[str, Any]], T]) -> T:
+    """``parse(entry)`` of the entry under ``key``: from memory, else from disk, else ``compute()``
+    (then written to disk). ``parse`` turns the JSON entry into what callers use and is run once per
+    process and key; a disk entry it rejects (``KeyError``/``TypeError``/``ValueError``) is ignored with
+    a warning and computed again."""
+    with _LOCK:
+        hit = _MEMORY.get(key)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    value: T | None = None
+    data = _read(key)
+    if data is not None:
+        try:
+            value = parse(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            path = _path(key)
+            assert path is not None
+            _warn(path, f"unusable entry: {type(exc).__name__}: {exc}")
+    if value is None:
+        data = {**compute(), "key": key}
+        value = parse(data)
+        _write(key, data)
+    with _LOCK:
+        _MEMORY[key] = value
+    return value
