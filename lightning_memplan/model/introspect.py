@@ -431,18 +431,29 @@ def recompute_of(module: Any) -> str:
 
 def _probe_rmsnorm(norm: Any) -> str | None:
     """The ``TrainSpec.norm_impl`` one RMSNorm module behaves as, from what autograd saves when its
-    ``forward`` runs once on a ``[1, 2, h]`` bf16 probe under ``FakeTensorMode`` (no memory allocated,
-    no device touched, the module's hooks not called): an fp32 and a bf16 ``[1, 2, h]`` tensor saved
-    means ``"composite"`` (the normalised tensor cast back to the input dtype before the weight), fp32
-    ones only ``"composite_fp32"``, bf16 ones only ``"native"`` (a fused kernel saving its input).
-    ``None`` when the module has no ``[h]`` weight or cannot run on the probe."""
+    ``forward`` runs once on a ``[1, 2, h]`` bf16 probe on the meta device (a shallow copy of the module
+    with meta parameters of the same shapes and dtypes: nothing allocated, no device touched, the
+    module's own parameters, which may be sharded DTensors or on a GPU, and its hooks left alone): an
+    fp32 and a bf16 ``[1, 2, h]`` tensor saved means ``"composite"`` (the normalised tensor cast back to
+    the input dtype before the weight), fp32 ones only ``"composite_fp32"``, bf16 ones only ``"native"``
+    (a kernel that saves its input). ``None`` when the module has no ``[h]`` weight or cannot run."""
+    import copy
+
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     weight = next((p for p in norm.parameters(recurse=False) if p.dim() == 1), None)
-    if weight is None or type(weight) is not torch.nn.Parameter:  # e.g. a DTensor shard after fully_shard
+    if weight is None:
         return None
     h = weight.shape[0]
+    clone = copy.copy(norm)
+    clone._parameters = {
+        name: None if p is None else torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for name, p in norm._parameters.items()
+    }
+    clone._buffers = {
+        name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+        for name, b in norm._buffers.items()
+    }
     dtypes: set[torch.dtype] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -450,11 +461,10 @@ def _probe_rmsnorm(norm: Any) -> str | None:
             dtypes.add(t.dtype)
         return t
 
+    probe = torch.empty(1, 2, h, dtype=torch.bfloat16, device="meta", requires_grad=True)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            probe = torch.empty(1, 2, h, dtype=torch.bfloat16, device=weight.device, requires_grad=True)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                type(norm).forward(norm, probe)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            type(norm).forward(clone, probe)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return None
     if torch.float32 in dtypes:
@@ -470,9 +480,10 @@ def norm_impl_of(module: Any) -> str:
     classified by behaviour, one probe per class (:func:`_probe_rmsnorm`): Hugging Face's
     ``LlamaRMSNorm`` and its copies (Mistral, Qwen2/3, Phi-3 ...) and torchtune's are ``"composite"``;
     Gemma's, OLMo-2's and litgpt's, which multiply by the weight in fp32, are ``"composite_fp32"``.
-    With several kinds the most common wins. Known limit: a Python class that calls ``F.rms_norm`` is
-    probed on the module's device, so on CPU it reads as ``"composite_fp32"`` (what CPU runs; CUDA would
-    run the fused kernel).
+    With several kinds the most common wins. Known limit: a Python class that calls ``F.rms_norm`` runs
+    the probe through ATen's composite ``rms_norm`` (what CPU and the meta device run), so it reads as
+    ``"composite_fp32"``, although CUDA would run the fused kernel; pass ``TrainSpec(norm_impl="native")``
+    for it.
     """
     import torch.nn as nn
 

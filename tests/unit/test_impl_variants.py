@@ -126,7 +126,15 @@ def test_norm_variant_is_detected_and_its_saved_bytes_match_memtracker(norm, imp
     wrong variant misses by 12% (native vs composite: 2h bytes per token per norm)."""
     torch.manual_seed(0)
     model = _Stack(norm).to(torch.bfloat16)
-    assert norm_impl_of(model) == impl
+    weights = [n.weight.clone() for n in (model.blocks[0].norm1, model.blocks[1].norm2)]
+
+    def no_call(*_):
+        raise AssertionError("the probe must not run the module's hooks")
+
+    handle = model.blocks[0].norm1.register_forward_pre_hook(no_call)
+    assert norm_impl_of(model) == impl  # a meta-device probe of a copy: the module is not touched
+    handle.remove()
+    assert all(torch.equal(w, n.weight) for w, n in zip(weights, (model.blocks[0].norm1, model.blocks[1].norm2), strict=True))
     measured = _measured_saved_bytes(model)
     assert measured == pytest.approx(_estimated(impl), rel=0.03)
     assert abs(measured / _estimated(wrong) - 1) > 0.08
@@ -197,3 +205,21 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
     trainer = SimpleNamespace(strategy=None, world_size=1, precision="bf16-true", accumulate_grad_batches=1,
                               optimizers=[opt], lightning_module=_Stack(GemmaRMSNorm))
     assert infer_train_spec(trainer, torch.zeros(2, 8, dtype=torch.long)).norm_impl == "composite_fp32"
+
+
+def test_norm_impl_is_detected_after_fully_shard():
+    """The callback reads the module after the strategy has sharded it: FSDP2's DTensor weights are probed
+    through meta copies of their global shapes (an in-process fake process group of 2 ranks, no ports)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), LlamaRMSNorm(8))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        assert type(model[1].weight).__name__ == "DTensor"
+        assert norm_impl_of(model) == "composite"
+    finally:
+        dist.destroy_process_group()
