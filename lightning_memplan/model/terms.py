@@ -262,7 +262,9 @@ def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: 
 
     - LayerNorm (``native_layer_norm``): its input and fp32 mean and rstd: ``h*x + 8`` [PT];
     - RMSNorm, ``norm_impl="native"`` on CUDA (``_fused_rms_norm``): its input and an fp32 rstd:
-      ``h*x + 4`` [PT];
+      ``h*x + 4`` [PT]; this assumes the weight's dtype is the input's (otherwise ``F.rms_norm`` warns
+      "Mismatch dtype between input and weight ... Cannot dispatch to fused implementation" and runs
+      the composite, ``"composite_fp32"``'s bytes);
     - RMSNorm, ``"native"`` on CPU (the composite ATen ``rms_norm``), and ``"composite_fp32"`` (a Python
       RMSNorm that multiplies by the weight in fp32: huggingface/transformers@c4cdd1a
       ``src/transformers/models/gemma/modeling_gemma.py`` ``GemmaRMSNorm``: ``out = _norm(x.float()) *
