@@ -20,9 +20,10 @@ traced without allocating.
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration
@@ -32,6 +33,7 @@ __all__ = [
     "TRACED_DEPTHS",
     "TRACE_SHAPES",
     "DepthTraces",
+    "TracedStep",
     "fake_cpu_grouped_mm",
     "primed_optimizer",
     "trace_depths",
@@ -45,6 +47,41 @@ TRACED_DEPTHS = (1, 2)
 # Config keys of attention-probability dropout: CPU SDPA with dropout runs the math path, which saves the
 # [b, a, s, s] probabilities, so those steps do grow with b*s^2.
 _ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout_rate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedStep:
+    """What of a training step the trace runs, and nothing else (so, with the config, the cache key).
+
+    Everything else a :class:`~lightning_memplan.model.specs.TrainSpec` says (batch shape, loss mode,
+    parallel plan, byte overrides ...) is applied by scaling the traced bytes, never traced; two
+    steps that differ only there share one trace.
+
+    Attributes:
+        precision: the Lightning precision string emulated.
+        attention: ``attn_implementation`` the copy is built with (``"sdpa"``, ``"eager"`` ...).
+        recompute: ``"none"`` or ``"full"`` (HF ``gradient_checkpointing_enable()``).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer_impl: ``None``, ``"foreach"``, ``"for_loop"`` or ``"fused"``.
+        device: ``"cpu"`` or ``"cuda"`` (the device the fake step pretends to run on).
+    """
+
+    precision: str
+    attention: str
+    recompute: str
+    optimizer: str
+    optimizer_impl: str | None
+    device: str
+
+    @classmethod
+    def of(cls, train: TrainSpec) -> TracedStep:
+        """The traced fields of ``train`` (already a traced step ``T0``, ``hf_trace._traced_train``)."""
+        return cls(precision=train.precision, attention=train.attention, recompute=train.recompute,
+                   optimizer=train.optimizer, optimizer_impl=train.optimizer_impl, device=train.device)
+
+    def to_json(self) -> str:
+        """Sorted JSON of the fields and :data:`TRACE_SHAPES` (the cache key's step part)."""
+        return json.dumps({**asdict(self), "trace_shapes": TRACE_SHAPES}, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -79,7 +116,7 @@ def fake_cpu_grouped_mm() -> Iterator[None]:
         fake_impls.op_implementations_checks.remove(entry)
 
 
-def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TrainSpec) -> bool | None:
+def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TracedStep) -> bool | None:
     """Whether the traced step may hold ``b*s^2`` bytes (``None``: let :func:`calibrate` decide).
 
     A fused SDPA step without attention dropout saves no ``[s, s]`` tensor (only the output and its
@@ -122,7 +159,7 @@ def primed_optimizer(name: str, impl: str | None) -> Any:
     return make
 
 
-def trace_depths(cfg: Mapping[str, Any], t0: TrainSpec) -> dict[str, Any]:
+def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
     """Calibrations and parameter counts of the depth-1 and depth-2 copies of ``cfg`` traced with ``t0``
     (a JSON-ready cache entry).
 
@@ -191,6 +228,10 @@ class DepthTraces:
     n_params_one: int
     n_params_two: int
     vision_tokens: int | None = None
+    #: This process's answers derived from the entry (:meth:`full_depth`, and ``hf_trace``'s device
+    #: scaling), keyed by what they depend on: a planner asks for the same ones under hundreds of plans.
+    #: Read-only for callers; it goes with the entry when ``clear_cache()`` drops it.
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def from_entry(cls, data: Mapping[str, Any]) -> DepthTraces:
@@ -212,13 +253,18 @@ class DepthTraces:
 
     def full_depth(self, n_layers: int, b: int, s: int) -> dict[str, dict[str, int]]:
         """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)`` (a vision model's ``s``
-        is its image's token count whatever is passed)."""
+        is its image's token count whatever is passed). Memoised: the caller must not modify it."""
         if self.vision_tokens:
             s = self.vision_tokens  # the image fixes the sequence: only b scales
+        hit = self.memo.get(("full_depth", n_layers, b, s))
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
         by_phase: dict[str, dict[str, int]] = {}
         for phase in PHASES:
             by_phase[phase] = {}
             for comp in COMPONENTS:
                 v1, v2 = self.one.bytes_for(phase, comp, b, s), self.two.bytes_for(phase, comp, b, s)
                 by_phase[phase][comp] = max(0, v1 + (n_layers - 1) * (v2 - v1))
+        if len(self.memo) < 8192:
+            self.memo[("full_depth", n_layers, b, s)] = by_phase
         return by_phase

@@ -52,7 +52,7 @@ from dataclasses import replace
 
 from lightning_memplan.model.hf_build import canonical_config_json, model_class, vision_tokens
 from lightning_memplan.model.hf_cache import CACHE_ENV, cached, clear_cache, entry_key
-from lightning_memplan.model.hf_calibrate import TRACE_SHAPES, DepthTraces, trace_depths
+from lightning_memplan.model.hf_calibrate import TRACE_SHAPES, DepthTraces, TracedStep, trace_depths
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 
@@ -113,20 +113,67 @@ def _cuda_ok() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@functools.lru_cache(maxsize=1024)
-def _key(config_json: str, t0: TrainSpec) -> str:
-    # Every field of T0 but the batch shape (traced at TRACE_SHAPES), and the shapes themselves.
-    knobs = {k: v for k, v in t0.to_dict().items() if k not in ("micro_batch", "seq_len")}
-    knobs["trace_shapes"] = TRACE_SHAPES
-    return entry_key(config_json, json.dumps(knobs, sort_keys=True, default=str))
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same (config, T0) under every plan
+def _entry(config_json: str, t0: TrainSpec) -> tuple[str, TracedStep]:
+    step = TracedStep.of(t0)
+    return entry_key(config_json, step.to_json()), step
 
 
 def _coefficients(spec: ModelSpec, t0: TrainSpec) -> DepthTraces:
     assert spec.hf_config is not None
     config_json = spec.hf_config
-    return cached(
-        _key(config_json, t0), lambda: trace_depths(json.loads(config_json), t0), DepthTraces.from_entry
-    )
+    key, step = _entry(config_json, t0)
+    return cached(key, lambda: trace_depths(json.loads(config_json), step), DepthTraces.from_entry)
+
+
+_ONE_DEVICE = ParallelPlan()
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few steps under every plan
+def _steps(train: TrainSpec) -> tuple[TrainSpec, TrainSpec]:
+    """``(T0, T0 on train's device)``."""
+    t0 = _traced_train(train)
+    return t0, t0.replace(device=train.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _specs(model: ModelSpec, n_params: int) -> tuple[ModelSpec, ModelSpec]:
+    """``(the spec with the traced parameter count, the same training every parameter)``: what the
+    analytic terms see for the requested step and for the traced one."""
+    base = replace(model, hf_config=None, n_params=n_params)
+    return base, replace(base, n_trainable_params=None)
+
+
+@functools.lru_cache(maxsize=4096)  # the same reference step under every plan a planner tries
+def _one_rank_terms(spec: ModelSpec, train: TrainSpec) -> MemoryEstimate:
+    """The analytic terms of ``train`` on one rank (the denominators of the scaling)."""
+    from lightning_memplan.model.estimate import estimate_memory
+
+    return estimate_memory(spec, train, _ONE_DEVICE)
+
+
+def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spec: ModelSpec) -> dict[str, dict[str, int]]:
+    """The traced bytes at the full depth and ``train``'s batch shape, on ``train``'s device: a step
+    traced on the CPU for a CUDA one is scaled by the analytic CUDA/CPU ratio per component."""
+    t0, t0_dev = _steps(train)
+    memo_key = ("on_device", model.n_layers, train.micro_batch, train.seq_len, t0_dev, traced_spec)
+    hit = data.memo.get(memo_key)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    traced = data.full_depth(model.n_layers, train.micro_batch, train.seq_len)
+    if t0.device != train.device:
+        cpu_ref, dev_ref = _one_rank_terms(traced_spec, t0), _one_rank_terms(traced_spec, t0_dev)
+        out: dict[str, dict[str, int]] = {}
+        for phase in PHASES:
+            out[phase] = {}
+            for comp in COMPONENTS:
+                value, den = traced[phase][comp], cpu_ref.by_phase[phase].get(comp, 0)
+                num = dev_ref.by_phase[phase].get(comp, 0)
+                out[phase][comp] = round(value * num / den) if den else value + num
+        traced = out
+    if len(data.memo) < 8192:
+        data.memo[memo_key] = traced
+    return traced
 
 
 def hf_trace_estimate(
@@ -141,55 +188,44 @@ def hf_trace_estimate(
     Raises:
         ValueError: the architecture cannot be built or traced (names it and what to pass instead).
     """
-    from lightning_memplan.model.estimate import estimate_memory
+    from lightning_memplan.model.estimate import _estimate_stage
 
     if model.hf_config is None or not hf_trace_available():
         return None
-    plan = plan if plan is not None else ParallelPlan()
-    t0 = _traced_train(train)
+    plan = plan if plan is not None else _ONE_DEVICE
+    t0, t0_dev = _steps(train)
     data = _coefficients(model, t0)
-    traced = data.full_depth(model.n_layers, train.micro_batch, train.seq_len)
     n_params = data.n_params(model.n_layers)
     if model.n_params is not None and model.n_params != n_params:
         return None  # a live module that differs from its config (resized embeddings ...): not this trace
-    base = replace(model, hf_config=None, n_params=n_params)
-    if base.n_trainable_params is not None and base.n_trainable_params > n_params:
+    if model.n_trainable_params is not None and model.n_trainable_params > n_params:
         raise ValueError(
-            f"n_trainable_params={base.n_trainable_params!r} exceeds the {n_params} parameters traced for "
+            f"n_trainable_params={model.n_trainable_params!r} exceeds the {n_params} parameters traced for "
             f"{data.class_name!r}; pass at most {n_params}"
         )
-    traced_spec = replace(base, n_trainable_params=None)  # the traced copy trains every parameter
-    reference = estimate_memory(traced_spec, t0.replace(device=train.device), ParallelPlan())
-    one_rank = t0.replace(device=train.device) == train and plan == ParallelPlan() and base == traced_spec
-    cpu_ref = None
-    if t0.device != train.device:  # traced on the CPU for a CUDA step: scale by the CUDA/CPU terms too
-        cpu_ref = estimate_memory(traced_spec, t0, ParallelPlan())
-
-    def scaled(target: MemoryEstimate) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for phase in PHASES:
-            out[phase] = {}
-            for comp in COMPONENTS:
-                value = traced[phase][comp]
-                if cpu_ref is not None:
-                    den_cpu = cpu_ref.by_phase[phase].get(comp, 0)
-                    num_dev = reference.by_phase[phase].get(comp, 0)
-                    value = round(value * num_dev / den_cpu) if den_cpu else value + num_dev
-                if not one_rank:
-                    den = reference.by_phase[phase].get(comp, 0)
-                    num = target.by_phase[phase].get(comp, 0)
-                    value = round(value * num / den) if den else value + num
-                out[phase][comp] = max(0, int(value))
-        return out
-
-    plan_obj = plan
-    stages = [plan_obj.stage_of_rank(rank)] if rank is not None else list(range(plan_obj.pp))
+    base, traced_spec = _specs(model, n_params)
+    traced = _on_device(data, model, train, traced_spec)
+    # The trace is the answer on one rank of the traced step; anything else scales it by the analytic
+    # ratio requested/traced per component (a component the traced step lacks is added).
+    reference = None if (t0_dev == train and plan == _ONE_DEVICE and base == traced_spec) else (
+        _one_rank_terms(traced_spec, t0_dev).by_phase
+    )
+    stages = [plan.stage_of_rank(rank)] if rank is not None else list(range(plan.pp))
     best: MemoryEstimate | None = None
-    per_stage = plan_obj.dp * plan_obj.cp * plan_obj.tp
+    per_stage = plan.dp * plan.cp * plan.tp
     for stage in stages:
         r = rank if rank is not None else stage * per_stage
-        target = estimate_memory(base, train, plan_obj, rank=r)
-        by_phase = scaled(target)
+        target = _estimate_stage(base, train, plan, stage, r, None)  # check_compatible ran on the caller's spec
+        by_phase: dict[str, dict[str, int]] = {}
+        for phase in PHASES:
+            values = traced[phase]
+            if reference is not None:
+                den_phase, num_phase = reference[phase], target.by_phase[phase]
+                values = {}
+                for comp in COMPONENTS:
+                    value, den, num = traced[phase][comp], den_phase.get(comp, 0), num_phase.get(comp, 0)
+                    values[comp] = round(value * num / den) if den else value + num
+            by_phase[phase] = {comp: max(0, int(v)) for comp, v in values.items()}
         peak = max(PHASES, key=lambda p: sum(by_phase[p].values()))
         est = MemoryEstimate(
             **by_phase[peak],

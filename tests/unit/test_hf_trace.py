@@ -142,7 +142,9 @@ def test_cache_memory_and_disk(tmp_path, monkeypatch) -> None:
     assert len(files) == 1 and json.loads(files[0].read_text())["class"] == "LlamaForCausalLM"
     monkeypatch.setattr(hf_trace, "trace_depths", _no_trace)
     assert estimate_memory(spec, train) == first  # memory
-    assert estimate_memory(spec, train.replace(micro_batch=3, seq_len=50)).total > first.total  # same entry
+    # another batch shape, loss mode and plan: scaled from the same entry (only TracedStep's fields key it)
+    assert estimate_memory(spec, train.replace(micro_batch=3, seq_len=50)).total > first.total
+    assert estimate_memory(spec, train.replace(loss="naive"), ParallelPlan(dp=2, zero=3)).source == "hf_trace"
     hf_trace.clear_cache()
     assert estimate_memory(spec, train) == first  # read back from disk, no trace
 
