@@ -24,6 +24,10 @@ Pruning that keeps it fast and exact:
 - on first visit a layout is checked with its most memory-saving options; if even that misses the
   budget the whole layout is rejected with one reason, and so is every larger micro-batch of the same
   (dp, tp, pp, cp) (activations grow with b; GPipe and interleaving hold more in flight than 1F1B).
+  The chunked and vocab-parallel losses are each checked (neither bounds the other); with at most 2
+  blocks per stage no such miss is a bound (full recompute's rebuilt block may exceed less); and since
+  only FSDP (zero >= 2) reserves FSDP2's side-stream pools, an FSDP miss bounds ZeRO-0/1 only when it
+  misses without them, else the highest ZeRO below 2 is checked as well.
 
 Nothing in the ranking knows rules such as "TP inside a node": they follow from the time model (a
 cross-node TP all-reduce is priced at network bandwidth) and the memory model (more DP at fixed

@@ -106,13 +106,14 @@ class _Search:
         # combinations that do not fit (facts about the model and budget, whatever allow= searched)
         self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
         self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
+        self._without_pools: dict[tuple, bool] = {}  # _fails_without_pools, per recorded failure
         if share is not None:  # a sub-search on the same model, TrainSpec, cluster and budget: reuse its estimates
             if (share.model, share.train, share.hardware, share.headroom, share.explicit_budget, share.calibration,
                     share.expandable_segments) != (
                     model, train, hardware, headroom, explicit_budget, calibration, expandable_segments):
                 raise ValueError("share= must be a search of the same model, train, hardware and budget")
             self._cache, self._plans, self._trains = share._cache, share._plans, share._trains
-            self.failures, self._misses = share.failures, share._misses
+            self.failures, self._misses, self._without_pools = share.failures, share._misses, share._without_pools
 
     # -- memory ------------------------------------------------------------------------------------
     def materialise(self, lc: LayoutChoice, rc: str, z: int, loss: str, sp: bool) -> tuple[ParallelPlan, TrainSpec]:
@@ -413,7 +414,11 @@ class _Search:
         than 2 blocks) more recompute never add memory; vocab-parallel <= naive <= fp32_upcast; a
         larger micro-batch holds at least as many activations (b * min(p, m) grows with b) when the
         previous step's gradients are alive in the forward, or while accumulation continues (m > 1);
-        GPipe and interleaved hold at least the 1F1B in-flight micro-batches."""
+        GPipe and interleaved hold at least the 1F1B in-flight micro-batches.
+
+        The reserved bytes add FSDP2's side-stream pools only with FSDP (zero >= 2 over dp x cp > 1), so
+        a ZeRO-2/3 failure bounds a ZeRO-0/1 combination only through :meth:`_fails_without_pools`
+        (a vocabulary-dominated model can reserve a few % more at zero=2 than at zero=1)."""
         rc_ordered = -(-self.model.n_layers // lc.pp) > 2
         for f, frc, fz, flm, fsp in self.failures.get((lc.dp, lc.tp, lc.pp, lc.cp), ()):
             if f.b > lc.b or fz < z or (sp and not fsp):
@@ -426,39 +431,80 @@ class _Search:
                 continue
             if frc != rc and not (rc_ordered and self._RC_RANK[frc] > self._RC_RANK[rc]):
                 continue
+            if self._crosses_fsdp(lc, fz, z) and not self._fails_without_pools((f, frc, fz, flm, fsp)):
+                continue
             return (f, frc, fz, flm, fsp)
         return None
 
-    def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> tuple[str, int, str, bool]:
-        rc = next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])
-        lm = next((m for m in ("chunked", "vocab_parallel") if m in lc.losses), lc.losses[0])
-        return rc, max(lc.zeros), lm, max(lc.sps)
+    @staticmethod
+    def _crosses_fsdp(lc: LayoutChoice, fz: int, z: int) -> bool:
+        """Whether a failure at ZeRO ``fz`` is FSDP (side-stream pools in its reserved bytes) and ``z`` is not."""
+        return fz >= 2 > z and lc.dp * lc.cp > 1
+
+    def _fails_without_pools(self, failure: tuple) -> bool:
+        """Whether ``failure`` misses its budget even without FSDP2's pools: its allocated bytes plus the
+        rounding and loss-segment terms, which every combination with less ZeRO (at least as many
+        allocated bytes, ``_dominated``'s orders) and the same or a looser loss also reserves."""
+        hit = self._without_pools.get(failure)
+        if hit is None:
+            est, bud = self._misses[failure]
+            need = self.need(*self.materialise(*failure), est)
+            hit = self._without_pools[failure] = est.total + need.rounding + need.loss_segment > bud.budget
+        return hit
+
+    def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> list[tuple[str, int, str, bool]]:
+        """The most memory-saving combinations of ``lc``: the most ZeRO and sp with the most recompute
+        (every recompute mode at <= 2 blocks per stage, where full recompute's rebuilt block may exceed
+        less) and each loss no other loss bounds (the chunked and vocab-parallel losses are not ordered:
+        with tp > 1 the V/t logits can be smaller than a chunk's working set)."""
+        if -(-self.model.n_layers // lc.pp) > 2:
+            rcs = [next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])]
+        else:
+            rcs = list(recomputes)
+        losses: list[str] = [m for m in ("chunked", "vocab_parallel") if m in lc.losses] or [lc.losses[0]]
+        return [(rc, max(lc.zeros), lm, max(lc.sps)) for rc in rcs for lm in losses]
 
     def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> Rejection | None:
-        """``None`` when the most memory-saving options of ``lc`` fit, else the layout's
-        :class:`Rejection`; a miss is recorded so :meth:`_dominated` prunes what it bounds."""
-        rc, z, lm, sp = self._max_saving_opts(lc, recomputes)
+        """``None`` when one of the most memory-saving combinations of ``lc`` fits (or its miss bounds
+        nothing), else the layout's :class:`Rejection`; a miss is recorded so :meth:`_dominated` prunes
+        what it bounds. Where the layout also allows ZeRO-0/1 next to FSDP and the FSDP miss is within
+        FSDP2's pools of the budget, the same options at the highest ZeRO below 2 must miss too."""
+        first = None
+        low = max((x for x in lc.zeros if x <= 1), default=None)
+        for rc, z, lm, sp in self._max_saving_opts(lc, recomputes):
+            verdict, failure = self._max_saving_one(lc, rc, z, lm, sp)
+            if verdict is None or verdict.kind == "divisibility":
+                return verdict
+            first = first or verdict
+            if low is not None and failure is not None and self._crosses_fsdp(lc, failure[2], low) \
+                    and not self._fails_without_pools(failure):
+                verdict, _ = self._max_saving_one(lc, rc, low, lm, sp)
+                if verdict is None or verdict.kind == "divisibility":
+                    return verdict
+        return first
+
+    def _max_saving_one(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool) -> tuple[Rejection | None, tuple | None]:
+        """:meth:`_max_saving_check` for one combination: ``(rejection or None, the failure that proves
+        it)``."""
         opts = [f"zero={z}" if z else "", "sp" if sp else "", f"recompute={rc}", f"loss={lm}"]
         prefix = f"even with {', '.join(o for o in opts if o)}: "
         dom = self._dominated(lc, rc, z, lm, sp)
-        if dom is not None and dom[0] == lc and dom[1:] == (rc, z, lm, sp) and dom in self._misses:
-            # checked already (as its family's bound): report that estimate, not "as much as itself"
-            est, _ = self._misses[dom]
-            return self.memory_rejection(lc.describe(), *self.materialise(lc, rc, z, lm, sp), est, prefix)
         if dom is not None:
+            if dom[0] == lc and dom[1:] == (rc, z, lm, sp):
+                # checked already (as its family's bound): report that estimate, not "as much as itself"
+                plan, tr = self.materialise(lc, rc, z, lm, sp)
+                return self.memory_rejection(lc.describe(), plan, tr, self._misses[dom][0], prefix), dom
             return Rejection(layout=lc.describe(), kind="memory",
-                             reason=f"needs at least as much as {self._failure_text(dom)}, which does not fit")
+                             reason=f"needs at least as much as {self._failure_text(dom)}, which does not fit"), dom
         plan, tr = self.materialise(lc, rc, z, lm, sp)
         try:
             est = self.worst(plan, tr, quick=True)
         except ValueError as exc:  # the memory model rejects this layout outright
-            return Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc))
+            return Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc)), None
         if self.fits(plan, tr, est):
-            return None
+            return None, None
         self._record_miss(lc, rc, z, lm, sp, est, self.budget(plan))
-        if -(-self.model.n_layers // lc.pp) <= 2:
-            return None  # full recompute's rebuilt block may exceed selective here: not a bound
-        return self.memory_rejection(lc.describe(), plan, tr, est, prefix)
+        return self.memory_rejection(lc.describe(), plan, tr, est, prefix), (lc, rc, z, lm, sp)
 
     def _record_miss(self, lc: LayoutChoice, rc: str, z: int, lm: str, sp: bool, est: MemoryEstimate, bud: Budget) -> None:
         """Record a combination that does not fit (for :meth:`_dominated`) and keep the closest miss:
