@@ -17,12 +17,15 @@ search is narrowed (``Allow``) to what memplan_auto applies:
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
-__all__ = ["ESTIMATE_MARGIN", "hardware_for_run", "narrow_allow", "planning_budget", "run_planner"]
+__all__ = ["ESTIMATE_MARGIN", "expandable_segments_enabled", "hardware_for_run", "narrow_allow", "planning_budget",
+           "run_planner"]
 
 
 def hardware_for_run(hardware: Any, devices: int, num_nodes: int) -> Any:
@@ -143,6 +146,19 @@ def planning_budget(memory_budget: int | None) -> int | None:
     return int(memory_budget * (1.0 - ESTIMATE_MARGIN))
 
 
+def expandable_segments_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process's CUDA caching allocator is configured with ``expandable_segments:True``
+    (``PYTORCH_ALLOC_CONF``, or its older name ``PYTORCH_CUDA_ALLOC_CONF``: comma-separated
+    ``key:value`` pairs; PyTorch docs, "CUDA semantics: Optimizing memory usage with
+    PYTORCH_CUDA_ALLOC_CONF"), so the planner models the reserved bytes the run will have."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for item in environ.get(name, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() == "true"
+    return False
+
+
 def run_planner(
     model: ModelSpec,
     train: TrainSpec,
@@ -166,10 +182,12 @@ def run_planner(
 
     hw = hardware_for_run(hardware, devices, num_nodes)
     given_budget, memory_budget = memory_budget, planning_budget(memory_budget)
+    expandable = expandable_segments_enabled()
     world = devices * num_nodes
     narrowed = narrow_allow(allow, train, exclude, has_lce=has_lce, pipeline=True, world=world)
     try:
-        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
+        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K,
+                        expandable_segments=expandable)
     except ValueError as exc:
         if "no layout could be evaluated" not in str(exc):
             raise
@@ -177,7 +195,8 @@ def run_planner(
     usable = [c for c in decision.candidates if applicable(c, train)] if decision.fits else []
     if not usable:
         narrowed = narrow_allow(allow, train, exclude | {"pp"}, has_lce=has_lce, pipeline=False, world=world)
-        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K)
+        decision = plan(model, train, hw, memory_budget=memory_budget, headroom=headroom, allow=narrowed, top_k=TOP_K,
+                        expandable_segments=expandable)
         try:
             decision.require_fit()
         except ValueError as exc:

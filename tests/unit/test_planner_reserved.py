@@ -124,3 +124,17 @@ def test_cli_plan_shows_both_numbers_and_takes_expandable_segments(capsys):
     assert data["expandable_segments"] is True
     d = PlanDecision.from_dict(data)
     assert d.reserved.rounding == d.reserved.loss_segment == 0 and data["reserved_bytes"] == d.reserved.reserved
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}, False),
+])
+def test_memplan_auto_reads_the_allocator_config(env, expected):
+    """memplan_auto plans with the allocator configuration the run has (PYTORCH_ALLOC_CONF first)."""
+    from lightning_memplan.strategies.planner_bridge import expandable_segments_enabled
+
+    assert expandable_segments_enabled(env) is expected
