@@ -70,8 +70,12 @@ def cache_dir() -> Path | None:
         configured = configured.strip()
         return None if configured in ("", "0") else Path(configured).expanduser()
     base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
-    return root / "lightning_memplan" / "hf_trace"
+    if base and Path(base).is_absolute():  # the XDG spec ignores a relative XDG_CACHE_HOME
+        return Path(base) / "lightning_memplan" / "hf_trace"
+    try:
+        return Path.home() / ".cache" / "lightning_memplan" / "hf_trace"
+    except (KeyError, RuntimeError):  # no home directory to resolve: memory only
+        return None
 
 
 def _version(dist: str) -> str:
