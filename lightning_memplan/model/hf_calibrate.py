@@ -169,6 +169,7 @@ def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from lightning_memplan.model.hf_build import build_reduced, input_fn_for, vision_tokens
+    from lightning_memplan.model.introspect import norm_impl_of
     from lightning_memplan.model.trace import calibrate
 
     verbosity = hf_logging.get_verbosity()
@@ -206,6 +207,9 @@ def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
                 "vision_tokens": extra.get("seq_len"),
             }
             out["class"] = type(model).__name__
+            # The class's RMSNorm implementation (composite fp32-upcast in most HF decoders): what a CPU
+            # trace is scaled to another device with (hf_trace._on_device), since on CUDA the variants differ.
+            out["norm_impl"] = norm_impl_of(model)
     finally:
         hf_logging.set_verbosity(verbosity)
     return out
@@ -220,6 +224,8 @@ class DepthTraces:
         one, two: calibrations of the depth-1 and depth-2 copies.
         n_params_one, n_params_two: their parameter counts.
         vision_tokens: the sequence length a vision model's image fixes (``None`` for token inputs).
+        norm_impl: the traced class's RMSNorm implementation (``TrainSpec.norm_impl``; ``"native"`` when
+            it has none), detected by :func:`~lightning_memplan.model.introspect.norm_impl_of`.
     """
 
     class_name: str
@@ -228,6 +234,7 @@ class DepthTraces:
     n_params_one: int
     n_params_two: int
     vision_tokens: int | None = None
+    norm_impl: str = "native"
     #: This process's answers derived from the entry (:meth:`full_depth`, and ``hf_trace``'s device
     #: scaling), keyed by what they depend on: a planner asks for the same ones under hundreds of plans.
     #: Read-only for callers; it goes with the entry when ``clear_cache()`` drops it.
@@ -245,6 +252,7 @@ class DepthTraces:
             n_params_one=int(one["n_params"]),
             n_params_two=int(two["n_params"]),
             vision_tokens=int(tokens) if tokens else None,
+            norm_impl=str(data["norm_impl"]),
         )
 
     def n_params(self, n_layers: int) -> int:

@@ -195,6 +195,11 @@ def hf_trace_estimate(
     plan = plan if plan is not None else _ONE_DEVICE
     t0, t0_dev = _steps(train)
     data = _coefficients(model, t0)
+    if train.norm_impl != data.norm_impl:
+        # The config names a class, and its norms are what they are: the traced class's implementation
+        # scales the CPU trace to CUDA (where fused and composite RMSNorms save different bytes).
+        train = train.replace(norm_impl=data.norm_impl)
+        t0, t0_dev = _steps(train)
     n_params = data.n_params(model.n_layers)
     if model.n_params is not None and model.n_params != n_params:
         return None  # a live module that differs from its config (resized embeddings ...): not this trace
