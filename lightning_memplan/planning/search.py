@@ -413,7 +413,8 @@ class _Search:
         Orders used (each from the memory model's structure): more ZeRO, sp, and (for stages of more
         than 2 blocks) more recompute never add memory; vocab-parallel <= naive <= fp32_upcast; a
         larger micro-batch holds at least as many activations (b * min(p, m) grows with b) when the
-        previous step's gradients are alive in the forward, or while accumulation continues (m > 1);
+        previous step's gradients are alive in the forward (without a pipeline), or while accumulation
+        continues (m > 1), and for the chunked loss only where its auto chunk is not smaller;
         GPipe and interleaved hold at least the 1F1B in-flight micro-batches.
 
         The reserved bytes add FSDP2's side-stream pools only with FSDP (zero >= 2 over dp x cp > 1), so
@@ -423,18 +424,24 @@ class _Search:
         for f, frc, fz, flm, fsp in self.failures.get((lc.dp, lc.tp, lc.pp, lc.cp), ()):
             if f.b > lc.b or fz < z or (sp and not fsp):
                 continue
-            if f.b < lc.b and not (self.train.grads_alive_in_forward or lc.m > 1):
-                continue
+            if f.b < lc.b and not ((self.train.grads_alive_in_forward and lc.pp == 1) or lc.m > 1):
+                continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/estimate.py)
             if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1):
                 continue
             if flm != lm and not (flm in self._LOSS_RANK and lm in self._LOSS_RANK and self._LOSS_RANK[flm] >= self._LOSS_RANK[lm]):
                 continue
             if frc != rc and not (rc_ordered and self._RC_RANK[frc] > self._RC_RANK[rc]):
                 continue
+            if lm == "chunked" and f.b != lc.b and self._chunk(lc) < self._chunk(f):
+                continue  # the auto chunk is not monotone in the tokens: a larger b can hold a smaller working set
             if self._crosses_fsdp(lc, fz, z) and not self._fails_without_pools((f, frc, fz, flm, fsp)):
                 continue
             return (f, frc, fz, flm, fsp)
         return None
+
+    def _chunk(self, lc: LayoutChoice) -> int:
+        """The chunked loss's tokens per chunk on ``lc`` (the TrainSpec :meth:`materialise` builds, cached)."""
+        return self.materialise(lc, "none", 0, "chunked", False)[1].loss_chunk_size or 0
 
     @staticmethod
     def _crosses_fsdp(lc: LayoutChoice, fz: int, z: int) -> bool:
@@ -455,13 +462,18 @@ class _Search:
     def _max_saving_opts(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> list[tuple[str, int, str, bool]]:
         """The most memory-saving combinations of ``lc``: the most ZeRO and sp with the most recompute
         (every recompute mode at <= 2 blocks per stage, where full recompute's rebuilt block may exceed
-        less) and each loss no other loss bounds (the chunked and vocab-parallel losses are not ordered:
-        with tp > 1 the V/t logits can be smaller than a chunk's working set)."""
+        less) and each loss no other loss bounds: the most saving of vocab-parallel <= naive <= fp32_upcast
+        and the chunked loss, which is ordered with none of them (with tp > 1 the V/t logits can be
+        smaller than a chunk's working set; where one chunk holds every token its fp32 working set
+        exceeds the naive loss's e-byte logits)."""
         if -(-self.model.n_layers // lc.pp) > 2:
             rcs = [next((r for r in ("full", "selective", "none") if r in recomputes), recomputes[0])]
         else:
             rcs = list(recomputes)
-        losses: list[str] = [m for m in ("chunked", "vocab_parallel") if m in lc.losses] or [lc.losses[0]]
+        ranked = [m for m in lc.losses if m in self._LOSS_RANK]
+        losses = [m for m in lc.losses if m not in self._LOSS_RANK]  # chunked (and loss_parallel): unordered
+        if ranked:
+            losses.append(max(ranked, key=self._LOSS_RANK.__getitem__))
         return [(rc, max(lc.zeros), lm, max(lc.sps)) for rc in rcs for lm in losses]
 
     def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> Rejection | None:
