@@ -415,7 +415,8 @@ class _Search:
         larger micro-batch holds at least as many activations (b * min(p, m) grows with b) when the
         previous step's gradients are alive in the forward (without a pipeline), or while accumulation
         continues (m > 1), and for the chunked loss only where its auto chunk is not smaller;
-        GPipe and interleaved hold at least the 1F1B in-flight micro-batches.
+        interleaved holds at least the 1F1B in-flight micro-batches (GPipe holds more activations but,
+        all forwards before any backward, no gradients in them: it is bounded only by GPipe).
 
         The reserved bytes add FSDP2's side-stream pools only with FSDP (zero >= 2 over dp x cp > 1), so
         a ZeRO-2/3 failure bounds a ZeRO-0/1 combination only through :meth:`_fails_without_pools`
@@ -426,8 +427,9 @@ class _Search:
                 continue
             if f.b < lc.b and not ((self.train.grads_alive_in_forward and lc.pp == 1) or lc.m > 1):
                 continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/estimate.py)
-            if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1):
-                continue
+            if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1
+                                                                         and lc.schedule != "gpipe"):
+                continue  # GPipe's forwards meet no gradients, 1F1B's do: neither bounds the other
             if flm != lm and not (flm in self._LOSS_RANK and lm in self._LOSS_RANK and self._LOSS_RANK[flm] >= self._LOSS_RANK[lm]):
                 continue
             if frc != rc and not (rc_ordered and self._RC_RANK[frc] > self._RC_RANK[rc]):

@@ -289,7 +289,7 @@ def test_rejections_carry_reasons_in_words():
 def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1):
     """Every layout x every option, each estimated for every rank (rank=None), best per layout."""
     layouts, _ = enumerate_layouts(model, train, hw.world_size, Allow(), global_batch)
-    tm = StepTimeModel(model, train, hw)
+    tm = StepTimeModel(model, train, hw, recomputes=("none", "selective", "selective_op", "full"))
     best_per_layout = []
     for lc in layouts:
         lt = tm.layout(Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v))
@@ -297,7 +297,7 @@ def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1
         base += (CHANGE_COST["pp"] + CHANGE_COST.get(lc.schedule, 0)) if lc.pp > 1 else 0
         base += CHANGE_COST["micro_batch"] if lc.b != train.micro_batch else 0
         best = None
-        for rc in ("none", "selective", "full"):
+        for rc in ("none", "selective", "selective_op", "full"):
             for z in lc.zeros:
                 for lm in lc.losses:
                     for sp in lc.sps:
