@@ -479,9 +479,9 @@ class _Search:
         return [(rc, max(lc.zeros), lm, max(lc.sps)) for rc in rcs for lm in losses]
 
     def _max_saving_check(self, lc: LayoutChoice, recomputes: tuple[str, ...]) -> Rejection | None:
-        """``None`` when one of the most memory-saving combinations of ``lc`` fits (or its miss bounds
-        nothing), else the layout's :class:`Rejection`; a miss is recorded so :meth:`_dominated` prunes
-        what it bounds. Where the layout also allows ZeRO-0/1 next to FSDP and the FSDP miss is within
+        """``None`` when one of the most memory-saving combinations of ``lc`` (:meth:`_max_saving_opts`)
+        fits, else the layout's :class:`Rejection`; a miss is recorded so :meth:`_dominated` prunes what
+        it bounds. Where the layout also allows ZeRO-0/1 next to FSDP and the FSDP miss is within
         FSDP2's pools of the budget, the same options at the highest ZeRO below 2 must miss too."""
         first = None
         low = max((x for x in lc.zeros if x <= 1), default=None)
