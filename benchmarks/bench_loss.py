@@ -87,6 +87,8 @@ def run_issue12(args: argparse.Namespace) -> str:
     lines = ["| shape | method | extra peak MiB | fwd+bwd s | peak / torch | time / torch | verdict |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     shapes = ISSUE12_SHAPES if (args.issue12_full or args.device != "cpu") else ISSUE12_CPU_SHAPES
+    if args.issue12_dtype:
+        shapes = tuple(shape for shape in shapes if shape[0] == args.issue12_dtype)
     for dtype_name, n, hdim, vocab in shapes:
         dtype, device = getattr(torch, dtype_name), torch.device(args.device)
         torch.manual_seed(0)
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                              "smaller ISSUE12_CPU_SHAPES unless --issue12-full)")
     parser.add_argument("--issue12-full", action="store_true",
                         help="with --issue12: the issue's own shapes (N=8192/4096; the bf16 one takes hours on CPU)")
+    parser.add_argument("--issue12-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="with --issue12: only the shape of this dtype (e.g. the fp32 one of --issue12-full on CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -317,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
         if not args.no_write:
             RESULTS.mkdir(parents=True, exist_ok=True)
-            path = RESULTS / f"{args.device}_{datetime.date.today().isoformat()}_loss_issue12.md"
+            suffix = ("_full" if args.issue12_full else "") + (f"_{args.issue12_dtype}" if args.issue12_dtype else "")
+            path = RESULTS / f"{args.device}_{datetime.date.today().isoformat()}_loss_issue12{suffix}.md"
             path.write_text(
                 f"# chunked loss vs torch's F.linear_cross_entropy (issue 12; shapes as in the table)\n\nCommand: "
                 f"`python benchmarks/bench_loss.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
