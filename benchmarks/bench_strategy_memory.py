@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# Runnable from a checkout without installing: the repository root (after any installed copy) and the tests.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
 
 from test_strategy_memory_tp import memory_worker  # noqa: E402

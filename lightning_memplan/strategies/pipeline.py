@@ -334,7 +334,11 @@ class PipelineRunner:
         for p in params:
             p.grad = None
         losses: list[torch.Tensor] = []
-        self._schedule.step(inputs, target=targets, losses=losses)
+        # return_outputs=False: training needs the losses only. By default torch's schedules keep every
+        # micro-batch's last-stage output (the logits) in stage.output_chunks until the step ends and then
+        # concatenate them (torch/distributed/pipelining/stage.py forward_one_chunk, schedules.py
+        # _merge_outputs): m micro-batches of logits held and copied for nothing.
+        self._schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         self._pending = [(p, p.grad) for p in params]
         for p, g in zip(params, previous, strict=True):
             p.grad = g
