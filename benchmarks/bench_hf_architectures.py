@@ -48,20 +48,26 @@ QUICK = ("gpt2", "llama", "gemma2", "mixtral", "bert_mlm", "t5", "vit")
 
 
 @dataclass(frozen=True)
-class Row:
+class GridRow:
+    """One configuration of the grid and its measured peak (what both kinds of row have)."""
+
     arch: str
     precision: str
     attention: str
     dropout: float
     checkpointing: bool
     measured: int
-    config_only: int
-    source: str
-    traced: int
 
     @property
     def key(self) -> tuple[str, str, str, float, bool]:
         return (self.arch, self.precision, self.attention, self.dropout, self.checkpointing)
+
+
+@dataclass(frozen=True)
+class Row(GridRow):
+    config_only: int
+    source: str
+    traced: int
 
     @property
     def config_error(self) -> float:
@@ -91,15 +97,9 @@ def run_row(name: str, precision: str, attention: str, dropout: float, checkpoin
 
 
 @dataclass(frozen=True)
-class KeptRow:
+class KeptRow(GridRow):
     """A row of an earlier run's results file, kept as it was printed (``--resume``): not re-measured."""
 
-    arch: str
-    precision: str
-    attention: str
-    dropout: float
-    checkpointing: bool
-    measured: int
     config_text: str
     source: str
     traced_text: str
@@ -111,10 +111,6 @@ class KeptRow:
     @property
     def traced_error(self) -> float:
         return float(self.traced_text.rstrip("%")) / 100
-
-    @property
-    def key(self) -> tuple[str, str, str, float, bool]:
-        return (self.arch, self.precision, self.attention, self.dropout, self.checkpointing)
 
 
 def read_rows(path: Path) -> list[KeptRow]:
