@@ -175,10 +175,12 @@ class _Search:
         """Need / budget (the closest miss has the smallest)."""
         return self.need(plan, train, est).reserved / self.budget(plan).budget
 
-    def miss_reason(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> str:
+    def miss_reason(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate,
+                    need: ReservedEstimate | None = None) -> str:
         largest = est.largest_component()
+        need = need if need is not None else self.need(plan, train, est)
         return (
-            f"stage {est.stage} needs {need_text(self.need(plan, train, est))} > "
+            f"stage {est.stage} needs {need_text(need)} > "
             f"{readable_bytes(self.budget(plan).budget)} budget "
             f"(largest: {largest} {readable_bytes(getattr(est, largest))}, {est.peak_phase} peak)"
         )
@@ -186,8 +188,9 @@ class _Search:
     def memory_rejection(self, layout: str, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate,
                          prefix: str = "") -> Rejection:
         """The :class:`Rejection` of a combination whose need exceeds its budget."""
-        return Rejection(layout=layout, kind="memory", reason=prefix + self.miss_reason(plan, train, est),
-                         peak_bytes=est.total, reserved_bytes=self.need(plan, train, est).reserved,
+        need = self.need(plan, train, est)
+        return Rejection(layout=layout, kind="memory", reason=prefix + self.miss_reason(plan, train, est, need),
+                         peak_bytes=est.total, reserved_bytes=need.reserved,
                          budget_bytes=self.budget(plan).budget)
 
     # -- search ------------------------------------------------------------------------------------
