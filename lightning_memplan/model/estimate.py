@@ -17,11 +17,12 @@ to :attr:`MemoryEstimate.total`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
-from lightning_memplan.model import checkpointing, frameworks, terms
+from lightning_memplan.model import checkpointing, frameworks, pipeline_timeline, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_optional_int, divisor_list
@@ -106,6 +107,7 @@ class StageLayout:
     has_head: bool
 
 
+@functools.lru_cache(maxsize=8192)  # frozen inputs; the planner's search asks for the same stages often
 def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int, framework: str = "torch") -> StageLayout:
     """Split L blocks over p stages (v chunks each when interleaved) as ``framework`` does
     (:func:`lightning_memplan.model.frameworks.rank_block_counts`: the first ``L mod (p v)`` chunks take
@@ -150,10 +152,47 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
     return params, matmul, largest
 
 
-def _dynamic(
-    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, layout: StageLayout
-) -> dict[str, dict[str, int]]:
-    """Per-phase bytes of the batch-dependent components on one rank (analytic)."""
+@functools.lru_cache(maxsize=4096)  # frozen inputs; independent of the batch shape
+def _chunk_shares(
+    model: ModelSpec, plan: ParallelPlan, layout: StageLayout, framework: str
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each local chunk's share of the stage's block activations (its blocks) and of its gradients (its
+    parameters: blocks, the embedding on rank 0's first chunk, the final norm and lm_head on the last
+    rank's last chunk). One chunk unless interleaved."""
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    counts = frameworks.stage_block_counts(model.n_layers, plan.pp * v, framework)
+    blocks = [counts[layout.stage + c * plan.pp] for c in range(v)] if v > 1 else [layout.n_layers]
+    local, _, _ = _local_params(model, plan, layout)
+    emb = _local_params(model, plan, dataclasses.replace(layout, has_head=False, n_layers=0))[0] if layout.has_embedding else 0
+    head = _local_params(model, plan, dataclasses.replace(layout, has_embedding=False, n_layers=0))[0] if layout.has_head else 0
+    per_block = (local - emb - head) / max(layout.n_layers, 1)
+    params = [n * per_block for n in blocks]
+    params[0] += emb
+    params[-1] += head
+    total_blocks, total_params = max(sum(blocks), 1), max(sum(params), 1.0)
+    return tuple(n / total_blocks for n in blocks), tuple(x / total_params for x in params)
+
+
+@dataclass(frozen=True)
+class _PerMicroBatch:
+    """The batch-dependent bytes of one rank for one micro-batch, before the schedule multiplies them."""
+
+    block_acts: int
+    head_acts: int
+    saved_layer: int
+    per_mb_attn: int
+    logits: tuple[int, int, int]  # the loss's forward, held and backward bytes
+    copies: int
+    rebuild: int
+    eager_bwd_ws: int
+    linear_bwd_ws: int
+    rebuild_grads: int
+    inflight: float
+    inflight_head: float
+
+
+@functools.lru_cache(maxsize=8192)  # frozen inputs; one per layout, then assembled per pipeline moment
+def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, layout: StageLayout) -> _PerMicroBatch:
     b, s = train.micro_batch, train.seq_len // plan.cp
     t, sp = plan.tp, plan.sp
     pb = terms.precision_bytes(train)
@@ -175,10 +214,6 @@ def _dynamic(
     head_acts = 0
     if layout.has_head:  # the final norm (a 1/t sequence slice under SP) and the lm_head's (gathered) input
         head_acts = terms.norm_saved_bytes(model, train, tokens, split=t if sp else 1) + tokens * model.hidden * pb.compute
-    block_acts = layout.n_layers * saved_layer
-    per_mb_acts = block_acts + head_acts
-    per_mb_attn = layout.n_layers * attn_layer
-
     if layout.has_head:
         shard = t if train.loss in terms.VOCAB_SHARDED_LOSSES else 1
         lg = terms.logits_bytes(model, train, tokens, vocab_shard=shard)
@@ -199,9 +234,6 @@ def _dynamic(
         # only the head's copy remains.
         matmul -= layout.n_layers * math.ceil(terms.layer_matmul_param_count(model) / t)
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
-
-    acts_fwd = round(inflight * block_acts + inflight_head * head_acts)
-    attn_fwd = round(inflight * per_mb_attn)
     eager_bwd_ws = 0
     if train.attention == "eager" and train.recompute == "none":
         # grad of the probabilities and of the scores, fp32, for one layer [PT softmax_backward].
@@ -210,35 +242,84 @@ def _dynamic(
     # While a checkpointed block is rebuilt and runs its backward, the gradient of its output (residual
     # dtype) and the widest matmul's input gradient exist next to the rebuilt activations.
     rebuild_grads = tokens * model.hidden * pb.residual // (t if sp else 1) + linear_bwd_ws if rebuild else 0
+    return _PerMicroBatch(
+        block_acts=layout.n_layers * saved_layer,
+        head_acts=head_acts,
+        saved_layer=saved_layer,
+        per_mb_attn=layout.n_layers * attn_layer,
+        logits=(lg["forward"], lg["held"], lg["backward"]),
+        copies=copies,
+        rebuild=rebuild,
+        eager_bwd_ws=eager_bwd_ws,
+        linear_bwd_ws=linear_bwd_ws,
+        rebuild_grads=rebuild_grads,
+        inflight=inflight,
+        inflight_head=inflight_head,
+    )
+
+
+def _dynamic(
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan,
+    layout: StageLayout,
+    moment: pipeline_timeline.StageMoment | None = None,
+) -> dict[str, dict[str, int]]:
+    """Per-phase bytes of the batch-dependent components on one rank (analytic); under a pipeline,
+    the backward points at ``moment`` (default: the rank's most in-flight micro-batches, with the loss's
+    backward on the last stage)."""
+    mb = _per_micro_batch(model, train, plan, layout)
+    block_acts, head_acts, saved_layer, per_mb_attn = mb.block_acts, mb.head_acts, mb.saved_layer, mb.per_mb_attn
+    per_mb_acts = block_acts + head_acts
+    lg = dict(zip(("forward", "held", "backward"), mb.logits, strict=True))
+    copies, rebuild, eager_bwd_ws, linear_bwd_ws, rebuild_grads = (
+        mb.copies, mb.rebuild, mb.eager_bwd_ws, mb.linear_bwd_ws, mb.rebuild_grads
+    )
+    inflight, inflight_head = mb.inflight, mb.inflight_head
+    loss_backward = layout.has_head  # the backward points run the loss's backward (the last chunk's)
+    fwd_inflight, fwd_inflight_head = inflight, inflight_head
+    inflight_after = max(0.0, inflight - 1)  # what the first backward leaves of its micro-batch
+    if moment is not None:
+        inflight, inflight_after = moment.inflight, moment.inflight_after
+        inflight_head = moment.inflight_head if layout.has_head else 0
+        loss_backward = layout.has_head and moment.loss_backward
+    acts_fwd = round(fwd_inflight * block_acts + fwd_inflight_head * head_acts)
+    attn_fwd = round(fwd_inflight * per_mb_attn)
+    acts_bwd = round(inflight * block_acts + inflight_head * head_acts)
+    attn_bwd = round(inflight * per_mb_attn)
+    held_logits = round(max(0.0, inflight_head - (1 if loss_backward else 0)) * lg["held"])
     return {
         "forward": {
             "activations": acts_fwd,
             "attention": attn_fwd,
-            "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["forward"],
+            "logits": round(max(0.0, fwd_inflight_head - 1) * lg["held"]) + lg["forward"],
             "workspace": 0,
             "other": copies,
         },
         "backward_start": {
-            "activations": acts_fwd,
-            "attention": attn_fwd,
-            "logits": round(max(0.0, inflight_head - 1) * lg["held"]) + lg["backward"],
+            "activations": acts_bwd,
+            "attention": attn_bwd,
+            "logits": held_logits + (lg["backward"] if loss_backward else 0),
             "workspace": 0,
             "other": copies,
         },
         # the last block's backward: the loss buffers are gone, the block is rebuilt (full/selective-op)
         # and eager attention's softmax backward makes its [b, a, s, s] temporaries.
         "backward_layer": {
-            "activations": acts_fwd,
-            "attention": attn_fwd,
-            "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
+            "activations": acts_bwd,
+            "attention": attn_bwd,
+            "logits": held_logits,
             "workspace": rebuild + eager_bwd_ws + rebuild_grads,
             "other": copies,
         },
         "backward_end": {
-            "activations": round(max(0.0, inflight - 1) * block_acts + max(0.0, inflight_head - 1) * head_acts)
+            "activations": round(
+                inflight_after * block_acts
+                + max(0.0, inflight_head - (1 if loss_backward else 0)) * head_acts
+            )
             + min(saved_layer, per_mb_acts),
-            "attention": round(max(0.0, inflight - 1) * per_mb_attn),
-            "logits": round(max(0.0, inflight_head - 1) * lg["held"]),
+            "attention": round(inflight_after * per_mb_attn),
+            "logits": held_logits,
             "workspace": linear_bwd_ws,
             "other": 0,
         },
@@ -407,38 +488,83 @@ def _estimate_stage(
         head_grads = round(head_params * model.trainable_fraction) * pb.grad if frozen else head_params * pb.grad
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard) if not pipelined_fsdp else head_grads
+    static = {"params": params, "optimizer": optimizer, "master": master}
+    points: dict[str, dict[str, int]] = {}
     if plan.pp == 1:
         accumulating = train.grad_accumulation > 1
         grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
         grads_bwd_start = grads if accumulating else 0
+        points["forward"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]}
+        points["backward_start"] = {
+            **static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd_start, **dynamic["backward_start"]
+        }
+        points["backward_layer"] = {
+            **static, "grads": max(grads_bwd_start, head_grads), "comm": comm_static + comm_bwd, **dynamic["backward_layer"]
+        }
+        points["backward_end"] = {
+            **static, "grads": grads_accum, "comm": comm_static + comm_bwd_end, **dynamic["backward_end"]
+        }
     else:
         # A pipeline step drops the previous step's gradients before its schedule runs (the optimizer
-        # has consumed them). This stage's gradients then appear at its first backward, so they
-        # coexist with a full in-flight set of micro-batches only when a forward follows a backward
-        # (m > in-flight, the steady 1F1B phase) or when accumulating across steps [N21 2.2].
-        overlap = plan.microbatches > inflight or train.grad_accumulation > 1
-        grads_fwd = grads_bwd_start = grads_accum if overlap else 0
-        if pipelined_fsdp and overlap:  # a forward after a backward finds every unit still unsharded
-            comm_fwd = comm_bwd_start = max(comm_fwd, local * gathered + extra)
-    static = {"params": params, "optimizer": optimizer, "master": master}
-    points = {
-        "forward": {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]},
-        "backward_start": {**static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd_start, **dynamic["backward_start"]},
-        "backward_layer": {
-            **static,
-            "grads": max(grads_bwd_start, head_grads),
-            "comm": comm_static + comm_bwd,
-            **dynamic["backward_layer"],
-        },
-        "backward_end": {**static, "grads": grads_accum, "comm": comm_static + comm_bwd_end, **dynamic["backward_end"]},
-        "optimizer": {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]},
-    }
+        # has consumed them); each local chunk's gradients appear at its first backward of the step.
+        # Every backward of the rank's schedule is a candidate (pipeline_timeline): the micro-batches it
+        # still holds next to the gradients that exist by then [N21 2.2]. Accumulating across steps
+        # keeps every gradient alive throughout.
+        acts_share, grads_share = _chunk_shares(model, plan, layout, train.framework)
+        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+        moments = pipeline_timeline.stage_moments(
+            layout.stage, plan.pp, plan.microbatches, plan.schedule, v, acts_share, grads_share, layout.has_head
+        )
+        accumulating = train.grad_accumulation > 1
+
+        def grads_at(fraction: float) -> int:
+            return grads_accum if accumulating else round(grads_accum * fraction)
+
+        # The forward with the most micro-batches in flight is the one just before the latest backward
+        # that still holds them all: that backward's earlier gradients exist during it.
+        most = max(mom.inflight for mom in moments)
+        grads_fwd = grads_at(max(mom.grads_before for mom in moments if mom.inflight >= most - 1e-9))
+        points["forward"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]}
+        if pipelined_fsdp and grads_fwd:
+            # a forward after a backward starts with every unit still unsharded (the backward kept them);
+            # each unit reshards after its forward (measured, 2 x 4 gloo ranks, dp=2 tp=2 pp=2), so at
+            # that moment only the micro-batches held before it exist
+            start = dict(dynamic["forward"], logits=0)
+            for comp in ("activations", "attention"):
+                start[comp] = round(start[comp] * max(0.0, most - 1) / most)
+            points["forward_start"] = {**static, "grads": grads_fwd, "comm": comm_static + local * gathered + extra, **start}
+        best: tuple[int, dict[str, int]] = (-1, {})
+        static_total = sum(static.values()) + comm_static
+        for mom in moments:
+            dyn = _dynamic(model, train, plan, layout, mom)
+            if calibration is not None:
+                dyn = _calibrated_dynamic(model, train, plan, layout, calibration, dyn)
+            before, after = grads_at(mom.grads_before), grads_at(mom.grads_after)
+            head_new = head_grads if mom.loss_backward and mom.grads_after > mom.grads_before else 0
+            start_comm = comm_bwd_start
+            if pipelined_fsdp and plan.zero == 3 and mom.grads_before > 0:
+                # ZeRO-3 re-gathers the units its forward resharded: at the B1 peak of 2 x 2 gloo ranks
+                # (dp=2 zero=3 pp=2 m=2, tests/distributed/test_strategy_3d.py) one gathered unit and
+                # 77.6 KB of all-gather/reduce temporaries sat beside the accumulated gradients; the
+                # whole stage unsharded stands for them (-3.1 %; the reshard alone gave -5.6 %).
+                # Replication (shard group of 1) only copies, and matched the reshard (+2.0 %).
+                start_comm = max(comm_bwd_start, local * gathered + extra)
+            for key, grads_now, comm_now in (
+                ("backward_start", before, start_comm),
+                ("backward_layer", before + head_new, comm_bwd),
+                ("backward_end", after, comm_bwd_end),
+            ):
+                total = static_total + grads_now + comm_now + sum(dyn[key].values())
+                if total > best[0]:  # only the largest point is built (the planner evaluates many)
+                    best = (total, {"grads": grads_now, "comm": comm_static + comm_now, **dyn[key]})
+        points["backward"] = {**static, **best[1]}
+    points["optimizer"] = {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]}
     if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
         points["optimizer"]["workspace"] += opt_ws
     by_phase = {
-        "forward": points["forward"],
+        "forward": max((points[k] for k in points if k.startswith("forward")), key=lambda c: sum(c.values())),
         "backward": max(
-            (points[k] for k in ("backward_start", "backward_layer", "backward_end")), key=lambda c: sum(c.values())
+            (points[k] for k in points if k.startswith("backward")), key=lambda c: sum(c.values())
         ),
         "optimizer": points["optimizer"],
     }

@@ -362,7 +362,7 @@ def test_1024_gpus_plan_under_a_second_of_cpu():
     model, train = ModelSpec.preset("llama3-70b"), TrainSpec(micro_batch=1, seq_len=8192)
     hw = HardwareSpec.preset("h100-80gb", gpus_per_node=8, num_nodes=128)
     times = []
-    for _ in range(2):
+    for _ in range(3):  # the least of three: a loaded machine's slow run is its noise, not the planner's cost
         t0 = time.process_time()
         d = plan(model, train, hw, global_batch=1024)
         times.append(time.process_time() - t0)
