@@ -101,6 +101,8 @@ def run_issue12(args: argparse.Namespace) -> str:
                    (f"memplan auto (={auto}), fp32 accumulator", memplan_loss("auto"))]
         if dtype != torch.float32:
             methods.append((f"memplan auto (={auto}), accum_dtype={dtype_name}", memplan_loss("auto", dtype)))
+        for extra in args.chunks:  # fixed chunk sizes beside auto: the working set against the time
+            methods.append((f"memplan chunk_size={extra}, fp32 accumulator", memplan_loss(extra)))
         results = {}
         for name, fn in methods:
             print(f"  {shape}: {name} ...", flush=True)

@@ -484,9 +484,13 @@ AUTO_MIN_CHUNKS = 16
 #: ``chunk_size="auto"`` rounds down to a multiple of this many rows (GEMM-friendly, deterministic).
 CHUNK_ROW_MULTIPLE = 64
 #: ``chunk_size="auto"`` keeps the per-chunk working set within this fraction of the gradients the loss
-#: returns, ``(N*h + V*h) * e`` (dh and dW): torch's ``F.linear_cross_entropy`` needs just those, so the
-#: chunked loss's extra peak stays within 1 + this fraction of torch's (64 rows at least).
-AUTO_CHUNK_GRAD_FRACTION = 0.25
+#: returns, ``(N*h + V*h) * e`` (dh and dW); 64 rows at least. Half, not a quarter: on the reference CPU
+#: (fp32, N=8192, h=512, V=32000, one core, ``benchmarks/bench_loss.py --issue12 --issue12-full
+#: --issue12-dtype float32 --chunks 256 512``) 128-row chunks (a quarter) ran 0.997x the time of torch's
+#: ``F.linear_cross_entropy``, 256 rows 0.876x, 512 rows 0.795x: each chunk streams the whole [V, h]
+#: weight through three GEMMs, so smaller chunks lose the speed. torch's own chunked kernel holds
+#: 157 MiB above its inputs there (allocator events), twice the 78.5 MiB of gradients.
+AUTO_CHUNK_GRAD_FRACTION = 0.5
 
 
 def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = False) -> int:
@@ -514,8 +518,8 @@ def auto_loss_chunk_tokens(
     rounded down to a multiple of 64 (at least 64); no chunking (one chunk of N rows) when
     ``N <= max(h, 64)``, where the [N, V] logits are no larger than the [V, h] weight and its fp32
     gradient that exist anyway (the break-even torch's ``LinearCrossEntropyOptions`` documents).
-    The gradient cap keeps the working set within 25 % of the gradients' bytes (dh + dW), the whole
-    extra memory of torch's ``F.linear_cross_entropy``."""
+    The gradient cap keeps the working set within half the gradients' bytes (dh + dW)
+    (:data:`AUTO_CHUNK_GRAD_FRACTION`)."""
     if n_tokens <= max(hidden, CHUNK_ROW_MULTIPLE):
         return max(n_tokens, 1)
     grads = (n_tokens + vocab) * hidden * compute_bytes

@@ -125,17 +125,21 @@ def test_auto_chunk_size_rule():
     assert row == v * 6
     assert chunk_row_bytes(v, torch.float32) == v * 4
     assert chunk_row_bytes(v, torch.float32, softcap=True) == v * 8
-    # gradient-limited: the working set within 25 % of dh + dW, (N + V) * h * 2 bytes:
-    # 0.25 * (131072 + 128256) * 1024 * 2 / (6 V) = 172 rows -> 128 (multiple of 64)
-    assert auto_chunk_size(131072, h, v, torch.bfloat16) == 128
-    assert 128 * row <= 0.25 * (131072 + v) * h * 2
+    # gradient-limited: the working set within 50 % of dh + dW, (N + V) * h * 2 bytes:
+    # 0.5 * (131072 + 128256) * 1024 * 2 / (6 V) = 345 rows -> 320 (multiple of 64)
+    assert auto_chunk_size(131072, h, v, torch.bfloat16) == 320
+    assert 320 * row <= 0.5 * (131072 + v) * h * 2 < 384 * row
+    # issue 12's fp32 shape: 0.5 * (8192 + 32000) * 512 * 4 / (4 * 32000) = 321 rows -> 320
+    assert auto_chunk_size(8192, 512, 32000, torch.float32) == 320
     # budget-limited: 512 MiB / (6 V) = 697 rows -> 640 when the gradients are large (h = 4096)
     assert auto_chunk_size(262144, 4096, v, torch.bfloat16) == 640
     assert AUTO_CHUNK_BUDGET_BYTES // row == 697
-    # token-limited: at most N/16 rows (0.25 * (2048 + 32000) * 1024 * 4 / (4 * 32000) = 272 > 128)
+    # token-limited: at most N/16 rows (0.5 * (2048 + 32000) * 1024 * 4 / (4 * 32000) = 544 > 128)
     assert auto_chunk_size(2048, h, 32000, torch.float32) == 128
-    # at least 64 rows, even where 25 % of the gradients is less than that
-    assert auto_chunk_size(8192, h, v, torch.bfloat16) == 64
+    # 0.5 * (8192 + V) * 1024 * 2 / (6 V) = 181 rows -> 128
+    assert auto_chunk_size(8192, h, v, torch.bfloat16) == 128
+    # at least 64 rows, even where half the gradients is less than that (h = 128: 22 rows)
+    assert auto_chunk_size(4096, 128, v, torch.bfloat16) == 64
     # small N relative to h: no chunking
     assert auto_chunk_size(1000, h, v) == 1000
     assert auto_chunk_size(7, 16, 41) == 7
