@@ -11,6 +11,10 @@ from the second optimizer step on, when optimizer states exist):
    layers peaks at one of the two ends, so both are evaluated.
 3. optimizer step: model states + the optimizer's temporaries; activations and logits are gone.
 
+Under a pipeline, every backward of the rank's schedule is a candidate for the backward peak
+(:mod:`lightning_memplan.model.pipeline_timeline`): the micro-batches it still holds, next to the
+gradients of the local chunks that have run a backward by then.
+
 The peak is the largest phase; the components reported are those live at that moment, so they add up
 to :attr:`MemoryEstimate.total`.
 """
