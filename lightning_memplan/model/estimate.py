@@ -526,6 +526,7 @@ def _estimate_stage(
 
         # The forward with the most micro-batches in flight is the one just before the latest backward
         # that still holds them all: that backward's earlier gradients exist during it.
+        all_unsharded = local * gathered + extra  # every unit of the stage gathered, with the p2p buffers
         most = max(mom.inflight for mom in moments)
         grads_fwd = grads_at(max(mom.grads_before for mom in moments if mom.inflight >= most - 1e-9))
         points["forward"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]}
@@ -536,7 +537,7 @@ def _estimate_stage(
             start = dict(dynamic["forward"], logits=0)
             for comp in ("activations", "attention"):
                 start[comp] = round(start[comp] * max(0.0, most - 1) / most)
-            points["forward_start"] = {**static, "grads": grads_fwd, "comm": comm_static + local * gathered + extra, **start}
+            points["forward_start"] = {**static, "grads": grads_fwd, "comm": comm_static + all_unsharded, **start}
         best: tuple[int, dict[str, int]] = (-1, {})
         static_total = sum(static.values()) + comm_static
         for mom in moments:
@@ -552,7 +553,7 @@ def _estimate_stage(
                 # 77.6 KB of all-gather/reduce temporaries sat beside the accumulated gradients; the
                 # whole stage unsharded stands for them (-3.1 %; the reshard alone gave -5.6 %).
                 # Replication (shard group of 1) only copies, and matched the reshard (+2.0 %).
-                start_comm = max(comm_bwd_start, local * gathered + extra)
+                start_comm = max(comm_bwd_start, all_unsharded)
             for key, grads_now, comm_now in (
                 ("backward_start", before, start_comm),
                 ("backward_layer", before + head_new, comm_bwd),
