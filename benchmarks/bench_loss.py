@@ -96,7 +96,7 @@ def run_issue12(args: argparse.Namespace) -> str:
         w = (torch.randn(vocab, hdim, dtype=dtype, device=device) * hdim**-0.5).requires_grad_()
         y = torch.randint(0, vocab, (n,), device=device)
         shape = f"{dtype_name} N={n} h={hdim} V={vocab}"
-        auto = auto_chunk_size(n, hdim, vocab, dtype)
+        auto = auto_chunk_size(n, hdim, vocab, dtype, device=args.device)
         methods = [("torch F.linear_cross_entropy", torch_loss()),
                    (f"memplan auto (={auto}), fp32 accumulator", memplan_loss("auto"))]
         if dtype != torch.float32:
@@ -226,7 +226,7 @@ def run_vocab(args: argparse.Namespace, vocab: int) -> list[dict]:
     h = (torch.randn(n, hdim, device=device, dtype=dtype) * 0.5).requires_grad_()
     w = (torch.randn(vocab, hdim, device=device, dtype=dtype) * hdim**-0.5).requires_grad_()
     y = torch.randint(0, vocab, (n,), device=device)
-    auto = auto_chunk_size(n, hdim, vocab, dtype)
+    auto = auto_chunk_size(n, hdim, vocab, dtype, device=args.device)
     methods: list[tuple[str, Callable | None]] = [("naive F.cross_entropy(logits.float())", naive_loss)]
     slow_skip = vocab > args.all_torch_below and device.type == "cpu"
     if hasattr(F, "linear_cross_entropy"):

@@ -35,6 +35,7 @@ from lightning_memplan.loss.formulas import (
     softcap_derivative,
     token_loss,
 )
+from lightning_memplan.model.terms import loss_gemm_bytes
 
 __all__ = ["ChunkPlan", "ChunkedLinearCrossEntropyFunction", "STAT_FIELDS"]
 
@@ -48,14 +49,16 @@ with a low-precision input and an fp32 output, ``mm(out_dtype=)`` is CUDA only).
 
 _ARGMAX_SENTINEL = torch.iinfo(torch.int64).max
 
-# CPU layouts of the low-precision GEMMs. torch's CPU bf16/fp16 GEMM is fast only for some operand
-# layouts on CPUs without native bf16 instructions (no AVX512-BF16/AMX): measured with torch 2.13 on
-# one core of the reference machine (AMD EPYC, N=1024, h=256, V=16384, 64-row chunks, seconds per
-# 1024 rows): the input gradient ``grad·W`` takes 28-45 s with ``grad`` row-major and 0.8 s with
-# ``grad`` column-major; the weight gradient ``gradᵀ·x`` takes 6.7-8.4 s in bf16 in every layout and
-# 0.7 s in fp32. So on CPU the chunk's low-precision gradient is written column-major (the same
-# buffer, viewed [V, c]) and the weight gradient is one fp32 GEMM of the fp32 gradient buffer (which
-# exists anyway) into the fp32 accumulator. CUDA keeps the bf16 GEMMs (tensor cores).
+# CPU GEMMs of a 16-bit compute dtype. torch's CPU bf16/fp16 GEMM is slow on CPUs without native
+# bf16 instructions (no AVX512-BF16/AMX). Measured with torch 2.13 on one core of the reference
+# machine (AMD EPYC, AVX2; 128 token rows, h=1024, V=65536; seconds): the logits x·Wᵀ take 1.90 in
+# bf16 and 0.58 in fp32; the input gradient g·W 131 (g row-major) or 1.00 (g column-major) in bf16
+# and 0.32 in fp32; the weight gradient gᵀ·x 5.9 in bf16 and 0.80 in fp32. So on CPU the three GEMMs
+# run in fp32 on operands rounded to the compute dtype: the products and their fp32 sums are those of
+# a 16-bit GEMM with fp32 accumulation, only the output's rounding to 16 bit is skipped. The price is
+# fp32 copies of the weight and the hidden states (V·h·4 + N·h·4 bytes; the rule is
+# :func:`lightning_memplan.model.terms.loss_gemm_bytes`, which the estimate shares). CUDA keeps the
+# 16-bit GEMMs (tensor cores).
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,9 +110,13 @@ class _ChunkRunner:
         need_grads: tuple[bool, bool, bool],
     ) -> None:
         self.plan = plan
-        self.work_dtype = torch.float64 if plan.compute_dtype == torch.float64 else torch.float32
-        self.x = hidden if hidden.dtype == plan.compute_dtype else hidden.to(plan.compute_dtype)
-        self.w = weight if weight.dtype == plan.compute_dtype else weight.to(plan.compute_dtype)
+        compute = plan.compute_dtype
+        self.work_dtype = torch.float64 if compute == torch.float64 else torch.float32
+        # the GEMM dtype: see the CPU note above
+        same = loss_gemm_bytes(compute.itemsize, hidden.device.type) == compute.itemsize
+        self.gemm_dtype = compute if same else self.work_dtype
+        self.x = _operand(hidden, compute, self.gemm_dtype)
+        self.w = _operand(weight, compute, self.gemm_dtype)
         self.b = None if bias is None else bias.to(self.work_dtype)
         self.n, self.h = self.x.shape
         self.v_local = self.w.shape[0]
@@ -124,8 +131,8 @@ class _ChunkRunner:
         device = self.x.device
         self.buf = torch.empty(rows, self.v_local, dtype=self.work_dtype, device=device)
         self.low = (
-            torch.empty(rows, self.v_local, dtype=plan.compute_dtype, device=device)
-            if plan.compute_dtype != self.work_dtype
+            torch.empty(rows, self.v_local, dtype=self.gemm_dtype, device=device)
+            if self.gemm_dtype != self.work_dtype
             else None
         )
         self.deriv = (
@@ -136,7 +143,9 @@ class _ChunkRunner:
         acc_dtype = torch.float64 if self.work_dtype == torch.float64 else plan.accum_dtype
         self.gx: torch.Tensor | None = None
         if self.need_gx:
-            gx_dtype = self.work_dtype if plan.group is not None else plan.compute_dtype
+            # In the hidden states' own dtype, filled chunk by chunk (no [N, h] cast at the end); fp32
+            # under vocab parallelism, where the ranks' partial sums are all-reduced.
+            gx_dtype = self.work_dtype if plan.group is not None else hidden.dtype
             self.gx = torch.empty(self.n, self.h, dtype=gx_dtype, device=device)
         self.gw = torch.zeros(self.v_local, self.h, dtype=acc_dtype, device=device) if self.need_gw else None
         self.gb = torch.zeros(self.v_local, dtype=acc_dtype, device=device) if self.need_gb else None
@@ -252,25 +261,21 @@ class _ChunkRunner:
             probs.mul_(self.deriv[:c])
         if self.gb is not None:
             self.gb.add_(probs.sum(0, dtype=self.gb.dtype))
-        x_c = self.x[start:end]
-        cpu = probs.device.type == "cpu"
-        if self.low is None:
-            grad = probs
-        elif cpu:
-            # column-major [c, V] view of the low-precision buffer (see the CPU layout note above)
-            grad = self.low.view(-1)[: c * self.v_local].view(self.v_local, c).copy_(probs.t()).t()
-        else:
-            grad = self.low[:c].copy_(probs)
+        grad = probs if self.low is None else self.low[:c].copy_(probs)
         if self.gx is not None:
             if self.gx.dtype == grad.dtype:
                 torch.mm(grad, self.w, out=self.gx[start:end])
             else:
                 self.gx[start:end] = torch.mm(grad, self.w)
         if self.gw is not None:
-            if cpu and self.low is not None:
-                _accumulate_weight_grad(self.gw, probs, x_c.to(probs.dtype))
-            else:
-                _accumulate_weight_grad(self.gw, grad, x_c)
+            _accumulate_weight_grad(self.gw, grad, self.x[start:end])
+
+
+def _operand(tensor: torch.Tensor, compute: torch.dtype, gemm: torch.dtype) -> torch.Tensor:
+    """``tensor`` rounded to the compute dtype, held in the GEMM dtype (no copy when it already is)."""
+    if tensor.dtype != compute:
+        tensor = tensor.to(compute)
+    return tensor if tensor.dtype == gemm else tensor.to(gemm)
 
 
 def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, x_c: torch.Tensor) -> None:

@@ -333,6 +333,7 @@ def _dispatch(
             compute_dtype,
             budget_bytes=options.chunk_budget_bytes,
             softcap=options.softcap is not None,
+            device=device_type,
         )
     else:
         chunk = min(int(options.chunk_size), max(n_tokens, 1))

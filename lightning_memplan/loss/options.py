@@ -162,11 +162,24 @@ def _check_float(name: str, value: Any) -> None:
     check_number(name, value, minimum=None, hint="a finite float")
 
 
-def chunk_row_bytes(vocab: int, compute_dtype: torch.dtype, *, softcap: bool = False) -> int:
-    """Bytes of chunk working set per token row: ``V·(4 + e [+ 4])``
-    (:func:`lightning_memplan.model.terms.loss_chunk_row_bytes` for the GEMM dtype's element size)."""
-    elem = torch.empty((), dtype=compute_dtype).element_size()
-    return loss_chunk_row_bytes(vocab, elem, softcap=softcap)
+def _device_type(device: str | torch.device) -> str:
+    """``"cuda"``, ``"cpu"``, ... of a device or device string; a clear error for anything else."""
+    if isinstance(device, torch.device):
+        return device.type
+    if not isinstance(device, str):
+        raise TypeError(f"device={device!r} must be a device type string such as 'cuda' or 'cpu', or a torch.device")
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a torch device; pass 'cuda', 'cpu' or another torch device type") from None
+
+
+def chunk_row_bytes(
+    vocab: int, compute_dtype: torch.dtype, *, softcap: bool = False, device: str | torch.device = "cuda"
+) -> int:
+    """Bytes of chunk working set per token row on ``device``: ``V·(4 + g [+ 4])``, g the GEMM dtype's
+    element size (:func:`lightning_memplan.model.terms.loss_chunk_row_bytes`)."""
+    return loss_chunk_row_bytes(vocab, compute_dtype.itemsize, softcap=softcap, device=_device_type(device))
 
 
 def auto_chunk_size(
@@ -177,13 +190,21 @@ def auto_chunk_size(
     *,
     budget_bytes: int = AUTO_CHUNK_BUDGET_BYTES,
     softcap: bool = False,
+    device: str | torch.device = "cuda",
 ) -> int:
-    """Tokens per chunk for ``chunk_size="auto"``: deterministic in the shapes
+    """Tokens per chunk for ``chunk_size="auto"`` on ``device``: deterministic in the shapes
     (:func:`lightning_memplan.model.terms.auto_loss_chunk_tokens`). Chunking is skipped (one chunk
     of N rows) when N ≤ h: then the [N, V] logits are no larger than the [V, h] weight and its fp32
     gradient that exist anyway."""
-    elem = torch.empty((), dtype=compute_dtype).element_size()
-    return auto_loss_chunk_tokens(n_tokens, hidden, vocab, elem, budget_bytes=budget_bytes, softcap=softcap)
+    return auto_loss_chunk_tokens(
+        n_tokens,
+        hidden,
+        vocab,
+        compute_dtype.itemsize,
+        budget_bytes=budget_bytes,
+        softcap=softcap,
+        device=_device_type(device),
+    )
 
 
 def check_inputs(

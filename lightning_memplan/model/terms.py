@@ -49,6 +49,7 @@ __all__ = [
     "auto_loss_chunk_tokens",
     "autocast_copy_bytes",
     "loss_chunk_row_bytes",
+    "loss_gemm_bytes",
     "ddp_bucket_bytes",
     "embedding_param_count",
     "eager_attention_bytes",
@@ -391,22 +392,32 @@ def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: 
     The gradients are computed during the forward, chunk by chunk, and kept until backward scales
     them by ``grad_output``: the hidden states' gradient ``N*h`` (hidden dtype: the residual dtype,
     fp32 under autocast) and the fp32 weight gradient ``V*h*4``. The forward's peak adds the last
-    chunk's working set ``chunk * V * (4 + e)`` (:func:`loss_chunk_row_bytes`) and, when the GEMMs run
-    in 16 bit, the casts of the weight and hidden states and one weight-gradient block. ``chunk`` is
-    ``loss_chunk_size`` or the ``"auto"`` rule (:func:`auto_loss_chunk_tokens`).
+    chunk's working set ``chunk * V * (4 + g)`` (:func:`loss_chunk_row_bytes`) and the GEMM operands'
+    copies: when the GEMMs run in 16 bit (CUDA), the casts of the weight and hidden states to it and one
+    weight-gradient block; when a 16-bit compute dtype runs fp32 GEMMs (CPU, :func:`loss_gemm_bytes`),
+    fp32 copies of the weight and hidden states. The hidden states' gradient is filled chunk by chunk in
+    their dtype, through a [chunk, h] product when that is not the GEMM dtype.
+    ``chunk`` is ``loss_chunk_size`` or the ``"auto"`` rule (:func:`auto_loss_chunk_tokens`).
     """
     pb = precision_bytes(train)
     h, e = model.hidden, pb.compute
-    chunk = min(tokens, train.loss_chunk_size or auto_loss_chunk_tokens(tokens, h, vocab, e))
+    gemm = loss_gemm_bytes(e, train.device)
+    chunk = min(tokens, train.loss_chunk_size or auto_loss_chunk_tokens(tokens, h, vocab, e, device=train.device))
     stored = tokens * h * pb.residual + vocab * h * FP32_BYTES
-    casts = 0
-    if e != FP32_BYTES:
-        casts = min(vocab * h * e, LOSS_WEIGHT_GRAD_BLOCK_BYTES)
+    # One transient at a time inside the loop: the chunk's input-gradient product, when the hidden
+    # states (whose dtype their gradient is filled in) are not in the GEMM dtype, or a weight-gradient block.
+    product = chunk * h * gemm if pb.residual != gemm else 0
+    if gemm != e:
+        casts = (vocab + tokens) * h * gemm + product
+    elif e != FP32_BYTES:
+        casts = max(min(vocab * h * e, LOSS_WEIGHT_GRAD_BLOCK_BYTES), product)
         if pb.param != e:
             casts += vocab * h * e
         if pb.residual != e:
             casts += tokens * h * e
-    forward = chunk * loss_chunk_row_bytes(vocab, e) + stored + casts
+    else:
+        casts = product
+    forward = chunk * loss_chunk_row_bytes(vocab, e, device=train.device) + stored + casts
     backward = stored + (vocab * h * pb.grad if pb.grad != FP32_BYTES else 0)
     return {"forward": forward, "held": stored, "backward": backward}
 
@@ -493,11 +504,23 @@ CHUNK_ROW_MULTIPLE = 64
 AUTO_CHUNK_GRAD_FRACTION = 0.5
 
 
-def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = False) -> int:
-    """Chunked-loss working set per token row: ``V*(4 + e [+ 4])``: one fp32 [chunk, V] buffer holds
-    logits -> exp -> gradient in place, a [chunk, V] copy in the GEMM dtype (e bytes, when not fp32)
-    feeds the matmuls, and a softcap keeps one more fp32 buffer for its derivative."""
-    per_elem = FP32_BYTES + (compute_bytes if compute_bytes != FP32_BYTES else 0)
+def loss_gemm_bytes(compute_bytes: int, device: str) -> int:
+    """Element size of the chunked loss's GEMM operands for a compute dtype of ``compute_bytes`` on
+    ``device``: the compute dtype's, except on CPU, where a 16-bit compute dtype runs its GEMMs in fp32
+    on operands rounded to 16 bit (torch's CPU bf16 GEMM is 3-7x slower than fp32 without native bf16
+    instructions; the measurements are in lightning_memplan/loss/chunked.py)."""
+    if device == "cpu" and compute_bytes < FP32_BYTES:
+        return FP32_BYTES
+    return compute_bytes
+
+
+def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = False, device: str = "cuda") -> int:
+    """Chunked-loss working set per token row: ``V*(4 + g [+ 4])``: one fp32 [chunk, V] buffer holds
+    logits -> exp -> gradient in place, a [chunk, V] copy in the GEMM dtype (g bytes, when not fp32:
+    :func:`loss_gemm_bytes`) feeds the matmuls, and a softcap keeps one more fp32 buffer for its
+    derivative."""
+    gemm = loss_gemm_bytes(compute_bytes, device)
+    per_elem = FP32_BYTES + (gemm if gemm != FP32_BYTES else 0)
     if softcap:
         per_elem += FP32_BYTES
     return vocab * per_elem
@@ -512,19 +535,20 @@ def auto_loss_chunk_tokens(
     budget_bytes: int = AUTO_CHUNK_BUDGET_BYTES,
     softcap: bool = False,
     grad_fraction: float = AUTO_CHUNK_GRAD_FRACTION,
+    device: str = "cuda",
 ) -> int:
     """Tokens per chunk of ``chunk_size="auto"`` (the rule the loss, the planner and the estimate
     share): ``rows = min(budget, grad_fraction * (N*h + V*h) * e) // row_bytes``, at most N / 16,
     rounded down to a multiple of 64 (at least 64); no chunking (one chunk of N rows) when
     ``N <= max(h, 64)``, where the [N, V] logits are no larger than the [V, h] weight and its fp32
     gradient that exist anyway (the break-even torch's ``LinearCrossEntropyOptions`` documents).
-    The gradient cap keeps the working set within half the gradients' bytes (dh + dW)
+    ``row_bytes`` is :func:`loss_chunk_row_bytes` on ``device``. The gradient cap keeps the working set within half the gradients' bytes (dh + dW)
     (:data:`AUTO_CHUNK_GRAD_FRACTION`)."""
     if n_tokens <= max(hidden, CHUNK_ROW_MULTIPLE):
         return max(n_tokens, 1)
     grads = (n_tokens + vocab) * hidden * compute_bytes
     budget = min(budget_bytes, int(grad_fraction * grads))
-    rows = budget // max(loss_chunk_row_bytes(vocab, compute_bytes, softcap=softcap), 1)
+    rows = budget // max(loss_chunk_row_bytes(vocab, compute_bytes, softcap=softcap, device=device), 1)
     rows = min(rows, n_tokens // AUTO_MIN_CHUNKS)
     rows = max(CHUNK_ROW_MULTIPLE, rows - rows % CHUNK_ROW_MULTIPLE)
     return min(rows, n_tokens)

@@ -104,7 +104,9 @@ CHUNK_OVERHEAD_S = 30e-6
 def planned_chunk_size(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
     """Tokens per loss chunk the loss's ``chunk_size="auto"`` rule picks for b*s = ``tokens``
     (:func:`lightning_memplan.model.terms.auto_loss_chunk_tokens`, shared with the loss)."""
-    return terms.auto_loss_chunk_tokens(tokens, model.hidden, model.vocab_size, terms.precision_bytes(train).logits)
+    return terms.auto_loss_chunk_tokens(
+        tokens, model.hidden, model.vocab_size, terms.precision_bytes(train).logits, device=train.device
+    )
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:

@@ -95,6 +95,52 @@ def test_peak_memory_is_a_fraction_of_naive():
     assert ours <= 0.1 * naive
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("shape", [(2048, 256, 16000), (1024, 512, 32000)], ids=["N>h", "h>N/4"])
+def test_forward_peak_matches_the_estimate_on_cpu(precision, shape):
+    """PyTorch's MemTracker on a real CPU forward (the chunked loss computes its gradients there):
+    the extra peak above the inputs equals :func:`terms.logits_bytes`'s ``"forward"`` on
+    ``device="cpu"`` within 2 % (16-bit compute runs fp32 GEMMs on CPU: fp32 copies of W and x)."""
+    from lightning_memplan.model import ModelSpec, TrainSpec, terms
+
+    n, h, v = shape
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    with tracker:  # inputs created inside, so that the tracker knows them from their allocation
+        hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+        weight = torch.randn(v, h, dtype=dtype, requires_grad=True)
+        target = torch.randint(0, v, (n,))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            linear_cross_entropy(hidden, weight, target)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    extra = peak - (n + v) * h * dtype.itemsize - n * 8
+    train = TrainSpec(micro_batch=1, seq_len=n, precision=precision, loss="chunked", device="cpu")
+    estimate = terms.logits_bytes(ModelSpec(1, h, 1, v), train, n)["forward"]
+    assert estimate == pytest.approx(extra, rel=0.02)
+
+
+def test_cpu_bf16_gemms_are_fp32_products_of_the_bf16_operands():
+    """On CPU a bf16 call computes x·Wᵀ in fp32 on the bf16 values (what a bf16 GEMM with fp32
+    accumulation computes, without rounding the logits to bf16): the loss equals fp32 cross-entropy
+    of the upcast operands to fp32 precision, and the gradients its gradients rounded to bf16."""
+    torch.manual_seed(0)
+    n, h, v = 300, 64, 1000
+    hidden = torch.randn(n, h).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h) * 0.3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    loss = linear_cross_entropy(hidden, weight, target, chunk_size=64)
+    loss.backward()
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    ref = F.cross_entropy(h32 @ w32.t(), target)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    # within one bf16 rounding step (2**-7 relative): the chunks sum in another order than one GEMM
+    torch.testing.assert_close(weight.grad, w32.grad.to(torch.bfloat16), atol=1e-6, rtol=2**-7)
+    torch.testing.assert_close(hidden.grad, h32.grad.to(torch.bfloat16), atol=1e-6, rtol=2**-7)
+
+
 def test_gradient_accumulation_scaling_matches_reference():
     """Two micro-batches with loss/2 each (what Lightning's accumulate_grad_batches does)."""
     torch.manual_seed(0)

@@ -119,6 +119,22 @@ def test_second_backward_raises_unless_allowed():
     torch.testing.assert_close(weight.grad, 2 * first)
 
 
+def test_auto_chunk_size_on_cpu_counts_the_fp32_gemm_buffer_only():
+    # On CPU a bf16 call runs fp32 GEMMs (no [chunk, V] bf16 copy): the row is the fp32 buffer, V * 4.
+    v = 65536
+    assert chunk_row_bytes(v, torch.bfloat16, device="cpu") == v * 4
+    assert chunk_row_bytes(v, torch.bfloat16, device=torch.device("cpu")) == v * 4
+    assert chunk_row_bytes(v, torch.float16, device="cpu", softcap=True) == v * 8
+    # issue 12's bf16 shape: 0.5 * (4096 + 65536) * 1024 * 2 / (4 V) = 272 rows, at most N / 16 = 256;
+    # on CUDA the 6-byte row gives 181 -> 128 (multiple of 64)
+    assert auto_chunk_size(4096, 1024, v, torch.bfloat16, device="cpu") == 256
+    assert auto_chunk_size(4096, 1024, v, torch.bfloat16) == 128
+    with pytest.raises(ValueError, match="device='gpu0' is not a torch device"):
+        auto_chunk_size(4096, 1024, v, torch.bfloat16, device="gpu0")
+    with pytest.raises(TypeError, match="device=0 must be a device type string"):
+        chunk_row_bytes(v, torch.bfloat16, device=0)
+
+
 def test_auto_chunk_size_rule():
     v, h = 128256, 1024
     row = chunk_row_bytes(v, torch.bfloat16)

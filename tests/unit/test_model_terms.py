@@ -78,6 +78,11 @@ def test_logits_128k_by_128k_seed_000():
     v, h, s = 128 * 1024, 128, 128 * 1024
     assert ch["forward"] == 4096 * v * (4 + 2) + s * h * 2 + v * h * 4 + min(v * h * 2, 16 * 2**20)
     assert ch["forward"] < out["forward"] / 20
+    # On CPU the 16-bit GEMMs run in fp32 (terms.loss_gemm_bytes): the working set is the fp32 buffer
+    # alone, and fp32 copies of W and of the hidden states plus one [chunk, h] fp32 product join it.
+    cpu = terms.logits_bytes(model, train.replace(loss="chunked", loss_chunk_size=4096, device="cpu"), s)
+    assert cpu["forward"] == 4096 * v * 4 + s * h * 2 + v * h * 4 + (v + s) * h * 4 + 4096 * h * 4
+    assert cpu["held"] == ch["held"] == s * h * 2 + v * h * 4
 
 
 S, B, H, A = 2048, 4, 4096, 32
