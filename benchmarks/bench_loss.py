@@ -73,9 +73,9 @@ def memplan_loss(chunk: int | str, accum_dtype: torch.dtype = torch.float32) -> 
 #: The two shapes of issue 12: (dtype, N, h, V). Targets: extra peak <= 1.25x and time <= 0.95x torch's
 #: ``F.linear_cross_entropy`` (default options), both measured in this one run.
 ISSUE12_SHAPES = (("float32", 8192, 512, 32000), ("bfloat16", 4096, 1024, 65536))
-#: The CPU default of ``--issue12``: the same dtypes at shapes one core runs in a few minutes (CPU bf16
-#: GEMMs run at ~4 GFLOP/s on one core of the reference machine, so the issue's bf16 shape, 1.65 TFLOP
-#: per step, takes ~7 minutes a step); ``--issue12-full`` runs the issue's shapes (meant for CUDA).
+#: The CPU default of ``--issue12``: the same dtypes at shapes one core runs in a few minutes;
+#: ``--issue12-full`` runs the issue's shapes (about 15 minutes on one core of the reference machine,
+#: most of it torch's bf16 kernel: 85-98 s a step there).
 ISSUE12_CPU_SHAPES = (("float32", 4096, 512, 32000), ("bfloat16", 1024, 256, 16384))
 ISSUE12_MEM, ISSUE12_TIME = 1.25, 0.95
 
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="issue 12's comparison against torch's F.linear_cross_entropy (on CPU at the "
                              "smaller ISSUE12_CPU_SHAPES unless --issue12-full)")
     parser.add_argument("--issue12-full", action="store_true",
-                        help="with --issue12: the issue's own shapes (N=8192/4096; the bf16 one takes hours on CPU)")
+                        help="with --issue12: the issue's own shapes (N=8192/4096; ~15 minutes on one CPU core)")
     parser.add_argument("--issue12-dtype", choices=("float32", "bfloat16"), default=None,
                         help="with --issue12: only the shape of this dtype (e.g. the fp32 one of --issue12-full on CPU)")
     args = parser.parse_args(argv)

@@ -50,6 +50,7 @@ __all__ = [
     "autocast_copy_bytes",
     "loss_chunk_row_bytes",
     "loss_gemm_bytes",
+    "planned_loss_chunk_tokens",
     "ddp_bucket_bytes",
     "embedding_param_count",
     "eager_attention_bytes",
@@ -402,7 +403,7 @@ def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: 
     pb = precision_bytes(train)
     h, e = model.hidden, pb.compute
     gemm = loss_gemm_bytes(e, train.device)
-    chunk = min(tokens, train.loss_chunk_size or auto_loss_chunk_tokens(tokens, h, vocab, e, device=train.device))
+    chunk = min(tokens, train.loss_chunk_size or planned_loss_chunk_tokens(model, train, tokens, vocab))
     stored = tokens * h * pb.residual + vocab * h * FP32_BYTES
     # One transient at a time inside the loop: the chunk's input-gradient product, when the hidden
     # states (whose dtype their gradient is filled in) are not in the GEMM dtype, or a weight-gradient block.
@@ -526,6 +527,14 @@ def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = Fals
     return vocab * per_elem
 
 
+def planned_loss_chunk_tokens(model: ModelSpec, train: TrainSpec, tokens: int, vocab: int | None = None) -> int:
+    """Tokens per chunk the loss's ``chunk_size="auto"`` picks for ``tokens`` = b*s tokens of a run
+    (:func:`auto_loss_chunk_tokens` at its compute dtype and device; ``vocab`` the local vocabulary,
+    the model's by default): the one place the estimate and the planner's time model call the rule."""
+    v = model.vocab_size if vocab is None else vocab
+    return auto_loss_chunk_tokens(tokens, model.hidden, v, precision_bytes(train).compute, device=train.device)
+
+
 def auto_loss_chunk_tokens(
     n_tokens: int,
     hidden: int,
@@ -542,8 +551,8 @@ def auto_loss_chunk_tokens(
     rounded down to a multiple of 64 (at least 64); no chunking (one chunk of N rows) when
     ``N <= max(h, 64)``, where the [N, V] logits are no larger than the [V, h] weight and its fp32
     gradient that exist anyway (the break-even torch's ``LinearCrossEntropyOptions`` documents).
-    ``row_bytes`` is :func:`loss_chunk_row_bytes` on ``device``. The gradient cap keeps the working set within half the gradients' bytes (dh + dW)
-    (:data:`AUTO_CHUNK_GRAD_FRACTION`)."""
+    ``row_bytes`` is :func:`loss_chunk_row_bytes` on ``device``. The gradient cap keeps the working
+    set within half the gradients' bytes (dh + dW) (:data:`AUTO_CHUNK_GRAD_FRACTION`)."""
     if n_tokens <= max(hidden, CHUNK_ROW_MULTIPLE):
         return max(n_tokens, 1)
     grads = (n_tokens + vocab) * hidden * compute_bytes

@@ -7,6 +7,7 @@ import heapq
 import time
 from typing import Any
 
+from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
@@ -18,7 +19,6 @@ from lightning_memplan.planning.timing import (
     Layout,
     LayoutTimes,
     StepTimeModel,
-    planned_chunk_size,
     topology_notes,
 )
 
@@ -129,7 +129,7 @@ class _Search:
         if train is None:
             chunk = self.train.loss_chunk_size
             if loss == "chunked" and chunk is None:
-                chunk = planned_chunk_size(self.model, self.train, lc.b * self.train.seq_len // lc.cp)
+                chunk = terms.planned_loss_chunk_tokens(self.model, self.train, lc.b * self.train.seq_len // lc.cp)
             train = self._trains[tkey] = self.train.replace(
                 micro_batch=lc.b, grad_accumulation=tkey[1], recompute=rc, loss=loss, loss_chunk_size=chunk
             )

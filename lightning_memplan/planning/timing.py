@@ -74,7 +74,6 @@ __all__ = [
     "StepTimeModel",
     "bubble_overhead",
     "is_cpu_host",
-    "planned_chunk_size",
     "predict_step_time",
     "time_model_applies",
     "topology_notes",
@@ -101,14 +100,6 @@ TIME_MODEL_OFF = "step time not modelled on CPU (no accelerator figures); layout
 FSDP_UNIT_OVERHEAD_S = 100e-6
 #: Fixed cost per loss chunk (three GEMM launches plus the elementwise kernels), seconds [LK24].
 CHUNK_OVERHEAD_S = 30e-6
-def planned_chunk_size(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
-    """Tokens per loss chunk the loss's ``chunk_size="auto"`` rule picks for b*s = ``tokens``
-    (:func:`lightning_memplan.model.terms.auto_loss_chunk_tokens`, shared with the loss)."""
-    return terms.auto_loss_chunk_tokens(
-        tokens, model.hidden, model.vocab_size, terms.precision_bytes(train).logits, device=train.device
-    )
-
-
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Share of the step the pipeline idles: ``(p-1) / (v m + p - 1)`` [N21 2.2.1; v > 1: 2.2.2].
 
@@ -474,7 +465,7 @@ class StepTimeModel:
                 logits = tok_rank * model.vocab_size * pb.logits
                 cost += all_gather_time(logits, t, tp_link) + reduce_scatter_time(logits, t, tp_link)
             if lm == "chunked":
-                chunk = train.loss_chunk_size or planned_chunk_size(model, train, tok_rank)
+                chunk = train.loss_chunk_size or terms.planned_loss_chunk_tokens(model, train, tok_rank)
                 cost += math.ceil(tok_rank / chunk) * CHUNK_OVERHEAD_S
             loss_mb[lm] = cost
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lightning_memplan.hardware import HardwareSpec
+from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.reserved import reserved_memory
 from lightning_memplan.model.result import readable_bytes
@@ -24,7 +25,7 @@ from lightning_memplan.planning import (
     plan,
 )
 from lightning_memplan.planning.space import Allow, enumerate_layouts
-from lightning_memplan.planning.timing import Layout, StepTimeModel, planned_chunk_size
+from lightning_memplan.planning.timing import Layout, StepTimeModel
 
 GiB = 2**30
 LONGCTX = ModelSpec(4, 1024, 8, 128256, ffn_kind="swiglu", norm="rmsnorm", name="longctx")
@@ -304,7 +305,7 @@ def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1
                         pp = lc.pp > 1
                         p = ParallelPlan(lc.dp, lc.tp, lc.pp, lc.cp, sp=sp, zero=z, microbatches=lc.m if pp else 1,
                                          schedule=lc.schedule if pp else "1f1b", virtual_stages=lc.v if pp else 1)
-                        chunk = planned_chunk_size(model, train, lc.b * train.seq_len // lc.cp) if lm == "chunked" else None
+                        chunk = terms.planned_loss_chunk_tokens(model, train, lc.b * train.seq_len // lc.cp) if lm == "chunked" else None
                         t = train.replace(micro_batch=lc.b, grad_accumulation=1 if pp else lc.m, recompute=rc, loss=lm,
                                           loss_chunk_size=chunk)
                         peak = _reserved(model, t, p)

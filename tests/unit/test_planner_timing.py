@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_memplan.hardware import HardwareSpec
+from lightning_memplan.model import terms
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
     CUDA_CONTEXT_BYTES,
@@ -27,7 +28,6 @@ from lightning_memplan.planning.comm import (
     reduce_scatter_time,
 )
 from lightning_memplan.planning.space import divisors, enumerate_layouts, micro_batch_options
-from lightning_memplan.planning.timing import planned_chunk_size
 
 GiB = 2**30
 
@@ -141,7 +141,9 @@ def test_chunk_size_mirrors_the_loss_auto_rule():
                                  (32000, 4096, 1024, "bf16-true", torch.bfloat16), (128256, 1024, 131072, "bf16-mixed", torch.bfloat16)]:
         m = ModelSpec(2, h, 8, V)
         t = TrainSpec(micro_batch=1, seq_len=n, precision=prec)
-        assert planned_chunk_size(m, t, n) == auto_chunk_size(n, h, V, dtype)
+        assert terms.planned_loss_chunk_tokens(m, t, n) == auto_chunk_size(n, h, V, dtype)
+        cpu = t.replace(device="cpu")
+        assert terms.planned_loss_chunk_tokens(m, cpu, n) == auto_chunk_size(n, h, V, dtype, device="cpu")
 
 
 def test_budget_terms_by_hand():
