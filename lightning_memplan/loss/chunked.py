@@ -35,17 +35,12 @@ from lightning_memplan.loss.formulas import (
     softcap_derivative,
     token_loss,
 )
-from lightning_memplan.model.terms import loss_gemm_bytes
+from lightning_memplan.model.terms import LOSS_WEIGHT_GRAD_BLOCK_BYTES, loss_gemm_bytes
 
 __all__ = ["ChunkPlan", "ChunkedLinearCrossEntropyFunction", "STAT_FIELDS"]
 
 STAT_FIELDS = ("n_tokens", "correct", "entropy_sum", "lse_sq_sum")
 """Order of the non-differentiable statistics vector returned next to the loss (sums over tokens)."""
-
-_WEIGHT_GRAD_TEMP_BYTES = 16 * 2**20
-"""Largest temporaries of a per-chunk weight-gradient product in another dtype than the accumulator
-(the product and the ``add_``'s casts; computed in vocab blocks of this size; torch has no CPU GEMM
-with a low-precision input and an fp32 output, ``mm(out_dtype=)`` is CUDA only)."""
 
 _ARGMAX_SENTINEL = torch.iinfo(torch.int64).max
 
@@ -280,7 +275,9 @@ def _operand(tensor: torch.Tensor, compute: torch.dtype, gemm: torch.dtype) -> t
 
 def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, x_c: torch.Tensor) -> None:
     """``acc += gradᵀ·x_c``; a product in another dtype than ``acc`` is computed per vocab block (at
-    most :data:`_WEIGHT_GRAD_TEMP_BYTES`) and added to it."""
+    most :data:`lightning_memplan.model.terms.LOSS_WEIGHT_GRAD_BLOCK_BYTES` of temporaries: the product and
+    the ``add_``'s casts, the figure the estimate counts) and added to it. (torch has no GEMM with a
+    16-bit input and an fp32 output on CPU; ``mm(out_dtype=)`` is CUDA only.)"""
     if grad.dtype == acc.dtype:
         acc.addmm_(grad.t(), x_c.to(acc.dtype))
         return
@@ -288,7 +285,7 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, x_c: torch.Te
     # the profiler's allocator events (torch 2.13 CPU, a 16384 x 256 block), 3x the block's fp32 bytes
     # for an fp32 product into a bf16 accumulator, 3x its bf16 bytes for a bf16 product into fp32.
     per_elem = grad.element_size() + 4 + (4 if acc.element_size() < 4 else 0)
-    rows = max(256, _WEIGHT_GRAD_TEMP_BYTES // max(x_c.shape[1] * per_elem, 1))
+    rows = max(256, LOSS_WEIGHT_GRAD_BLOCK_BYTES // max(x_c.shape[1] * per_elem, 1))
     for v0 in range(0, acc.shape[0], rows):
         v1 = min(acc.shape[0], v0 + rows)
         acc[v0:v1].add_(torch.mm(grad[:, v0:v1].t(), x_c))
