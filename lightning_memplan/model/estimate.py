@@ -118,9 +118,13 @@ def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int, framework: st
     one extra block; Llama 3's stack counts the embedding and the output layer as a block each). Stage 0
     holds the embedding, stage p-1 the final norm and lm_head (and, with tied embeddings and p > 1, its
     own copy of V*h)."""
-    p = plan.pp
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    layers = frameworks.rank_block_counts(model.n_layers, p, v, framework)[stage] if p > 1 else model.n_layers
+    return _stage_layout(model.n_layers, plan.pp, plan.virtual_stages if plan.schedule == "interleaved" else 1, stage,
+                         framework)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by what the split depends on: plans differing elsewhere share it
+def _stage_layout(n_layers: int, p: int, v: int, stage: int, framework: str) -> StageLayout:
+    layers = frameworks.rank_block_counts(n_layers, p, v, framework)[stage] if p > 1 else n_layers
     return StageLayout(stage=stage, n_layers=layers, has_embedding=stage == 0, has_head=stage == p - 1)
 
 
@@ -131,7 +135,11 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
     TP splits matmul weights, biases, the vocab-parallel embedding and the lm_head by t; norms are
     replicated. With an explicit ``n_params`` the shape-derived count is rescaled to it.
     """
-    t = plan.tp
+    return _local_params_of(model, plan.tp, plan.pp > 1, layout)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by what the count depends on: plans differing elsewhere share it
+def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLayout) -> tuple[int, int, int]:
     h, v = model.hidden, model.vocab_size
     norm = terms.norm_param_count(model)
     layer_matmul = terms.layer_matmul_param_count(model)
@@ -146,7 +154,7 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
         largest = max(largest, math.ceil(v * h / t))
     if layout.has_head:
         head_matrix = math.ceil(v * h / t)
-        needs_own_head = not model.tied_embeddings or (plan.pp > 1 and not layout.has_embedding)
+        needs_own_head = not model.tied_embeddings or (pipelined and not layout.has_embedding)
         params += norm + (head_matrix if needs_own_head else 0)
         matmul += head_matrix
         largest = max(largest, head_matrix)
@@ -163,12 +171,19 @@ def _chunk_shares(
     """Each local chunk's share of the stage's block activations (its blocks) and of its gradients (its
     parameters: blocks, the embedding on rank 0's first chunk, the final norm and lm_head on the last
     rank's last chunk). One chunk unless interleaved."""
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    counts = frameworks.stage_block_counts(model.n_layers, plan.pp * v, framework)
-    blocks = [counts[layout.stage + c * plan.pp] for c in range(v)] if v > 1 else [layout.n_layers]
-    local, _, _ = _local_params(model, plan, layout)
-    emb = _local_params(model, plan, dataclasses.replace(layout, has_head=False, n_layers=0))[0] if layout.has_embedding else 0
-    head = _local_params(model, plan, dataclasses.replace(layout, has_embedding=False, n_layers=0))[0] if layout.has_head else 0
+    return _chunk_shares_of(model, plan.tp, plan.pp, plan.virtual_stages if plan.schedule == "interleaved" else 1,
+                            layout, framework)
+
+
+@functools.lru_cache(maxsize=4096)  # keyed by what the shares depend on: plans differing elsewhere share them
+def _chunk_shares_of(
+    model: ModelSpec, t: int, p: int, v: int, layout: StageLayout, framework: str
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    counts = frameworks.stage_block_counts(model.n_layers, p * v, framework)
+    blocks = [counts[layout.stage + c * p] for c in range(v)] if v > 1 else [layout.n_layers]
+    local, _, _ = _local_params_of(model, t, p > 1, layout)
+    emb = _local_params_of(model, t, p > 1, dataclasses.replace(layout, has_head=False, n_layers=0))[0] if layout.has_embedding else 0
+    head = _local_params_of(model, t, p > 1, dataclasses.replace(layout, has_embedding=False, n_layers=0))[0] if layout.has_head else 0
     per_block = (local - emb - head) / max(layout.n_layers, 1)
     params = [n * per_block for n in blocks]
     params[0] += emb
@@ -208,7 +223,9 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     attn_layer = terms.eager_attention_bytes(model, train, b, s, t=t)
     if train.recompute == "full":
         saved_layer = terms.full_recompute_layer_bytes(model, train, b, s, t=t, sp=sp)
-        rebuild = full_layer + terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
+        rebuild = full_layer
+        if train.attention == "eager":  # the rebuilt block's probabilities (sdpa materialises none)
+            rebuild += terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
     elif train.recompute == "selective_op":
         # torchtitan's op-level policy: the kept outputs per block; the recompute rebuilds the rest
         saved_layer = checkpointing.selective_op_layer_bytes(model, train, b, s, t=t, sp=sp)

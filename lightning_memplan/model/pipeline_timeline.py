@@ -25,6 +25,7 @@ build their op lists; the estimate must run anywhere, for any p, m and v.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 __all__ = ["BackwardMoment", "StageMoment", "backward_moments", "stage_moments"]
@@ -45,44 +46,36 @@ class BackwardMoment(NamedTuple):
 def backward_moments(stage: int, p: int, m: int, schedule: str, v: int = 1) -> tuple[BackwardMoment, ...]:
     """Every backward of rank ``stage`` in one step of ``schedule`` with ``p`` ranks, ``m``
     micro-batches and ``v`` local chunks (``v`` counts only for ``"interleaved"``)."""
-    chunks = v if schedule == "interleaved" else 1
+    interleaved = schedule == "interleaved"
+    chunks = v if interleaved else 1
     total = m * chunks
+    per_round = m // max(1, m // p)  # interleaved: micro-batches per round before the chunk changes
     if schedule == "gpipe":
-        warmup, fwd_chunk, bwd_chunk = total, (lambda k: 0), (lambda k: 0)
-    elif schedule == "interleaved":
-        per_round = m // max(1, m // p)
+        warmup = total
+    elif interleaved:
         warmup = min(total, (chunks - 1) * per_round + 2 * (p - 1 - stage))
-
-        def fwd_chunk(k: int) -> int:
-            return (k // per_round) % chunks
-
-        def bwd_chunk(k: int) -> int:
-            return chunks - 1 - (k // per_round) % chunks
     else:  # 1f1b: warm-up forwards, then "1B1F"; the same held counts as forward/backward pairs
-        warmup, fwd_chunk, bwd_chunk = min(m, p - stage), (lambda k: 0), (lambda k: 0)
+        warmup = min(m, p - stage)
         warmup -= 1 if warmup < total else 0  # the pair loop's forward is the last warm-up one
+    # forward k runs local chunk (k // r) mod v, backward k chunk v - 1 - (k // r) mod v (one chunk unless
+    # interleaved); written as one loop, the planner replays many schedules
     held = [0] * chunks
     done = [False] * chunks
+    done_now = tuple(done)
     moments: list[BackwardMoment] = []
     forwards = 0
-
-    def forward() -> None:
-        nonlocal forwards
-        held[fwd_chunk(forwards)] += 1
-        forwards += 1
-
-    def backward(k: int) -> None:
-        chunk = bwd_chunk(k)
-        moments.append(BackwardMoment(held=tuple(held), chunk=chunk, done=tuple(done)))
+    for k in range(-warmup, total):
+        if forwards < total:  # the warm-up forwards (k < 0), then one before each backward while any remain
+            held[(forwards // per_round) % chunks if interleaved else 0] += 1
+            forwards += 1
+        if k < 0:
+            continue
+        chunk = chunks - 1 - (k // per_round) % chunks if interleaved else 0
+        moments.append(BackwardMoment(tuple(held), chunk, done_now))
         held[chunk] -= 1
-        done[chunk] = True
-
-    for _ in range(warmup):
-        forward()
-    for k in range(total):
-        if forwards < total:
-            forward()
-        backward(k)
+        if not done[chunk]:
+            done[chunk] = True
+            done_now = tuple(done)
     return tuple(moments)
 
 
@@ -119,25 +112,27 @@ def stage_moments(
     gradients (``acts_share``, ``grads_share``: one entry per local chunk, each summing to 1), without
     the moments another one dominates (no more of anything than it, so never the larger)."""
     chunks = len(acts_share)
+    if len(grads_share) != chunks:
+        raise ValueError(f"acts_share={acts_share!r} and grads_share={grads_share!r} must have one entry per local chunk")
     out: set[StageMoment] = set()
-    for mom in backward_moments(stage, p, m, schedule, v if chunks > 1 else 1):
-        before = sum((share for share, done in zip(grads_share, mom.done, strict=True) if done), 0.0)
-        after = before + (0.0 if mom.done[mom.chunk] else grads_share[mom.chunk])
-        held = sum(n * share for n, share in zip(mom.held, acts_share, strict=True))
-        head = mom.chunk == chunks - 1
-        out.add(
-            StageMoment(
-                inflight=held,
-                inflight_after=held - acts_share[mom.chunk],
-                inflight_head=float(mom.held[-1]) if has_head else 0.0,
-                loss_backward=has_head and head,
-                grads_before=before,
-                grads_after=min(after, 1.0),
-            )
-        )
+    before_of: dict[tuple[bool, ...], float] = {}  # gradients alive, per set of done chunks (at most v + 1)
+    # (a steady 1F1B phase repeats one backward state m - p times: each distinct state is weighted once)
+    for held_n, chunk, done in set(backward_moments(stage, p, m, schedule, v if chunks > 1 else 1)):
+        before = before_of.get(done)
+        if before is None:
+            before = before_of[done] = sum((share for share, d in zip(grads_share, done, strict=True) if d), 0.0)
+        after = before if done[chunk] else before + grads_share[chunk]
+        held = sum(map(operator.mul, held_n, acts_share))  # sum_c held_c * share_c, in chunk order
+        out.add(StageMoment(  # inflight, inflight_after, inflight_head, loss_backward, grads_before, grads_after
+            held, held - acts_share[chunk], float(held_n[-1]) if has_head else 0.0,
+            has_head and chunk == chunks - 1, before, min(after, 1.0),
+        ))
 
-    def covers(a: StageMoment, b: StageMoment) -> bool:
-        return a != b and all(x >= y for x, y in zip(a, b, strict=True))
-
-    kept = [mom for mom in out if not any(covers(other, mom) for other in out)]
+    # The moments no other covers (>= in every field, not equal). A cover is larger in the lexicographic
+    # order too, so in descending order each moment is checked against the kept ones before it only: a
+    # cover that was dropped is itself covered by a kept one (transitivity), which then covers this one.
+    kept: list[StageMoment] = []
+    for cand in sorted(out, reverse=True):
+        if not any(all(x >= y for x, y in zip(k, cand, strict=True)) for k in kept):
+            kept.append(cand)
     return tuple(sorted(kept))

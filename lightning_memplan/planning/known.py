@@ -127,14 +127,22 @@ def faster_but_not_chosen(other: Candidate, chosen: Candidate) -> str:
 
 def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     """The fastest fitting plan without the simplicity margin, when the margin passed it over: one line
-    with both predicted step times (one more search, ranked with ``margin=0``)."""
+    with both predicted step times (one more search, ranked with ``margin=0``).
+
+    Only a plan with more parallel dimensions than the choice can win it: with ``a`` axes and a score
+    ``x`` without the margin, one with ``a' <= a`` axes that scored less would have scored
+    ``x' (1 + margin)^a' < x (1 + margin)^a`` in the search itself. So the second search covers the
+    layouts with more axes and the scores below the choice's, and finds nothing when the choice is
+    also the fastest."""
     from lightning_memplan.planning.search import _Search
 
-    if not chosen.step.modelled or search.margin == 0:
+    axes = len(_axes(chosen))
+    if not chosen.step.modelled or search.margin == 0 or axes == 3:
         return []
+    own = chosen.score / (1.0 + search.margin) ** axes  # the choice's score without the margin
     sub = _Search(search.model, search.train, search.hardware, search.allow, search.global_batch, search.headroom,
                   search.explicit_budget, search.calibration, 1, margin=0.0, share=search,
-                  expandable_segments=search.expandable_segments)
+                  expandable_segments=search.expandable_segments, min_axes=axes + 1, cutoff=own * (1 - 1e-12))
     found = sub.run()
     search.evaluations += sub.evaluations
     if not found["candidates"]:

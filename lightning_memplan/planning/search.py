@@ -4,6 +4,7 @@ for the algorithm and the pruning rules); ``_Search`` also serves the nothing-fi
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from typing import Any
 
@@ -89,9 +90,12 @@ class _Search:
 
     def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k,
                  *, margin: float = SIMPLICITY_MARGIN, share: _Search | None = None,
-                 expandable_segments: bool = False) -> None:
+                 expandable_segments: bool = False, min_axes: int = 0, cutoff: float = math.inf) -> None:
         self.model, self.train, self.hardware = model, train, hardware
         self.margin = margin
+        # search only layouts with at least ``min_axes`` parallel dimensions (tp, pp, cp) and only
+        # scores below ``cutoff`` (known.fastest_plan_note: what can beat the choice without the margin)
+        self.min_axes, self.cutoff = min_axes, cutoff
         self.expandable_segments = expandable_segments
         self.allow, self.global_batch = allow, global_batch
         self.headroom, self.explicit_budget = headroom, explicit_budget
@@ -102,11 +106,17 @@ class _Search:
         self.evaluations = 0
         self._share = share
         self._enumerated: tuple | None = None
-        self._priced: tuple[StepTimeModel, dict[tuple, LayoutTimes]] | None = None
+        # the time model, its layout prices, compute-only lower bounds and each expanded layout's option
+        # combinations by score without the axes factor (shared with the sub-searches it covers)
+        self._priced: tuple[StepTimeModel, dict[tuple, LayoutTimes], dict[tuple, float], dict[tuple, list]] | None = None
         # combinations that do not fit (facts about the model and budget, whatever allow= searched)
         self.failures: dict[tuple[int, int, int, int], list[tuple]] = {}
         self._misses: dict[tuple, tuple[MemoryEstimate, Budget]] = {}
         self._without_pools: dict[tuple, bool] = {}  # _fails_without_pools, per recorded failure
+        # memo of budget(plan) and need(plan, train, est) (the fit test asks both several times per
+        # combination; the sub-searches of the explanation ask them again)
+        self._budgets: dict[ParallelPlan, Budget] = {}
+        self._needs: dict[tuple, tuple[MemoryEstimate, ReservedEstimate]] = {}
         if share is not None:  # a sub-search on the same model, TrainSpec, cluster and budget: reuse its estimates
             if (share.model, share.train, share.hardware, share.headroom, share.explicit_budget, share.calibration,
                     share.expandable_segments) != (
@@ -114,6 +124,7 @@ class _Search:
                 raise ValueError("share= must be a search of the same model, train, hardware and budget")
             self._cache, self._plans, self._trains = share._cache, share._plans, share._trains
             self.failures, self._misses, self._without_pools = share.failures, share._misses, share._without_pools
+            self._budgets, self._needs = share._budgets, share._needs
 
     # -- memory ------------------------------------------------------------------------------------
     def materialise(self, lc: LayoutChoice, rc: str, z: int, loss: str, sp: bool) -> tuple[ParallelPlan, TrainSpec]:
@@ -161,11 +172,20 @@ class _Search:
         return est
 
     def budget(self, plan: ParallelPlan) -> Budget:
-        return memory_budget(self.hardware, plan, headroom=self.headroom, explicit=self.explicit_budget)
+        bud = self._budgets.get(plan)
+        if bud is None:
+            bud = self._budgets[plan] = memory_budget(self.hardware, plan, headroom=self.headroom,
+                                                      explicit=self.explicit_budget)
+        return bud
 
     def need(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> ReservedEstimate:
         """What ``est`` needs of the device (``planning.budget.device_need``: reserved on CUDA)."""
-        return device_need(self.model, train, plan, est, self.hardware, expandable_segments=self.expandable_segments)
+        hit = self._needs.get((plan, train))
+        if hit is not None and hit[0] is est:
+            return hit[1]
+        need = device_need(self.model, train, plan, est, self.hardware, expandable_segments=self.expandable_segments)
+        self._needs[(plan, train)] = (est, need)
+        return need
 
     def fits(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> bool:
         """The fit test: the modelled reserved peak (allocated on CPU) <= the plan's budget."""
@@ -211,35 +231,47 @@ class _Search:
         zeros = tuple(sorted({z for lc in layouts for z in lc.zeros}))
         losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
         if share is not None and share._priced is not None and _covers(share._priced[0], recomputes, zeros, losses):
-            tm, times = share._priced  # a superset of this search's options: its layout prices serve
+            tm, times, lower, expanded = share._priced  # a superset of this search's options: its prices serve
         else:
             tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
-            times = {}
-        self._priced = (tm, times)
+            times, lower, expanded = {}, {}, {}
+        self._priced = (tm, times, lower, expanded)
         mult = [ranking_factor(0.0, n, modelled=tm.modelled, margin=self.margin) for n in range(4)]
 
-        def factor(lc: LayoutChoice, cost: float) -> float:  # ranking_factor, its axes term tabled
-            return (1.0 + CHANGE_PENALTY * cost) * mult[(lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)]
+        def axes_factor(lc: LayoutChoice) -> float:  # ranking_factor's axes term, tabled
+            return mult[(lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)]
+
+        def factor(lc: LayoutChoice, cost: float) -> float:  # ranking_factor
+            return (1.0 + CHANGE_PENALTY * cost) * axes_factor(lc)
 
         def price(lc: LayoutChoice) -> LayoutTimes:
-            key = (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
+            key = _price_key(lc)
             lt = times.get(key)
             if lt is None:  # GPipe and 1F1B share every time term
                 lt = times[key] = tm.layout(_layout(lc))
             return lt
 
+        def lower_bound(lc: LayoutChoice) -> float:
+            key = _price_key(lc)
+            lb = lower.get(key)
+            if lb is None:
+                lb = lower[key] = tm.compute_lower_bound(_layout(lc))
+            return lb
+
         lts: list[LayoutTimes | None] = [None] * len(layouts)
         # Cheap compute-only bounds first (k = -2); a layout is priced when it reaches the top of the
         # heap and re-queued with its full bound (k = -1), so most layouts are never priced.
         heap = [
-            (tm.compute_lower_bound(_layout(lc))
+            (lower_bound(lc)
              / (lc.dp * lc.m * lc.b * train.seq_len) * factor(lc, _layout_cost(lc, train.micro_batch)), i, -2)
             for i, lc in enumerate(layouts)
+            if (lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1) >= self.min_axes
         ]
         heapq.heapify(heap)
         t_enum = time.perf_counter() - t0
 
         combos: dict[int, list[tuple[float, str, int, str, bool]]] = {}
+        axes_of: dict[int, float] = {}  # each expanded layout's axes factor
         ocost = {(z, sp, rc, lm): _option_cost(z, sp, rc, lm, train.loss)
                  for z in zeros for sp in (False, True) for rc in recomputes for lm in losses}
         pruned: dict[int, int] = {}
@@ -257,6 +289,9 @@ class _Search:
         self._closest: tuple | None = None
         while heap and len(candidates) < self.top_k:
             score, i, k = heapq.heappop(heap)
+            if score >= self.cutoff:  # every later entry scores at least as much
+                heapq.heappush(heap, (score, i, k))
+                break
             if i in done:
                 continue
             lc, lt = layouts[i], lts[i]
@@ -282,16 +317,22 @@ class _Search:
                     done.add(i)
                     rejected.append(verdict)
                     continue
-                base = _layout_cost(lc, train.micro_batch)
-                opts = [
-                    (lt.total(rc, z, lm) / lt.tokens * factor(lc, base + ocost[(z, sp, rc, lm)]), rc, z, lm, sp)
-                    for rc in recomputes for z in lc.zeros for lm in lc.losses for sp in lc.sps
-                ]
-                opts.sort(key=lambda o: o[0])
+                opts = expanded.get((lc, recomputes))
+                if opts is None:  # ranked without the axes factor, the same for every combination of lc
+                    base = _layout_cost(lc, train.micro_batch)
+                    opts = [
+                        (lt.total(rc, z, lm) / lt.tokens * (1.0 + CHANGE_PENALTY * (base + ocost[(z, sp, rc, lm)])),
+                         rc, z, lm, sp)
+                        for rc in recomputes for z in lc.zeros for lm in lc.losses for sp in lc.sps
+                    ]
+                    opts.sort(key=lambda o: o[0])
+                    expanded[(lc, recomputes)] = opts
                 combos[i] = opts
-                heapq.heappush(heap, (opts[0][0], i, 0))
+                axes_of[i] = axes_factor(lc)
+                heapq.heappush(heap, (opts[0][0] * axes_of[i], i, 0))
                 continue
-            sc, rc, z, lm, sp = combos[i][k]
+            raw, rc, z, lm, sp = combos[i][k]
+            sc = raw * axes_of[i]
             est = bud = None
             dom = self._bounded_out(lc, rc, z, lm, sp, layouts[first_in_family.get(fam, i)])
             if dom is not None and dom == (lc, rc, z, lm, sp) and dom in self._misses:
@@ -318,7 +359,7 @@ class _Search:
                 rejected.append(self.memory_rejection(
                     f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", plan, tr, est))
             if k + 1 < len(combos[i]):
-                heapq.heappush(heap, (combos[i][k + 1][0], i, k + 1))
+                heapq.heappush(heap, (combos[i][k + 1][0] * axes_of[i], i, k + 1))
             else:
                 done.add(i)
 
@@ -575,6 +616,11 @@ class _Search:
 def _covers(tm: StepTimeModel, recomputes: tuple, zeros: tuple, losses: tuple) -> bool:
     """Whether ``tm``'s layout prices hold every option a search over these sets looks up."""
     return set(recomputes) <= set(tm.recomputes) and set(zeros) <= set(tm.zeros) and set(losses) <= set(tm.losses)
+
+
+def _price_key(lc: LayoutChoice) -> tuple:
+    """What a layout's time terms depend on (GPipe and 1F1B share every one)."""
+    return (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
 
 
 def _layout(lc: LayoutChoice) -> Layout:

@@ -71,3 +71,29 @@ def test_weighted_moments_keep_the_latest_full_and_the_tail():
     assert any(mom.grads_before == 1.0 for mom in moms)  # the last backward, every gradient alive
     for a in moms:  # none dominated by another
         assert not any(b != a and all(x >= y for x, y in zip(b, a, strict=True)) for b in moms)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_moments_are_exactly_the_undominated_backwards(schedule):
+    """stage_moments keeps every backward state no other covers and nothing else: the pairwise filter
+    over all of :func:`backward_moments`, weighted, is the reference (stage_moments checks each state
+    against the kept ones only, in descending order)."""
+    from lightning_memplan.model.pipeline_timeline import StageMoment
+
+    for p, m in ((2, 3), (4, 8), (4, 16), (8, 32)):
+        for v in ((2, 3) if schedule == "interleaved" else (1,)):
+            chunks = v if schedule == "interleaved" else 1
+            acts = tuple((c + 1) / sum(range(1, chunks + 1)) for c in range(chunks))  # unequal chunks
+            grads = acts[::-1]
+            for stage in range(p):
+                has_head = stage == p - 1
+                weighted = set()
+                for mom in backward_moments(stage, p, m, schedule, v):
+                    before = sum((g for g, done in zip(grads, mom.done, strict=True) if done), 0.0)
+                    after = before + (0.0 if mom.done[mom.chunk] else grads[mom.chunk])
+                    held = sum(n * a for n, a in zip(mom.held, acts, strict=True))
+                    weighted.add(StageMoment(held, held - acts[mom.chunk], float(mom.held[-1]) if has_head else 0.0,
+                                             has_head and mom.chunk == chunks - 1, before, min(after, 1.0)))
+                ref = sorted(a for a in weighted
+                             if not any(b != a and all(x >= y for x, y in zip(b, a, strict=True)) for b in weighted))
+                assert list(stage_moments(stage, p, m, schedule, v, acts, grads, has_head)) == ref

@@ -122,6 +122,36 @@ def test_fastest_plan_the_margin_passes_over_is_named_in_numbers():
     assert " pp=" in m.group(1) and " cp=" in m.group(1)
 
 
+@pytest.mark.parametrize(
+    ("preset", "chip", "nodes", "seq", "gb", "framework"),
+    [
+        ("llama3-8b", "h100-80gb", 4, 2048, None, "torch"),  # the margin passes a faster plan over
+        ("llama3-8b", "l40s", 2, 8192, 256, "llama3"),
+        ("llama3-70b", "h100-80gb", 16, 8192, 256, "torch"),
+        ("llama3-8b", "h100-80gb", 1, 2048, None, "torch"),  # the choice is also the fastest
+        ("llama3-70b", "h100-80gb", 4, 8192, None, "llama3"),
+    ],
+)
+def test_fastest_plan_note_equals_a_full_search_without_the_margin(preset, chip, nodes, seq, gb, framework):
+    """known.fastest_plan_note searches only layouts with more axes than the choice, below its score: its
+    line names the plan an unrestricted margin-0 search of every layout ranks first (or is absent where
+    that plan is the choice or not faster)."""
+    from lightning_memplan.planning.search import _Search
+    from lightning_memplan.planning.space import Allow
+
+    model, train = ModelSpec.preset(preset), TrainSpec(micro_batch=1, seq_len=seq, framework=framework)
+    hw = HardwareSpec.preset(chip, gpus_per_node=8 if chip != "l40s" else 4, num_nodes=nodes)
+    d = plan(model, train, hw, global_batch=gb)
+    full = _Search(model, train, hw, Allow.parse(None), gb, 0.1, None, None, 1, margin=0.0).run()
+    fast = full["candidates"][0]
+    chosen = d.candidates[0]
+    notes = [n for n in d.notes if n.startswith("fastest predicted plan")]
+    if (fast.plan, fast.train) == (chosen.plan, chosen.train) or fast.step.tokens_per_s <= chosen.step.tokens_per_s * 1.0005:
+        assert notes == []
+    else:
+        assert notes and notes[0].startswith(f"fastest predicted plan {fast.describe()}: {fast.step.total_s:.3g} s/step")
+
+
 def test_no_rejection_is_bounded_by_itself():
     """A layout checked first as its family's bound reports its own estimate, not "needs at least as much
     as <itself>"."""
