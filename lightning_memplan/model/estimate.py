@@ -111,7 +111,6 @@ class StageLayout:
     has_head: bool
 
 
-@functools.lru_cache(maxsize=8192)  # frozen inputs; the planner's search asks for the same stages often
 def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int, framework: str = "torch") -> StageLayout:
     """Split L blocks over p stages (v chunks each when interleaved) as ``framework`` does
     (:func:`lightning_memplan.model.frameworks.rank_block_counts`: the first ``L mod (p v)`` chunks take
@@ -122,13 +121,12 @@ def stage_layout(model: ModelSpec, plan: ParallelPlan, stage: int, framework: st
                          framework)
 
 
-@functools.lru_cache(maxsize=4096)  # keyed by what the split depends on: plans differing elsewhere share it
+@functools.lru_cache(maxsize=4096)  # keyed by what the split depends on, not by the whole plan
 def _stage_layout(n_layers: int, p: int, v: int, stage: int, framework: str) -> StageLayout:
     layers = frameworks.rank_block_counts(n_layers, p, v, framework)[stage] if p > 1 else n_layers
     return StageLayout(stage=stage, n_layers=layers, has_embedding=stage == 0, has_head=stage == p - 1)
 
 
-@functools.lru_cache(maxsize=4096)  # frozen inputs; called for every phase and by the planner's search
 def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> tuple[int, int, int]:
     """(parameters held by a rank before ZeRO sharding, its matmul weights, its largest tensor).
 
@@ -138,7 +136,7 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
     return _local_params_of(model, plan.tp, plan.pp > 1, layout)
 
 
-@functools.lru_cache(maxsize=4096)  # keyed by what the count depends on: plans differing elsewhere share it
+@functools.lru_cache(maxsize=4096)  # keyed by what the count depends on, not by the whole plan
 def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLayout) -> tuple[int, int, int]:
     h, v = model.hidden, model.vocab_size
     norm = terms.norm_param_count(model)
@@ -164,7 +162,6 @@ def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLay
     return params, matmul, largest
 
 
-@functools.lru_cache(maxsize=4096)  # frozen inputs; independent of the batch shape
 def _chunk_shares(
     model: ModelSpec, plan: ParallelPlan, layout: StageLayout, framework: str
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -175,7 +172,7 @@ def _chunk_shares(
                             layout, framework)
 
 
-@functools.lru_cache(maxsize=4096)  # keyed by what the shares depend on: plans differing elsewhere share them
+@functools.lru_cache(maxsize=4096)  # keyed by what the shares depend on, not by the batch shape or the whole plan
 def _chunk_shares_of(
     model: ModelSpec, t: int, p: int, v: int, layout: StageLayout, framework: str
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:

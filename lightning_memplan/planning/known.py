@@ -134,12 +134,12 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     ``x' (1 + margin)^a' < x (1 + margin)^a`` in the search itself. So the second search covers the
     layouts with more axes and the scores below the choice's, and finds nothing when the choice is
     also the fastest."""
-    from lightning_memplan.planning.search import _Search
+    from lightning_memplan.planning.search import _Search, ranking_factor
 
     axes = len(_axes(chosen))
     if not chosen.step.modelled or search.margin == 0 or axes == 3:
         return []
-    own = chosen.score / (1.0 + search.margin) ** axes  # the choice's score without the margin
+    own = chosen.score / ranking_factor(0.0, axes, margin=search.margin)  # the choice's score without the margin
     sub = _Search(search.model, search.train, search.hardware, search.allow, search.global_batch, search.headroom,
                   search.explicit_budget, search.calibration, 1, margin=0.0, share=search,
                   expandable_segments=search.expandable_segments, min_axes=axes + 1, cutoff=own * (1 - 1e-12))

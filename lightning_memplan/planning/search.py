@@ -239,7 +239,7 @@ class _Search:
         mult = [ranking_factor(0.0, n, modelled=tm.modelled, margin=self.margin) for n in range(4)]
 
         def axes_factor(lc: LayoutChoice) -> float:  # ranking_factor's axes term, tabled
-            return mult[(lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)]
+            return mult[_axes_count(lc)]
 
         def factor(lc: LayoutChoice, cost: float) -> float:  # ranking_factor
             return (1.0 + CHANGE_PENALTY * cost) * axes_factor(lc)
@@ -265,7 +265,7 @@ class _Search:
             (lower_bound(lc)
              / (lc.dp * lc.m * lc.b * train.seq_len) * factor(lc, _layout_cost(lc, train.micro_batch)), i, -2)
             for i, lc in enumerate(layouts)
-            if (lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1) >= self.min_axes
+            if _axes_count(lc) >= self.min_axes
         ]
         heapq.heapify(heap)
         t_enum = time.perf_counter() - t0
@@ -616,6 +616,11 @@ class _Search:
 def _covers(tm: StepTimeModel, recomputes: tuple, zeros: tuple, losses: tuple) -> bool:
     """Whether ``tm``'s layout prices hold every option a search over these sets looks up."""
     return set(recomputes) <= set(tm.recomputes) and set(zeros) <= set(tm.zeros) and set(losses) <= set(tm.losses)
+
+
+def _axes_count(lc: LayoutChoice) -> int:
+    """How many of tp, pp, cp a layout uses (:func:`parallel_axes`, counted)."""
+    return (lc.tp > 1) + (lc.pp > 1) + (lc.cp > 1)
 
 
 def _price_key(lc: LayoutChoice) -> tuple:
