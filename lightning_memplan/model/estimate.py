@@ -220,9 +220,7 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     attn_layer = terms.eager_attention_bytes(model, train, b, s, t=t)
     if train.recompute == "full":
         saved_layer = terms.full_recompute_layer_bytes(model, train, b, s, t=t, sp=sp)
-        rebuild = full_layer
-        if train.attention == "eager":  # the rebuilt block's probabilities (sdpa materialises none)
-            rebuild += terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
+        rebuild = full_layer + terms.eager_attention_bytes(model, train.replace(recompute="none"), b, s, t=t)
     elif train.recompute == "selective_op":
         # torchtitan's op-level policy: the kept outputs per block; the recompute rebuilds the rest
         saved_layer = checkpointing.selective_op_layer_bytes(model, train, b, s, t=t, sp=sp)
