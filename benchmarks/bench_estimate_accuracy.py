@@ -34,7 +34,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
-from lightning_memplan.model.trace import trace_memory  # noqa: E402
+from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 from lightning_memplan.testing.zoo import (  # noqa: E402
     GPT,
     ConvNet,

@@ -31,9 +31,9 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
-from lightning_memplan.model.hf_trace import vision_tokens  # noqa: E402
+from lightning_memplan.tracking.hf_trace import vision_tokens  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, TrainSpec  # noqa: E402
-from lightning_memplan.model.trace import trace_memory  # noqa: E402
+from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 from lightning_memplan.testing.hf_architectures import (  # noqa: E402
     ARCHITECTURES,
     build_model,

@@ -11,7 +11,7 @@ and is not timed. Each measurement runs in a fresh Python process, timed from af
   copies are built on the meta device and traced under fake tensors (this includes importing
   transformers' modeling code, which the config alone does not import);
 - ``cold, disk hit``: a fresh process whose cache directory holds the entry the first run wrote
-  (``model/hf_cache.py``: one JSON file, read and parsed);
+  (``tracking/hf_cache.py``: one JSON file, read and parsed);
 - ``cold, traced, modeling imported``: as the first, with transformers' modeling modules imported
   before the timer (what the trace itself costs);
 - ``warm``: the same process asking again (a different batch shape: the same cache entry, the
@@ -133,7 +133,7 @@ def main() -> None:
     print(text)
     if args.write:
         sys.path.insert(0, str(_ROOT))
-        from lightning_memplan.report.atomic import write_atomic
+        from lightning_memplan.files import write_atomic
 
         path = _ROOT / "benchmarks" / "results" / f"cpu_{datetime.date.today():%Y-%m-%d}_hf_cold.md"
         write_atomic(path, "# Config-only HF trace: cold and warm speed (`benchmarks/bench_hf_cold.py`)\n\n" + text)

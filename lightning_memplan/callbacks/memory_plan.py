@@ -1,8 +1,8 @@
 """``MemoryPlanCallback``: estimate and measure per-rank memory every step, report after each epoch.
 
-The Trainer's front door over :class:`~lightning_memplan.callbacks.session.MemorySession` (the core it
+The Trainer's front door over :class:`~lightning_memplan.monitoring.session.MemorySession` (the core it
 shares with Fabric's :class:`~lightning_memplan.fabric.MemoryMonitor`): the hooks describe the fit with
-a :class:`~lightning_memplan.callbacks.session.RunContext` and drive the session; logging, the report
+a :class:`~lightning_memplan.monitoring.session.RunContext` and drive the session; logging, the report
 folders of the Trainer's loggers and the spawn hand-off stay here.
 """
 
@@ -16,11 +16,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memplan.callbacks import emit
-from lightning_memplan.callbacks.artifacts import log_report_files, report_dirs
-from lightning_memplan.callbacks.handoff import load_handoff, runs_in_children, save_handoff
-from lightning_memplan.callbacks.options import MonitorOptions
-from lightning_memplan.callbacks.session import MemorySession, RunContext
+from lightning_memplan.monitoring import emit
+from lightning_memplan.monitoring.artifacts import log_report_files, report_dirs
+from lightning_memplan.monitoring.handoff import load_handoff, runs_in_children, save_handoff
+from lightning_memplan.monitoring.options import MonitorOptions
+from lightning_memplan.monitoring.session import MemorySession, RunContext
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.records import MemoryReport

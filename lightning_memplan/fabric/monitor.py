@@ -1,9 +1,9 @@
 """``MemoryMonitor``: the :class:`~lightning_memplan.callbacks.MemoryPlanCallback`'s estimate, measurement,
 warnings, OOM report and epoch report for a hand-written Lightning Fabric loop.
 
-Fabric's front door over the same :class:`~lightning_memplan.callbacks.session.MemorySession` the
+Fabric's front door over the same :class:`~lightning_memplan.monitoring.session.MemorySession` the
 callback drives: the monitor describes the loop with a
-:class:`~lightning_memplan.callbacks.session.RunContext` read from the Fabric and what ``fabric.setup``
+:class:`~lightning_memplan.monitoring.session.RunContext` read from the Fabric and what ``fabric.setup``
 returned, and ``with monitor.step(batch):`` stands where the Trainer's batch hooks would.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_memplan.callbacks import emit
-from lightning_memplan.callbacks.artifacts import log_report_files
-from lightning_memplan.callbacks.options import MonitorOptions
-from lightning_memplan.callbacks.session import MemorySession, RunContext
+from lightning_memplan.monitoring import emit
+from lightning_memplan.monitoring.artifacts import log_report_files
+from lightning_memplan.monitoring.options import MonitorOptions
+from lightning_memplan.monitoring.session import MemorySession, RunContext
 from lightning_memplan.fabric.collectives import broadcast_json, gather_json
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.records import EpochReport, MemoryReport, StepRecord
@@ -118,7 +118,7 @@ class MemoryMonitor:
             :class:`~lightning_memplan.callbacks.MemoryPlanCallback`.
         loss_fn: ``(module, batch) -> loss`` the calibration trace runs on a fake copy of the module;
             pass the loss of your loop (default: next-token cross-entropy of a token batch, as
-            :func:`~lightning_memplan.model.trace.default_loss`).
+            :func:`~lightning_memplan.tracking.trace.default_loss`).
         grads_alive_in_forward: ``False`` (default) for the usual Fabric order ``backward, step,
             zero_grad`` (no gradients exist in the next forward); ``True`` when the loop zeroes gradients
             only after the forward.

@@ -2,8 +2,8 @@
 
 A thin adapter over Lightning Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (process
 group, distributed checkpoints, FSDP2 ``no_backward_sync``) sharing the Trainer strategy's core
-(house style 17): :mod:`lightning_memplan.strategies.resolve` plans (rank 0 resolves, broadcasts, every
-rank builds the mesh and checks agreement) and :mod:`lightning_memplan.strategies.apply` applies
+(house style 17): :mod:`lightning_memplan.parallel.resolve` plans (rank 0 resolves, broadcasts, every
+rank builds the mesh and checks agreement) and :mod:`lightning_memplan.parallel.apply` applies
 TP(+SP) -> activation checkpointing -> FSDP2 / replication, through ``ModelParallelStrategy``'s own
 ``parallelize_fn`` hook. What only Fabric needs:
 
@@ -39,18 +39,18 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.strategies.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
-from lightning_memplan.strategies.decision import Resolution
-from lightning_memplan.strategies.inputs import (
+from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
+from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.inputs import (
     BatchShapeUnknown,
     compose_train_spec,
     optimizer_spec,
     peek_loader,
 )
-from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
-from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, alias_mesh, build_device_mesh
-from lightning_memplan.strategies.record import explain, publish, record
-from lightning_memplan.strategies.resolve import (
+from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
+from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, alias_mesh, build_device_mesh
+from lightning_memplan.parallel.record import explain, publish, record
+from lightning_memplan.parallel.resolve import (
     PlanningOptions,
     check_agreement,
     resolve,
@@ -236,7 +236,7 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
                 "memplan_auto plans one model per Fabric, and one is already set up; put the models in one "
                 "nn.Module, or use another strategy for the second"
             )
-        from lightning_memplan.callbacks.infer import parallelised_by
+        from lightning_memplan.parallel.infer import parallelised_by
 
         already = parallelised_by(module)
         if already is not None:
@@ -304,7 +304,7 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
     def _read_train(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> TrainSpec:
         """The run's TrainSpec: shape from ``train=``, ``example_input_array`` or the first loader's batch;
         precision from Fabric's precision plugin; the optimizer given to ``fabric.setup`` (AdamW if none)."""
-        from lightning_memplan.callbacks.infer import InferenceError
+        from lightning_memplan.parallel.infer import InferenceError
 
         base = self._options.train
         shape = (base.micro_batch, base.seq_len) if base is not None else self._batch_shape(module)
@@ -321,7 +321,7 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
         )
 
     def _batch_shape(self, module: nn.Module) -> tuple[int, int]:
-        from lightning_memplan.callbacks.infer import InferenceError, batch_shape
+        from lightning_memplan.parallel.infer import InferenceError, batch_shape
 
         sample = getattr(module, "example_input_array", None)
         if sample is None and self._loaders:

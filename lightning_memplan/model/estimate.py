@@ -399,7 +399,7 @@ def _estimate_stage(
         local_for_optimizer = trainable_local
     else:
         local_for_optimizer = local
-    # zero=2 is FSDP2 ``fully_shard(reshard_after_forward=False)`` (SHARD_GRAD_OP, strategies/mesh.py):
+    # zero=2 is FSDP2 ``fully_shard(reshard_after_forward=False)`` (SHARD_GRAD_OP, parallel/mesh.py):
     # the parameters are sharded as for zero=3 (each rank keeps its 1/N shard for the whole step); the
     # unsharded copy it keeps from forward to backward is the ``comm`` term below [PT fully_shard].
     # Measured on 2 gloo ranks (tests/distributed/test_zero2_memory.py): a whole-parameter term here
@@ -621,7 +621,7 @@ def estimate_memory(
         plan: the parallel layout (:class:`ParallelPlan`); ``None`` means one device.
         rank: a global rank (mesh order pp, dp, cp, tp with tp fastest); ``None`` returns the worst
             rank. Ranks differ only by pipeline stage.
-        calibration: coefficients fitted by :func:`lightning_memplan.model.trace.calibrate` for this
+        calibration: coefficients fitted by :func:`lightning_memplan.tracking.trace.calibrate` for this
             model; replaces the analytic activation/attention/logits/workspace/other terms.
 
     Returns:
@@ -645,7 +645,7 @@ def estimate_memory(
     check_compatible(model, train, plan)
     if calibration is None and model.hf_config is not None:
         # a spec read from a Hugging Face config: trace the real model class when transformers is there
-        from lightning_memplan.model.hf_trace import hf_trace_estimate
+        from lightning_memplan.tracking.hf_trace import hf_trace_estimate
 
         traced = hf_trace_estimate(model, train, plan, rank=rank)
         if traced is not None:

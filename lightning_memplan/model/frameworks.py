@@ -81,7 +81,7 @@ def stage_block_counts(n_layers: int, n_stages: int, framework: str = "torch") -
     """Blocks on each of ``n_stages`` consecutive stages (``p * v`` when interleaved).
 
     The units (:func:`pipeline_units`) are split evenly, the first ``units mod n_stages`` stages taking one
-    more (``torch.distributed.pipelining``'s and :func:`lightning_memplan.strategies.pipeline.split_blocks`'s
+    more (``torch.distributed.pipelining``'s and :func:`lightning_memplan.parallel.pipeline.split_blocks`'s
     rule, torchtitan's too); the first stage then gives up the embedding's weight and the last the output
     layer's. Llama 3 405B, 126 blocks on 16 x 8 stages: stage 0 and stage 127 hold 0 blocks, the rest 1."""
     w = framework_facts(framework).embedding_head_weight
@@ -97,7 +97,7 @@ def stage_block_counts(n_layers: int, n_stages: int, framework: str = "torch") -
 
 def rank_block_counts(n_layers: int, p: int, v: int = 1, framework: str = "torch") -> list[int]:
     """Blocks held by each of the ``p`` pipeline ranks, rank r holding stages r, r + p, ..., r + (v-1) p
-    (looped placement, Narayanan et al. 2021 section 2.2.2; :func:`lightning_memplan.strategies.pipeline.
+    (looped placement, Narayanan et al. 2021 section 2.2.2; :func:`lightning_memplan.parallel.pipeline.
     stage_indices`)."""
     counts = stage_block_counts(n_layers, p * v, framework)
     return [sum(counts[r + k * p] for k in range(v)) for r in range(p)]

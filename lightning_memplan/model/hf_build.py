@@ -3,7 +3,7 @@
 From a config dict (``ModelSpec.hf_config``, parsed), :func:`build_reduced` builds the real model
 class (:func:`model_class`) with ``depth`` blocks on the meta device, in fp32, with the attention
 kernel and gradient checkpointing of the traced step; :func:`input_fn_for` says what batch its
-``forward`` takes. Nothing here traces or caches (``model/hf_calibrate.py``, ``model/hf_cache.py``).
+``forward`` takes. Nothing here traces or caches (``tracking/hf_calibrate.py``, ``tracking/hf_cache.py``).
 
 Depth reduction: every depth key (``num_hidden_layers`` / ``n_layer`` / ``num_layers``, and a
 seq2seq model's decoder and encoder counts) is set to ``depth`` and every per-layer list in the config

@@ -11,7 +11,7 @@ and weight shapes:
 
 A module that carries a Hugging Face ``config`` attribute is read from that config (with the exact
 parameter count of the module). Anything else gets a :class:`ModelSpec` with the exact ``n_params`` and
-a best-effort shape whose guesses are listed in its ``name``; use :func:`~lightning_memplan.model.trace.trace_memory`
+a best-effort shape whose guesses are listed in its ``name``; use :func:`~lightning_memplan.tracking.trace.trace_memory`
 for the activation side of such models.
 """
 
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_memplan.model.hf_trace import canonical_config_json
+from lightning_memplan.tracking.hf_trace import canonical_config_json
 from lightning_memplan.model.specs import ModelSpec
 from lightning_memplan.validation import check_bool, check_int, check_number
 
@@ -71,7 +71,7 @@ def _require_trace_for(cfg: Mapping[str, Any], model_type: str, vision: bool) ->
     cross-attention) and vision (patches, no vocabulary) configs would come out silently wrong from the
     analytic terms, so without ``transformers`` they raise instead.
     """
-    from lightning_memplan.model.hf_trace import hf_trace_available
+    from lightning_memplan.tracking.hf_trace import hf_trace_available
 
     experts = _first(cfg, _EXPERT_KEYS)
     reason = None
@@ -191,7 +191,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         max_positions=whole(_POSITIONS, positions) if positions else None,
         dropout=dropout,
         name=model_type or cfg.get("_name_or_path") or None,
-        # the traced path builds the real class from it (model/hf_trace.py); not for a nested text_config
+        # the traced path builds the real class from it (tracking/hf_trace.py); not for a nested text_config
         hf_config=canonical_config_json(top_level) if _first(top_level, _LAYERS) is not None else None,
     )
 
@@ -391,11 +391,11 @@ def spec_from_module(module: Any) -> ModelSpec:
 
 def _is_config_class(module: Any, cfg: Any) -> bool:
     """Whether ``module`` itself is the transformers class the traced path would build from ``cfg``
-    (:func:`~lightning_memplan.model.hf_trace.model_class`). A LightningModule wrapping it is not: its
+    (:func:`~lightning_memplan.tracking.hf_trace.model_class`). A LightningModule wrapping it is not: its
     ``training_step`` may do more than the model's own loss."""
     for m in (module,):
         if getattr(m, "config", None) is cfg and type(m).__module__.startswith("transformers."):
-            from lightning_memplan.model.hf_trace import model_class
+            from lightning_memplan.tracking.hf_trace import model_class
 
             try:
                 return model_class(cfg) is type(m)

@@ -51,7 +51,7 @@ class MemoryEstimate:
             for reports; informational, not added to the total.
         source: which path produced it: ``"analytic"`` (the hand-written terms), ``"calibrated"``
             (dynamic terms fitted from a traced step), ``"hf_trace"`` (config-only, traced from the
-            real Hugging Face class: ``model/hf_trace.py``), ``"traced"`` (:func:`trace_memory`) or
+            real Hugging Face class: ``tracking/hf_trace.py``), ``"traced"`` (:func:`trace_memory`) or
             ``"measured"``.
     """
 

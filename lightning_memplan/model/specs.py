@@ -112,7 +112,7 @@ class ModelSpec:
         name: free-form label shown in reports.
         hf_config: the Hugging Face config this spec was read from, as sorted JSON
             (:meth:`from_hf_config` sets it); with ``transformers`` installed, :func:`estimate_memory`
-            then traces the real model class (``model/hf_trace.py``, ``source="hf_trace"``) instead of
+            then traces the real model class (``tracking/hf_trace.py``, ``source="hf_trace"``) instead of
             using the hand-written activation terms. ``None``: the analytic terms.
         n_trainable_params: parameters that train (``requires_grad``); the rest are frozen (peft LoRA's
             base weights, frozen embeddings) and have no gradients, optimizer states or master copy.

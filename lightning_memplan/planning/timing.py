@@ -368,7 +368,7 @@ class StepTimeModel:
         ``p * v`` stages as ``train.framework`` splits them
         (:func:`lightning_memplan.model.frameworks.rank_block_counts`, the memory model's split): the
         first ``L mod (p v)`` take one more (torch.distributed.pipelining's and
-        :mod:`lightning_memplan.strategies.pipeline`'s split), rank r holding stages r, r + p, ...; Llama
+        :mod:`lightning_memplan.parallel.pipeline`'s split), rank r holding stages r, r + p, ...; Llama
         3's stack counts the embedding and the output layer as one block each, so its first and last
         rank hold one block fewer [L3 section 3.3.2]."""
         key = (p, v)

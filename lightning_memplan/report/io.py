@@ -2,7 +2,7 @@
 is already on disk and replaced atomically), ``memory_report.md``, ``memory_report.html`` (self-contained,
 see :mod:`~lightning_memplan.report.html`) and ``memory_report.png``.
 
-Every file goes through :func:`~lightning_memplan.report.atomic.write_atomic` (temporary file, fsync,
+Every file goes through :func:`~lightning_memplan.files.write_atomic` (temporary file, fsync,
 ``os.replace``; stale temporaries of a killed writer are removed by the next write). A file already there
 that is not a readable report (invalid JSON, or valid JSON that is not a report) is moved aside to
 ``memory_report.json.corrupt`` with a warning, never merged and never a crash.
@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_memplan.report.atomic import write_atomic
+from lightning_memplan.files import write_atomic
 from lightning_memplan.report.plot import matplotlib_available, render_png
 from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import render_markdown

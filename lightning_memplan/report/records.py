@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
-from lightning_memplan.report.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
+from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
 __all__ = [
     "REPORT_FORMAT_VERSION",

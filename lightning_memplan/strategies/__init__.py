@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memplan.strategies.decision import ForcedDecision, Resolution
-from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
+from lightning_memplan.parallel.decision import ForcedDecision, Resolution
+from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
 from lightning_memplan.strategies.memplan_auto import MemplanAutoStrategy
-from lightning_memplan.strategies.mesh import MeshAxis, MeshLayout
-from lightning_memplan.strategies.pipeline import PipelineRunner
-from lightning_memplan.strategies.record import PLAN_FILENAME
+from lightning_memplan.parallel.mesh import MeshAxis, MeshLayout
+from lightning_memplan.parallel.pipeline import PipelineRunner
+from lightning_memplan.parallel.record import PLAN_FILENAME
 
 __all__ = [
     "PLAN_FILENAME",

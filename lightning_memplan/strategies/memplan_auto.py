@@ -39,15 +39,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_memplan.callbacks.infer import has_fsdp2, parallelised_by
+from lightning_memplan.parallel.infer import has_fsdp2, parallelised_by
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.strategies.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
-from lightning_memplan.strategies.decision import Resolution
-from lightning_memplan.strategies.inputs import train_spec_for
-from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
-from lightning_memplan.strategies.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
-from lightning_memplan.strategies.pipeline import PipelineRunner
-from lightning_memplan.strategies.record import (
+from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
+from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.inputs import train_spec_for
+from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
+from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
+from lightning_memplan.parallel.pipeline import PipelineRunner
+from lightning_memplan.parallel.record import (
     CHECKPOINT_KEY,
     PLAN_FILENAME,
     explain,
@@ -55,15 +55,15 @@ from lightning_memplan.strategies.record import (
     record,
     stored_plan,
 )
-from lightning_memplan.strategies.resolve import (
+from lightning_memplan.parallel.resolve import (
     PlanningOptions,
     check_agreement,
     rendezvous,
     resolve,
     resolve_on_rank_zero,
 )
-from lightning_memplan.strategies.stall import RankRendezvous
-from lightning_memplan.strategies.tensor_parallel import resume_blocker
+from lightning_memplan.parallel.stall import RankRendezvous
+from lightning_memplan.parallel.tensor_parallel import resume_blocker
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -171,7 +171,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
             self._plan_if_pending()
 
     def _rendezvous(self, what: str) -> RankRendezvous | None:
-        """A bounded-wait check-in of every rank (:func:`~lightning_memplan.strategies.resolve.rendezvous`)."""
+        """A bounded-wait check-in of every rank (:func:`~lightning_memplan.parallel.resolve.rendezvous`)."""
         return rendezvous(what, self.global_rank, self.world_size)
 
     @contextmanager
@@ -222,7 +222,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         return model
 
     def _resolve(self, trainer: pl.Trainer) -> Resolution:
-        """Rank 0: the Trainer's inputs to :func:`~lightning_memplan.strategies.resolve.resolve`."""
+        """Rank 0: the Trainer's inputs to :func:`~lightning_memplan.parallel.resolve.resolve`."""
         lm = self._require_lightning_module()
         forced, source = self._options.plan, "forced"
         stored = stored_plan(getattr(trainer, "ckpt_path", None))

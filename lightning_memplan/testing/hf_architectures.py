@@ -121,7 +121,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def build_model(arch: Architecture, *, dropout: float, attention: str, checkpointing: bool, seed: int = 0) -> Any:
     """The real model (random weights, fp32) for ``arch``; HF gradient checkpointing when asked."""
-    from lightning_memplan.model.hf_trace import model_class
+    from lightning_memplan.tracking.hf_trace import model_class
 
     torch.manual_seed(seed)
     config = arch.config(dropout)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lightning_memplan.model.result import COMPONENTS
 from lightning_memplan.report.records import EpochReport, Incident, MemoryReport, RankAccumulator, StepRecord
-from lightning_memplan.report.timeline import TimelineBuilder
+from lightning_memplan.tracking.timeline import TimelineBuilder
 
 __all__ = ["synthetic_report", "synthetic_step"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
-from lightning_memplan.report.timeline import StepTimeline
+from lightning_memplan.tracking.timeline import StepTimeline
 
 __all__ = ["TrackerReport"]
 

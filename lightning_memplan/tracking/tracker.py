@@ -62,7 +62,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
-from lightning_memplan.report.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
+from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 from lightning_memplan.tracking.report import TrackerReport
 
 __all__ = ["TensorTracker"]

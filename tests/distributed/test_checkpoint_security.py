@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_memplan.strategies.record import CHECKPOINT_KEY, stored_plan
+from lightning_memplan.parallel.record import CHECKPOINT_KEY, stored_plan
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, causal_lm_loss
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_memplan.model.specs import ParallelPlan
-from lightning_memplan.strategies.mesh import CP_NOT_APPLIED, MeshLayout
+from lightning_memplan.parallel.mesh import CP_NOT_APPLIED, MeshLayout
 from lightning_memplan.testing import run_distributed
 
 CPU_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu"

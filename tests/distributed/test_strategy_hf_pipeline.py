@@ -3,7 +3,7 @@ pipeline parallelism on 2 gloo processes, and its losses equal single-process tr
 
 The plan is forced as ``ParallelPlan(pp=2)``: ParallelPlan's default ``microbatches=1`` cannot run 1F1B
 over two stages, so memplan_auto must replace it by 2 at setup and say so. The stages run the built-in
-Llama slice forward (``strategies/pipeline.py``): stage 0 holds ``model.embed_tokens`` and block 0,
+Llama slice forward (``parallel/pipeline.py``): stage 0 holds ``model.embed_tokens`` and block 0,
 stage 1 block 1, ``model.norm`` and ``lm_head``. The loss is transformers' own causal-LM loss
 (``LlamaForCausalLM.loss_function``: labels shifted inside), per micro-batch; every micro-batch holds
 the same number of tokens, so the schedule's mean of micro-batch means is the whole batch's mean.

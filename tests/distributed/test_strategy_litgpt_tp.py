@@ -18,8 +18,8 @@ from test_strategy_parity import make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.strategies.layouts import find_layout
-from lightning_memplan.strategies.tensor_parallel import litgpt_qkv_rows, tensor_parallel_blocker
+from lightning_memplan.parallel.layouts import find_layout
+from lightning_memplan.parallel.tensor_parallel import litgpt_qkv_rows, tensor_parallel_blocker
 from lightning_memplan.testing import run_distributed
 
 litgpt = pytest.importorskip("litgpt", reason="litgpt builds the GPT under test")
@@ -112,7 +112,7 @@ def test_litgpt_tp_refused_when_tp_does_not_divide_the_query_groups():
 def test_litgpt_resume_at_another_tp_is_refused():
     """Optimizer states of the split qkv are in a tp-dependent row order: resuming them at another tp would
     pair moments with the wrong rows, so memplan_auto's load_checkpoint refuses (same tp resumes)."""
-    from lightning_memplan.strategies.tensor_parallel import resume_blocker
+    from lightning_memplan.parallel.tensor_parallel import resume_blocker
 
     layout = find_layout(litgpt_gpt())
     assert resume_blocker(layout, 2, 2) is None

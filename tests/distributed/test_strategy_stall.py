@@ -1,5 +1,5 @@
 """A rank that hangs (rather than dies) before memplan_auto's rank agreement makes both ranks fail within
-a stated bound, each error naming the stalled rank (strategies/stall.py).
+a stated bound, each error naming the stalled rank (parallel/stall.py).
 
 Two gloo processes are started as plain subprocesses (not ``run_distributed``, which terminates the
 others as soon as one fails: here each process's own exit, its time and its message are the result).
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from lightning_memplan.strategies.stall import STALL_TIMEOUT_ENV
+from lightning_memplan.parallel.stall import STALL_TIMEOUT_ENV
 from lightning_memplan.testing import find_free_port
 
 T = 3.0  # MEMPLAN_STALL_TIMEOUT_S in the test: the bound on the peers' wait

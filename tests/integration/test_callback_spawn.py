@@ -11,7 +11,7 @@ import torch
 from test_callback_helpers import LitGPT, make_trainer, token_loader
 
 from lightning_memplan.callbacks import MemoryPlanCallback
-from lightning_memplan.callbacks.handoff import handoff_path
+from lightning_memplan.monitoring.handoff import handoff_path
 from lightning_memplan.testing.zoo import gpt2_style
 
 

@@ -23,10 +23,10 @@ from torch import nn
 
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_layout
-from lightning_memplan.strategies.decision import decide
-from lightning_memplan.strategies.pipeline import pipeline_blocker, split_blocks, stage_indices
-from lightning_memplan.strategies.planner_bridge import applicable, narrow_allow
-from lightning_memplan.strategies.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
+from lightning_memplan.parallel.decision import decide
+from lightning_memplan.parallel.pipeline import pipeline_blocker, split_blocks, stage_indices
+from lightning_memplan.parallel.planner_bridge import applicable, narrow_allow
+from lightning_memplan.parallel.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, MLPNet, causal_lm_loss, llama_style
 
@@ -222,7 +222,7 @@ def test_sequence_parallel_applies_to_recognised_layouts_without_pipelines():
 
 def test_the_plan_assumes_the_loss_a_linear_cross_entropy_module_runs():
     from lightning_memplan.loss import LinearCrossEntropy
-    from lightning_memplan.strategies.inputs import lce_loss_mode
+    from lightning_memplan.parallel.inputs import lce_loss_mode
 
     plain = nn.Sequential(nn.Linear(4, 4))
     assert lce_loss_mode(plain) == ("naive", None)
@@ -254,7 +254,7 @@ def test_auto_plan_replans_without_a_blocked_dimension():
 
 
 def test_module_blockers_are_the_setup_blockers_per_size():
-    from lightning_memplan.strategies.decision import applicability, module_blockers
+    from lightning_memplan.parallel.decision import applicability, module_blockers
 
     gqa = GPT(GPTConfig(64, 2, 32, 4, n_kv_heads=2))  # tp=4 cannot split 2 key/value heads; 2 blocks: pp <= 2
     blocked = module_blockers(find_layout(gqa), gqa, 4, self_parallel=False)
@@ -358,7 +358,7 @@ def _loader():
 def single_device_worker(rank: int, world: int, root: str) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_memplan.callbacks.infer import infer_plan
+    from lightning_memplan.parallel.infer import infer_plan
 
     strategy = MemplanAutoStrategy(memory_budget=2**30)
     logger = CSVLogger(root, name="run")

@@ -1,4 +1,4 @@
-"""Data on disk: atomic writes (report/atomic.py), stale temporaries, malformed reports, the plan file.
+"""Data on disk: atomic writes (files.py), stale temporaries, malformed reports, the plan file.
 
 The kill loop forks a writer that rewrites the report files as fast as it can and SIGKILLs it 24 times,
 half at random moments and half once a write is under way; after every kill the files on disk are
@@ -18,7 +18,7 @@ import pytest
 from test_report import _two_rank_epoch  # noqa: I001 - the report fixture of the report tests
 
 from lightning_memplan.report import MemoryReport
-from lightning_memplan.report.atomic import atomic_target, clean_stale_temps, temp_path, write_atomic
+from lightning_memplan.files import atomic_target, clean_stale_temps, temp_path, write_atomic
 from lightning_memplan.report.io import load_report, write_report
 
 KILLS = 24
@@ -89,7 +89,7 @@ def test_a_file_that_is_not_a_report_is_moved_aside_with_a_warning(tmp_path, con
 
 
 def test_the_plan_file_is_written_atomically():
-    # memplan_auto (Trainer and Fabric: strategies/record.py's publish) writes memplan_plan.json through the
+    # memplan_auto (Trainer and Fabric: parallel/record.py's publish) writes memplan_plan.json through the
     # one atomic helper, not a plain open("w") (read as text: importing Lightning costs more than this whole
     # file; the fit tests check the file's content)
     text = (Path(__file__).resolve().parents[2] / "lightning_memplan" / "strategies" / "record.py").read_text()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_memplan.callbacks import MemoryPlanCallback, is_out_of_memory
-from lightning_memplan.callbacks.advice import REMEDIES, culprit, headroom_message, mismatch_message, remedy
-from lightning_memplan.callbacks.infer import (
+from lightning_memplan.monitoring.advice import REMEDIES, culprit, headroom_message, mismatch_message, remedy
+from lightning_memplan.parallel.infer import (
     InferenceError,
     batch_factory,
     batch_shape,
@@ -20,7 +20,7 @@ from lightning_memplan.callbacks.infer import (
     infer_plan,
     infer_train_spec,
 )
-from lightning_memplan.callbacks.measure import PhaseProbe, read_rss
+from lightning_memplan.monitoring.measure import PhaseProbe, read_rss
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.report import StepRecord
 
@@ -334,7 +334,7 @@ class _FakeAllocator:
 
 
 def test_cuda_probe_phase_peaks_with_a_scripted_allocator(monkeypatch):
-    from lightning_memplan.callbacks.measure import CudaProbe
+    from lightning_memplan.monitoring.measure import CudaProbe
 
     fake = _FakeAllocator()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)
@@ -368,8 +368,8 @@ def test_report_text_goes_to_tensorboard_and_the_wandb_table_is_numeric():
     loggers: tests/integration/test_callback_loggers.py), W&B's table in numbers, not "1.000 GiB"."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
-    from lightning_memplan.callbacks.artifacts import table_rows
-    from lightning_memplan.callbacks.emit import log_report_text
+    from lightning_memplan.monitoring.artifacts import table_rows
+    from lightning_memplan.monitoring.emit import log_report_text
     from lightning_memplan.report import EpochReport, RankSummary
 
     calls = []
@@ -400,7 +400,7 @@ def test_report_text_goes_to_tensorboard_and_the_wandb_table_is_numeric():
 
 
 def test_calibration_shapes_stay_within_the_real_sequence_and_avoid_the_head_width():
-    from lightning_memplan.callbacks.infer import _calibration_shapes
+    from lightning_memplan.parallel.infer import _calibration_shapes
 
     assert _calibration_shapes(2, 32, 16) == [(2, 32), (2, 24), (4, 32)]
     assert _calibration_shapes(2, 32, 24) == [(2, 32), (2, 23), (4, 32)]  # 24 would look like [.., s, s]

@@ -40,7 +40,7 @@ def test_interleaved_inflight_matches_torchs_schedule(p, m, v):
 
 
 def test_stage_split_torch_is_the_strategys():
-    from lightning_memplan.strategies.pipeline import split_blocks
+    from lightning_memplan.parallel.pipeline import split_blocks
 
     for n, k in [(126, 16), (126, 112), (8, 3), (32, 8)]:
         assert frameworks.stage_block_counts(n, k) == [len(r) for r in split_blocks(n, k)]

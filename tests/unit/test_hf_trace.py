@@ -1,4 +1,4 @@
-"""The traced config-only path (model/hf_trace.py) against PyTorch's MemTracker on real HF models."""
+"""The traced config-only path (tracking/hf_trace.py) against PyTorch's MemTracker on real HF models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the traced config-only path builds the transformers class")
 
-from lightning_memplan.model import hf_trace  # noqa: E402
+from lightning_memplan.tracking import hf_trace  # noqa: E402
 from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
 from lightning_memplan.testing.hf_architectures import example_batch, measure_step  # noqa: E402
@@ -151,7 +151,7 @@ def test_cache_memory_and_disk(tmp_path, monkeypatch) -> None:
 
 
 def test_cache_defaults_to_the_xdg_cache_dir(tmp_path, monkeypatch) -> None:
-    from lightning_memplan.model import hf_cache
+    from lightning_memplan.tracking import hf_cache
 
     monkeypatch.delenv(hf_trace.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -167,7 +167,7 @@ def test_cache_defaults_to_the_xdg_cache_dir(tmp_path, monkeypatch) -> None:
 def test_cache_ignores_a_corrupt_file_with_a_warning(tmp_path, monkeypatch) -> None:
     """Not JSON, another key's entry, or an entry the parser rejects: warned about, computed again and
     rewritten; a good file is read without computing."""
-    from lightning_memplan.model import hf_cache
+    from lightning_memplan.tracking import hf_cache
 
     monkeypatch.setenv(hf_trace.CACHE_ENV, str(tmp_path))
     calls = []
@@ -247,8 +247,8 @@ def test_primed_one_step_trace_equals_the_two_step_steady_state(precision: str, 
     optimizer phase peaks at the phase's start: the other shape is measured at that "start" moment too
     (tests/distributed/test_strategy_hf.py's tiny Llama once failed there)."""
     from lightning_memplan.model.hf_build import build_reduced, input_fn_for
-    from lightning_memplan.model.hf_calibrate import primed_optimizer
-    from lightning_memplan.model.trace import calibrate
+    from lightning_memplan.tracking.hf_calibrate import primed_optimizer
+    from lightning_memplan.tracking.trace import calibrate
 
     cfg = _llama().to_dict()
     t0 = hf_trace._traced_train(TrainSpec(micro_batch=2, seq_len=32, precision=precision, optimizer=optimizer,
@@ -272,7 +272,7 @@ def test_primed_one_step_trace_equals_the_two_step_steady_state(precision: str, 
 def test_with_lora_counts_what_peft_trains(family: str, targets: tuple[str, ...]) -> None:
     """ModelSpec.with_lora (no peft) equals peft's trainable count on the real model."""
     peft = pytest.importorskip("peft")
-    from lightning_memplan.model.hf_trace import model_class
+    from lightning_memplan.tracking.hf_trace import model_class
     from lightning_memplan.testing.hf_architectures import ARCHITECTURES
 
     config = ARCHITECTURES[family].config(0.0)

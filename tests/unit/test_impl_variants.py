@@ -177,7 +177,7 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
     assert NORM_IMPLS == ("native", "composite", "composite_fp32")
     with pytest.raises(ValueError, match="norm_impl"):
         TrainSpec(micro_batch=1, seq_len=8, norm_impl="fused")
-    from lightning_memplan.strategies.inputs import compose_train_spec
+    from lightning_memplan.parallel.inputs import compose_train_spec
 
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=128))
@@ -199,7 +199,7 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
     # the callback's inference at fit start reads it from the LightningModule's tree
     from types import SimpleNamespace
 
-    from lightning_memplan.callbacks.infer import infer_train_spec
+    from lightning_memplan.parallel.infer import infer_train_spec
 
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     trainer = SimpleNamespace(strategy=None, world_size=1, precision="bf16-true", accumulate_grad_batches=1,

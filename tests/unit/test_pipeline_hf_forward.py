@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memplan.strategies.layouts import find_layout
-from lightning_memplan.strategies.pipeline import _stage_parts, pipeline_blocker, split_blocks
+from lightning_memplan.parallel.layouts import find_layout
+from lightning_memplan.parallel.pipeline import _stage_parts, pipeline_blocker, split_blocks
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")
 pytest.importorskip("transformers.masking_utils", reason="the built-in HF pipeline forward needs transformers >= 4.53")

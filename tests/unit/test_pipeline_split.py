@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_memplan.strategies.layouts import find_layout
-from lightning_memplan.strategies.pipeline import PipelineRunner
+from lightning_memplan.parallel.layouts import find_layout
+from lightning_memplan.parallel.pipeline import PipelineRunner
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")
 

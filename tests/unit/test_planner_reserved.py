@@ -135,6 +135,6 @@ def test_cli_plan_shows_both_numbers_and_takes_expandable_segments(capsys):
 ])
 def test_memplan_auto_reads_the_allocator_config(env, expected):
     """memplan_auto plans with the allocator configuration the run has (PYTORCH_ALLOC_CONF first)."""
-    from lightning_memplan.strategies.planner_bridge import expandable_segments_enabled
+    from lightning_memplan.parallel.planner_bridge import expandable_segments_enabled
 
     assert expandable_segments_enabled(env) is expected

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_memplan.report.atomic import write_atomic
+from lightning_memplan.files import write_atomic
 from lightning_memplan.report.records import MemoryReport
 
 __all__ = ["handoff_path", "load_handoff", "runs_in_children", "save_handoff"]

@@ -16,10 +16,10 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.strategies.layouts import TransformerLayout
-from lightning_memplan.strategies.mesh import MeshLayout
-from lightning_memplan.strategies.pipeline import pipeline_blocker
-from lightning_memplan.strategies.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
+from lightning_memplan.parallel.layouts import TransformerLayout
+from lightning_memplan.parallel.mesh import MeshLayout
+from lightning_memplan.parallel.pipeline import pipeline_blocker
+from lightning_memplan.parallel.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 
 __all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked", "module_blockers", "runnable_forced_schedule"]
 
@@ -133,7 +133,7 @@ def module_blockers(
 
     ``{"tp": why}`` / ``{"pp": why}`` when no size above 1 can be applied, else ``{"tp=4": why, ...}``
     per size that cannot (e.g. tp=4 with 2 key/value heads, pp=8 with 4 blocks);
-    :func:`~lightning_memplan.strategies.planner_bridge.narrow_allow` pins or drops them.
+    :func:`~lightning_memplan.parallel.planner_bridge.narrow_allow` pins or drops them.
     """
     if self_parallel:  # the module's configure_model decides; memplan_auto never plans its pp/sp
         return {}

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_memplan.model.introspect import norm_impl_of
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
-from lightning_memplan.strategies.layouts import TransformerLayout
+from lightning_memplan.parallel.layouts import TransformerLayout
 
 __all__ = [
     "RUN_FIELDS",
@@ -108,7 +108,7 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
         BatchShapeUnknown: neither ``base``, ``example_input_array`` nor a batch gives the shape.
     """
     shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(trainer, lightning_module)
-    from lightning_memplan.callbacks.infer import kernel_device
+    from lightning_memplan.parallel.infer import kernel_device
 
     device = kernel_device(trainer)
     optimizer, impl = optimizer_of(lightning_module, device)
@@ -172,7 +172,7 @@ def compose_train_spec(
 
 
 def _batch_shape_of(trainer: Any, lightning_module: Any) -> tuple[int, int]:
-    from lightning_memplan.callbacks.infer import InferenceError, batch_shape
+    from lightning_memplan.parallel.infer import InferenceError, batch_shape
 
     sample = getattr(lightning_module, "example_input_array", None)
     if sample is None:
@@ -229,7 +229,7 @@ def optimizer_spec(optimizer: Any, device: str) -> tuple[str, str]:
     Raises:
         InferenceError: an optimizer the memory model does not know.
     """
-    from lightning_memplan.callbacks.infer import infer_optimizer
+    from lightning_memplan.parallel.infer import infer_optimizer
 
     kind, impl = infer_optimizer(optimizer)
     defaults = getattr(optimizer, "defaults", {}) or {}
@@ -255,7 +255,7 @@ def lce_loss_mode(module: Any) -> tuple[str, int | None]:
     """The memory model's loss mode for ``module``: ``"chunked"`` (with its chunk size, ``None`` for
     "auto") when it computes its loss with ``LinearCrossEntropy``, which memplan_auto runs chunked or
     vocab-parallel (the latter decided by the plan's tp); ``"naive"`` otherwise (logits in full)."""
-    from lightning_memplan.strategies.tensor_parallel import find_linear_cross_entropy
+    from lightning_memplan.parallel.tensor_parallel import find_linear_cross_entropy
 
     losses = find_linear_cross_entropy(module)
     if not losses:

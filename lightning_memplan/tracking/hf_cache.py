@@ -1,7 +1,7 @@
 """The coefficient cache of the config-only traced path: in memory, and on disk as JSON.
 
 A traced entry is a JSON object (the depth-1 and depth-2 calibrations and parameter counts,
-``model/hf_calibrate.py``). It is looked up by a key, the SHA-256 of:
+``tracking/hf_calibrate.py``). It is looked up by a key, the SHA-256 of:
 
 - the config JSON (:func:`~lightning_memplan.model.hf_build.canonical_config_json`);
 - every field of the traced step ``T0`` except the batch shape (the trace runs at its own shapes);
@@ -13,7 +13,7 @@ A traced entry is a JSON object (the depth-1 and depth-2 calibrations and parame
 On disk: one file ``hf_trace_<key>.json`` per entry in :func:`cache_dir` -- the directory named by
 :data:`CACHE_ENV` (``"0"`` or empty: memory only), else ``$XDG_CACHE_HOME/lightning_memplan/hf_trace``,
 else ``~/.cache/lightning_memplan/hf_trace`` (the XDG base-directory default). Files are written
-atomically (:func:`~lightning_memplan.report.atomic.write_atomic`: a crash leaves the previous file or
+atomically (:func:`~lightning_memplan.files.write_atomic`: a crash leaves the previous file or
 none) and only ever parsed as JSON, never executed or unpickled. A file that does not parse, holds
 another key, or whose content the caller cannot use is ignored with a ``RuntimeWarning`` and
 rewritten. A directory that cannot be written leaves the cache in memory only.
@@ -43,8 +43,8 @@ CACHE_VERSION = 3
 # The source files (relative to the package root) whose code decides an entry's bytes: hashed into every key.
 _PRODUCERS = (
     "model/hf_build.py",
-    "model/hf_calibrate.py",
-    "model/trace.py",
+    "tracking/hf_calibrate.py",
+    "tracking/trace.py",
     "model/result.py",
     "tracking/tracker.py",
     "tracking/report.py",
@@ -145,7 +145,7 @@ def _write(key: str, data: dict[str, Any]) -> None:
     path = _path(key)
     if path is None:
         return
-    from lightning_memplan.report.atomic import write_atomic
+    from lightning_memplan.files import write_atomic
 
     try:
         write_atomic(path, json.dumps(data, sort_keys=True))

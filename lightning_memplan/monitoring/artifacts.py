@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_memplan.callbacks.emit import PREFIX
+from lightning_memplan.monitoring.emit import PREFIX
 from lightning_memplan.report.records import EpochReport
 from lightning_memplan.report.render import UNITS
 

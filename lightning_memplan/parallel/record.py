@@ -17,8 +17,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn  # the object li
 
 from lightning_memplan.model.specs import ParallelPlan
 from lightning_memplan.report.io import PLAN_FILENAME  # written into the log directory by rank 0
-from lightning_memplan.strategies.decision import Resolution
-from lightning_memplan.strategies.mesh import MeshAxis
+from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.mesh import MeshAxis
 
 __all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "publish", "record", "stored_plan"]
 
@@ -55,7 +55,7 @@ def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: It
     ``None``) and the plan as hyperparameters (``memplan/dp``, ..., ``memplan/plan``) on every logger that
     logs hyperparameters."""
     if log_dir is not None:
-        from lightning_memplan.report.atomic import write_atomic
+        from lightning_memplan.files import write_atomic
 
         write_atomic(os.path.join(log_dir, PLAN_FILENAME), json.dumps(record(res), indent=2, default=str))
     params: dict[str, Any] = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}

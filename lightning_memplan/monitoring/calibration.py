@@ -1,13 +1,13 @@
-"""The first batch's calibration of a :class:`~lightning_memplan.callbacks.session.MemorySession`: the
+"""The first batch's calibration of a :class:`~lightning_memplan.monitoring.session.MemorySession`: the
 batch-dependent terms fitted from traced fake-tensor steps of the user's own module, optimizer class and
-batch structure (:func:`~lightning_memplan.model.trace.calibrate`), and the report's ``run`` entry."""
+batch structure (:func:`~lightning_memplan.tracking.trace.calibrate`), and the report's ``run`` entry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_memplan.callbacks.infer import (
+from lightning_memplan.parallel.infer import (
     _calibration_shapes,
     _optimizer_factory,
     _unwrap,
@@ -15,13 +15,13 @@ from lightning_memplan.callbacks.infer import (
     parallelised_by,
     pipeline_split,
 )
-from lightning_memplan.callbacks.manual import manual_optimization_trace
+from lightning_memplan.monitoring.manual import manual_optimization_trace
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.tracking.compiled import eager_view
 
 if TYPE_CHECKING:
-    from lightning_memplan.callbacks.session import RunContext
+    from lightning_memplan.monitoring.session import RunContext
 
 __all__ = ["describe_run", "run_calibration"]
 
@@ -32,7 +32,7 @@ def run_calibration(
     """Fit the batch-dependent terms from traced fake-tensor steps of ``run.module`` with the real
     optimizer class and the real batch's structure; ``None`` and a ``note`` saying why when tracing
     fails or cannot describe the run (a module already sharded or split into pipeline stages)."""
-    from lightning_memplan.model.trace import calibrate
+    from lightning_memplan.tracking.trace import calibrate
 
     module = run.module
     sharded = parallelised_by(module) or pipeline_split(run)

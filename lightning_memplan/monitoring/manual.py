@@ -3,7 +3,7 @@
 Such a ``training_step`` runs the whole step itself: ``opt = self.optimizers()``,
 ``self.manual_backward(loss)``, ``opt.step()``, maybe ``self.clip_gradients(...)``,
 ``self.lr_schedulers()`` and ``self.log(...)``. Each of these asks ``self.trainer``, and the traced copy
-(:func:`lightning_memplan.model.trace.trace_memory` deep-copies the module without its Trainer) has
+(:func:`lightning_memplan.tracking.trace.trace_memory` deep-copies the module without its Trainer) has
 none, so the trace failed with "... is not attached to a `Trainer`".
 
 :func:`manual_optimization_trace` gives the trace what a Trainer would: on the private copy only, these
@@ -69,7 +69,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 def manual_optimization_trace(
     optimizer_factory: Callable[[Any], torch.optim.Optimizer],
 ) -> tuple[Callable[[Any], torch.optim.Optimizer], Callable[[nn.Module, Any], torch.Tensor]]:
-    """``(optimizer, loss_fn)`` for :func:`~lightning_memplan.model.trace.calibrate` of a manually
+    """``(optimizer, loss_fn)`` for :func:`~lightning_memplan.tracking.trace.calibrate` of a manually
     optimising LightningModule: ``optimizer`` builds the trace's optimizer with ``optimizer_factory``
     and remembers it; ``loss_fn(module, batch)`` runs the copy's ``training_step`` with the stand-ins
     described in the module docstring and returns a zero scalar (the step already ran backward and the

@@ -401,7 +401,7 @@ class _global_head_counts:
         self.changes: list[tuple[Any, str, int]] = []
         from torch.distributed.tensor import DTensor
 
-        from lightning_memplan.strategies.layouts import find_layout
+        from lightning_memplan.parallel.layouts import find_layout
 
         layout = find_layout(module) if isinstance(module, torch.nn.Module) else None
         if layout is None or not layout.head_count_attrs or layout.attn is None:

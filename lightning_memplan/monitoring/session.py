@@ -7,7 +7,7 @@ rank, device) and drives the session through one training step at a time: :meth:
 with the batch, :meth:`~MemorySession.enter_phase` at backward and the optimizer step,
 :meth:`~MemorySession.end_step`; :meth:`~MemorySession.end_epoch` gathers every rank's figures (a
 collective) into the epoch report. Logging, the report folders and the Trainer's spawn hand-off stay
-with the front doors. The inference helpers (:mod:`~lightning_memplan.callbacks.infer`) read a
+with the front doors. The inference helpers (:mod:`~lightning_memplan.parallel.infer`) read a
 ``RunContext`` and a ``Trainer`` alike: the context carries the attributes they read under the
 Trainer's names.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_memplan.callbacks.advice import forecast_message, headroom_message, mismatch_message
-from lightning_memplan.callbacks.calibration import describe_run, run_calibration
-from lightning_memplan.callbacks.infer import (
+from lightning_memplan.monitoring.advice import forecast_message, headroom_message, mismatch_message
+from lightning_memplan.monitoring.calibration import describe_run, run_calibration
+from lightning_memplan.parallel.infer import (
     InferenceError,
     _unwrap,
     batch_shape,
@@ -33,9 +33,9 @@ from lightning_memplan.callbacks.infer import (
     infer_train_spec,
     stage_micro_batch,
 )
-from lightning_memplan.callbacks.measure import PhaseProbe, make_probe, read_rss
-from lightning_memplan.callbacks.options import MonitorOptions
-from lightning_memplan.callbacks.step_record import build_incident, build_step_record
+from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
+from lightning_memplan.monitoring.options import MonitorOptions
+from lightning_memplan.monitoring.step_record import build_incident, build_step_record
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.gather import gather_objects

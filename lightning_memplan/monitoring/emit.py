@@ -3,7 +3,7 @@
 Metrics go to ``trainer.loggers`` with ``log_metrics`` (integers stay exact bytes; ``LightningModule.log``
 would turn them into float32 tensors, which round byte counts above 16 MiB), so every logger takes the
 scalars. TensorBoard also gets the rendered report as text (``add_text``); the report files and images
-go to each logger through its own API in :mod:`~lightning_memplan.callbacks.artifacts`.
+go to each logger through its own API in :mod:`~lightning_memplan.monitoring.artifacts`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
 
 def log_report_text(trainer: Any, epoch: EpochReport, units: str, step: int) -> None:
     """Give the rendered epoch report to TensorBoard (``add_text``); MLflow and W&B get the report
-    files, W&B a numeric table (:func:`~lightning_memplan.callbacks.artifacts.log_report_files`)."""
+    files, W&B a numeric table (:func:`~lightning_memplan.monitoring.artifacts.log_report_files`)."""
     from lightning.fabric.loggers import TensorBoardLogger  # the Trainer's TensorBoardLogger subclasses it
 
     text = epoch_markdown(epoch, units)

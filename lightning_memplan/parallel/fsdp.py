@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_memplan.strategies.layouts import TransformerLayout
-from lightning_memplan.strategies.mesh import MeshAxis, MeshLayout
+from lightning_memplan.parallel.layouts import TransformerLayout
+from lightning_memplan.parallel.mesh import MeshAxis, MeshLayout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,7 +69,7 @@ def apply_data_parallel(
             ranks after forward; FSDP2 ``fully_shard``) for the per-block units.
         roots: the modules whose ``forward`` runs the model (default: ``module``, the LightningModule,
             with its :data:`STEP_METHODS` registered as forward methods); pipeline stages pass their
-            :class:`~lightning_memplan.strategies.pipeline.StageModule` objects.
+            :class:`~lightning_memplan.parallel.pipeline.StageModule` objects.
         separate_head: give the untied embedding and lm_head units of their own. ``False`` keeps them in
             the root unit, whose parameters stay gathered from forward to backward, so that a loss that
             reads ``lm_head.weight`` in ``training_step`` (``LinearCrossEntropy``) sees the full weight.

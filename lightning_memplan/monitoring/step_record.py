@@ -35,7 +35,7 @@ def build_step_record(
     """One step's record.
 
     ``current`` is what the callback noted at the batch start (step, epoch, shape, estimate, tracked,
-    warm-up); ``reading`` the probe's :class:`~lightning_memplan.callbacks.measure.ProbeReading` or
+    warm-up); ``reading`` the probe's :class:`~lightning_memplan.monitoring.measure.ProbeReading` or
     ``None``; ``tracker_report`` the tensor tracker's report on sampled steps or ``None``. On CPU, where
     no allocator counts bytes, the tracker's total is the measured peak. Headroom is the capacity
     (``memory_budget`` or the device's memory) less what the allocator reserved (or the peak) and,

@@ -12,16 +12,16 @@ traced instead:
    masked-LM and image-classification auto classes that knows the config) is built on the meta device
    at depth 1 and depth 2 (every per-layer list in the config truncated alike), in fp32
    (``model/hf_build.py``);
-2. each copy is traced with :func:`~lightning_memplan.model.trace.calibrate` (one primed
+2. each copy is traced with :func:`~lightning_memplan.tracking.trace.calibrate` (one primed
    Lightning-order training step per batch shape under ``FakeTensorMode``: nothing is allocated,
    however large the width) at :data:`TRACE_SHAPES`, giving per phase and component
-   ``c0 + c1*(b*s) + c2*(b*s^2)`` (``model/hf_calibrate.py``);
+   ``c0 + c1*(b*s) + c2*(b*s^2)`` (``tracking/hf_calibrate.py``);
 3. per-block cost = depth 2 - depth 1, fixed cost (embedding, head, loss) = depth 1 - per-block, and
    the full model is ``fixed + L * per_block``, evaluated at the requested ``(b, s)``;
 4. the coefficients are cached in memory and on disk as JSON (atomic writes; by default under
    ``~/.cache/lightning_memplan/hf_trace``, :data:`CACHE_ENV` names another directory or ``"0"`` for
    memory only), keyed by the config JSON, the traced step, the torch and transformers versions and
-   the tracer's source (``model/hf_cache.py``). A second process asking for the same config reads
+   the tracer's source (``tracking/hf_cache.py``). A second process asking for the same config reads
    the entry instead of tracing.
 
 This module is the entry point: when the path applies, which step ``T0`` is traced for a requested
@@ -51,8 +51,8 @@ import os
 from dataclasses import replace
 
 from lightning_memplan.model.hf_build import canonical_config_json, model_class, vision_tokens
-from lightning_memplan.model.hf_cache import CACHE_ENV, cached, clear_cache, entry_key
-from lightning_memplan.model.hf_calibrate import TRACE_SHAPES, DepthTraces, TracedStep, trace_depths
+from lightning_memplan.tracking.hf_cache import CACHE_ENV, cached, clear_cache, entry_key
+from lightning_memplan.tracking.hf_calibrate import TRACE_SHAPES, DepthTraces, TracedStep, trace_depths
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 

@@ -1,12 +1,12 @@
 """Tracing the depth-reduced Hugging Face copies and scaling their coefficients to the full depth.
 
 :func:`trace_depths` builds the depth-1 and depth-2 copies (:func:`~lightning_memplan.model.hf_build.
-build_reduced`) and traces each with :func:`~lightning_memplan.model.trace.calibrate` at
+build_reduced`) and traces each with :func:`~lightning_memplan.tracking.trace.calibrate` at
 :data:`TRACE_SHAPES`: one Lightning-order training step per shape under ``FakeTensorMode`` (nothing
 is allocated, however wide the model), giving per phase and component ``c0 + c1*(b*s) + c2*(b*s^2)``.
 The step starts from a primed steady state (:func:`primed_optimizer`), so one traced step measures
 what the second of two would, at half the cost. The result is a JSON-ready entry for
-``model/hf_cache.py``; :class:`DepthTraces` is its parsed form, and :meth:`DepthTraces.full_depth`
+``tracking/hf_cache.py``; :class:`DepthTraces` is its parsed form, and :meth:`DepthTraces.full_depth`
 the full model: per-block cost = depth 2 - depth 1, fixed cost (embedding, head, loss) = depth 1 -
 per-block, so ``bytes(L) = bytes(1) + (L - 1) * (bytes(2) - bytes(1))`` at the requested ``(b, s)``.
 
@@ -145,7 +145,7 @@ def primed_optimizer(name: str, impl: str | None) -> Any:
     """
     import torch
 
-    from lightning_memplan.model.trace import make_optimizer
+    from lightning_memplan.tracking.trace import make_optimizer
 
     def make(params: Any) -> Any:
         params = list(params)
@@ -170,7 +170,7 @@ def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
 
     from lightning_memplan.model.hf_build import build_reduced, input_fn_for, vision_tokens
     from lightning_memplan.model.introspect import norm_impl_of
-    from lightning_memplan.model.trace import calibrate
+    from lightning_memplan.tracking.trace import calibrate
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notes about the traced copies (use_cache, loss_type) are not the user's

@@ -62,7 +62,7 @@ def narrow_allow(
     """The user's ``allow`` intersected with what the strategy can apply (see the module docstring).
 
     ``exclude`` names whole dimensions (``"tp"``: tp pinned to 1) or single sizes (``"tp=4"``, from
-    :func:`~lightning_memplan.strategies.decision.module_blockers`; dropped from the divisors of
+    :func:`~lightning_memplan.parallel.decision.module_blockers`; dropped from the divisors of
     ``world``)."""
     from lightning_memplan.planning import Allow
 

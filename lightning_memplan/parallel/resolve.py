@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.strategies.decision import Resolution, decide
-from lightning_memplan.strategies.inputs import BatchShapeUnknown, model_spec_for
-from lightning_memplan.strategies.layouts import TransformerLayout
-from lightning_memplan.strategies.stall import RankRendezvous
+from lightning_memplan.parallel.decision import Resolution, decide
+from lightning_memplan.parallel.inputs import BatchShapeUnknown, model_spec_for
+from lightning_memplan.parallel.layouts import TransformerLayout
+from lightning_memplan.parallel.stall import RankRendezvous
 
 __all__ = [
     "PlanningOptions",
@@ -107,8 +107,8 @@ def resolve(
         BatchShapeUnknown: no batch shape and no forced plan.
         ValueError: a forced plan for another world size, or nothing fits (``PlanDoesNotFitError``).
     """
-    from lightning_memplan.strategies.planner_bridge import run_planner
-    from lightning_memplan.strategies.tensor_parallel import find_linear_cross_entropy
+    from lightning_memplan.parallel.planner_bridge import run_planner
+    from lightning_memplan.parallel.tensor_parallel import find_linear_cross_entropy
 
     model_spec = model_spec_for(module, layout)
     batch_known = True
@@ -160,7 +160,7 @@ def resolve(
 
 
 def rendezvous(what: str, global_rank: int, world_size: int) -> RankRendezvous | None:
-    """Every rank checks in with a bounded wait (strategies/stall.py): a rank that hangs makes every
+    """Every rank checks in with a bounded wait (parallel/stall.py): a rank that hangs makes every
     rank fail within ``MEMPLAN_STALL_TIMEOUT_S``, naming it, instead of waiting out the collective
     timeout (30 minutes by default). ``None`` on one process."""
     if not (torch.distributed.is_initialized() and world_size > 1):

@@ -1,4 +1,4 @@
-"""Applying a :class:`~lightning_memplan.strategies.decision.Resolution` to a module, for both front doors
+"""Applying a :class:`~lightning_memplan.parallel.decision.Resolution` to a module, for both front doors
 (the Trainer's ``MemplanAutoStrategy`` and Fabric's ``MemplanAutoFabricStrategy``).
 
 torchtitan's order (``torchtitan/models/llama3/infra/parallelize.py``): pipeline split -> tensor parallel
@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_memplan.strategies.decision import Resolution
-from lightning_memplan.strategies.fsdp import (
+from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_data_parallel,
     data_parallel_mesh,
 )
-from lightning_memplan.strategies.layouts import TransformerLayout, find_layout
-from lightning_memplan.strategies.mesh import MeshAxis
-from lightning_memplan.strategies.pipeline import PipelineRunner
-from lightning_memplan.strategies.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
+from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
+from lightning_memplan.parallel.mesh import MeshAxis
+from lightning_memplan.parallel.pipeline import PipelineRunner
+from lightning_memplan.parallel.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -149,7 +149,7 @@ def planned_optimizer_mismatch(decision: Any, optimizer: Any, *, fix: str) -> st
         fix: how to plan for it, e.g. ``"MemplanAutoStrategy(train=TrainSpec(..., optimizer={kind!r}))"``
             (formatted with ``kind``).
     """
-    from lightning_memplan.callbacks.infer import InferenceError, infer_optimizer
+    from lightning_memplan.parallel.infer import InferenceError, infer_optimizer
 
     planned = getattr(getattr(decision, "train", None), "optimizer", None)
     if planned is None or optimizer is None:
