@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -281,16 +280,14 @@ def test_random_valid_specs_never_raise_and_grow_monotonically(model, train, zer
     assert longer_s.total >= est.total
 
 
-def test_estimate_cli_prints_breakdown_fast(capsys):
+def test_estimate_cli_prints_breakdown(capsys):
+    """What the CLI prints; its wall time is measured by ``benchmarks/bench_cli.py`` (no timing here)."""
     from lightning_memplan.cli import main
 
-    start = time.perf_counter()
     code = main("estimate --model llama-7b --micro-batch 1 --seq-len 4096 --precision bf16-mixed --dp 8 --zero 3".split())
-    elapsed = time.perf_counter() - start
     out = capsys.readouterr().out
     assert code == 0
     assert "activations" in out and "peak" in out and "llama-7b" in out
-    assert elapsed < 2.0
     code = main("estimate --model llama3-8b --seq-len 2048 --pp 2 --tp 2 --microbatches 4 --json".split())
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and len(data["estimates"]) == 2
