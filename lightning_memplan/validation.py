@@ -15,7 +15,6 @@ no torch or Lightning import, so the specs and the CLI can use it before anythin
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -180,41 +179,18 @@ def divisor_hint(n: int, *, keep: int = 8) -> str:
     return f"one of {divisor_list(n, keep=keep)}"
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"the JSON constant {name} is not a finite number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text} exceeds the float range")
-    return value
-
-
 def read_json_file(path: str | os.PathLike[str], *, what: str = "a JSON file", argument: str = "path") -> Any:
     """Parse the JSON file at ``path``: data only, nothing in it is executed.
 
-    Strict JSON: ``NaN``/``Infinity`` (which Python's ``json`` accepts by default) and ``1e400`` are refused, so no
-    non-finite number reaches a size; nesting deep enough to exhaust the parser is refused too.
+    The one reader is :func:`lightning_memplan.files.read_json` (this follows a link at ``path``, a
+    user-named file): regular files only, size-capped, strict JSON (``NaN``/``Infinity``, ``1e400`` and
+    integers beyond 64 bits are refused, so no non-finite number reaches a size), bounded nesting.
 
     Raises:
         FileNotFoundError: no such file (the message names the path).
-        ValueError: not UTF-8, not JSON, a non-finite constant, or nested too deep; the message names
-            ``argument``, the path and ``what`` was expected.
+        ValueError: not a regular file, too large, not UTF-8, not JSON, a non-finite number, or nested too
+            deep; the message names ``argument``, the path and ``what`` was expected.
     """
-    shown = f"{argument}={os.fspath(path)!r}"
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{shown}: no such file; pass {what}")
-    try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{shown} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass {what}") from None
-    except OSError as exc:
-        raise ValueError(f"{shown} cannot be read ({exc.strerror or exc}); pass {what}") from None
-    try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError(f"{shown} is nested too deeply to parse; pass {what}") from None
-    except ValueError as exc:  # JSONDecodeError is a ValueError, as is a refused constant
-        raise ValueError(f"{shown} is not valid JSON ({exc}); pass {what}") from None
+    from lightning_memplan.files import read_json  # the one JSON reader (regular files, size, depth, numbers)
+
+    return read_json(path, what=what, argument=argument, follow_links=True)
