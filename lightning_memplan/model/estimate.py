@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from lightning_memplan.model import checkpointing, frameworks, pipeline_timeline, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_optional_int, divisor_list
 
@@ -88,10 +89,8 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
 def _check_schedule_runs(plan: ParallelPlan) -> None:
     """Refuse a pipeline schedule that cannot run its micro-batches (1F1B with ``microbatches < pp``):
     the rule the planner's search and memplan_auto's setup apply,
-    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker` (the dataloader batch is not
+    :func:`~lightning_memplan.model.runnable.pipeline_schedule_blocker` (the dataloader batch is not
     known here; ``train.micro_batch`` is one micro-batch)."""
-    from lightning_memplan.planning.runnable import pipeline_schedule_blocker  # planning imports model
-
     reason = pipeline_schedule_blocker(pp=plan.pp, schedule=plan.schedule, microbatches=plan.microbatches, batch=None)
     if reason is None:
         return

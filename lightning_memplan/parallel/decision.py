@@ -175,7 +175,7 @@ def fold_blocked(plan: ParallelPlan, blocked: dict[str, str]) -> tuple[ParallelP
 
 def runnable_forced_schedule(plan: ParallelPlan, batch: int | None) -> tuple[ParallelPlan, list[str]]:
     """A forced plan's pipeline schedule checked against the per-rank batch (``None``: unknown) with
-    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker`, the rule the planner's
+    :func:`~lightning_memplan.model.runnable.pipeline_schedule_blocker`, the rule the planner's
     search uses too.
 
     ``microbatches=1`` with ``pp > 1`` is ``ParallelPlan``'s default, not a choice: when it cannot run
@@ -185,7 +185,7 @@ def runnable_forced_schedule(plan: ParallelPlan, batch: int | None) -> tuple[Par
     Raises:
         ValueError: naming the plan, the rule and the ``microbatches=`` (or schedule) that would run.
     """
-    from lightning_memplan.planning.runnable import pipeline_schedule_blocker, runnable_microbatches
+    from lightning_memplan.model.runnable import pipeline_schedule_blocker, runnable_microbatches
 
     if plan.pp == 1:
         return plan, []

@@ -97,10 +97,10 @@ def applicable(candidate: Any, train: TrainSpec) -> bool:
 
     Without PP the micro-batch must be B with the user's accumulation. With PP the schedule splits B
     into m = B / b micro-batches, which must pass
-    :func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker` (1F1B: m >= pp;
+    :func:`~lightning_memplan.model.runnable.pipeline_schedule_blocker` (1F1B: m >= pp;
     interleaved: m a multiple of pp; GPipe: any m).
     """
-    from lightning_memplan.planning.runnable import pipeline_schedule_blocker
+    from lightning_memplan.model.runnable import pipeline_schedule_blocker
 
     plan, b, batch = candidate.plan, candidate.train.micro_batch, train.micro_batch
     if plan.pp == 1:

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.planning.ranking import faster_but_not_chosen
 from lightning_memplan.planning.timing import TIME_MODEL_OFF
 
 __all__ = ["FORMATS", "render", "rich_renderable"]
@@ -90,8 +91,6 @@ def _why_not_runner_up(d: Any) -> str | None:
                 f"vs {best.change_cost:g}); step time is not modelled here")
     gain = second.step.tokens_per_s / best.step.tokens_per_s - 1
     if gain > 0.0005:
-        from lightning_memplan.planning.known import faster_but_not_chosen
-
         return f"why not the runner-up ({second.describe()}): " + faster_but_not_chosen(second, best)
     if gain > -0.0005:
         return (f"why not the runner-up ({second.describe()}): the same predicted tokens/s with more machinery "

@@ -20,6 +20,12 @@ from typing import Any
 
 from lightning_memplan.model.result import readable_bytes
 from lightning_memplan.planning.decision import Candidate
+from lightning_memplan.planning.ranking import (
+    SIMPLICITY_MARGIN,
+    candidate_axes,
+    faster_but_not_chosen,
+    ranking_factor,
+)
 from lightning_memplan.planning.space import Allow
 
 __all__ = ["KnownLayout", "axis_notes", "faster_but_not_chosen", "fastest_plan_note", "known_layouts", "known_layout_notes"]
@@ -97,34 +103,6 @@ def _same(a: Candidate, b: Candidate) -> bool:
     return a.plan == b.plan and a.train == b.train
 
 
-def _axes(c: Candidate) -> tuple[str, ...]:
-    from lightning_memplan.planning.search import parallel_axes
-
-    return parallel_axes(c.plan.tp, c.plan.pp, c.plan.cp)
-
-
-def faster_but_not_chosen(other: Candidate, chosen: Candidate) -> str:
-    """Why ``other``, predicted faster, is not the choice, in numbers: the parallel dimensions it adds
-    against :data:`~lightning_memplan.planning.search.SIMPLICITY_MARGIN`, or its extra change cost
-    (``"it is predicted 3.7% faster but adds pp and cp; each added parallel dimension must buy > 5% (the
-    time model's error band), two > 10.2%: within that margin the simpler choice is kept"``)."""
-    from lightning_memplan.planning.search import CHANGE_PENALTY, SIMPLICITY_MARGIN
-
-    gain = other.step.tokens_per_s / chosen.step.tokens_per_s - 1
-    added = [a for a in _axes(other) if a not in _axes(chosen)]
-    head = f"it is predicted {100 * gain:.1f}% faster but "
-    if len(_axes(other)) > len(_axes(chosen)) and added:
-        n = len(_axes(other)) - len(_axes(chosen))
-        need = (1 + SIMPLICITY_MARGIN) ** n - 1
-        words = " and ".join(added)
-        rule = f"each added parallel dimension must buy > {100 * SIMPLICITY_MARGIN:g}% (the time model's error band)"
-        if n > 1:
-            rule += f", {n} > {100 * need:.1f}%"
-        return f"{head}adds {words}; {rule}: within that margin the simpler choice is kept"
-    return (f"{head}needs more machinery (change cost {other.change_cost:g} vs {chosen.change_cost:g}; each unit "
-            f"must buy > {100 * CHANGE_PENALTY:g}%)")
-
-
 def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     """The fastest fitting plan without the simplicity margin, when the margin passed it over: one line
     with both predicted step times (one more search, ranked with ``margin=0``).
@@ -134,9 +112,9 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
     ``x' (1 + margin)^a' < x (1 + margin)^a`` in the search itself. So the second search covers the
     layouts with more axes and the scores below the choice's, and finds nothing when the choice is
     also the fastest."""
-    from lightning_memplan.planning.search import _Search, ranking_factor
+    from lightning_memplan.planning.search import _Search
 
-    axes = len(_axes(chosen))
+    axes = len(candidate_axes(chosen))
     if not chosen.step.modelled or search.margin == 0 or axes == 3:
         return []
     own = chosen.score / ranking_factor(0.0, axes, margin=search.margin)  # the choice's score without the margin
@@ -157,13 +135,13 @@ def fastest_plan_note(search: Any, chosen: Candidate) -> list[str]:
 def axis_notes(search: Any, chosen: Candidate) -> list[str]:
     """For each parallel dimension the choice uses (tp, pp, cp): the best plan without it, in numbers,
     so every extra axis is justified by memory (nothing fits without it) or by a predicted gain above
-    :data:`~lightning_memplan.planning.search.SIMPLICITY_MARGIN` (one restricted search per axis)."""
-    from lightning_memplan.planning.search import SIMPLICITY_MARGIN, _Search
+    :data:`~lightning_memplan.planning.ranking.SIMPLICITY_MARGIN` (one restricted search per axis)."""
+    from lightning_memplan.planning.search import _Search
 
     if not chosen.step.modelled:
         return []
     lines = []
-    for axis in _axes(chosen):
+    for axis in candidate_axes(chosen):
         sub = _Search(search.model, search.train, search.hardware, _restrict(search.allow, {axis: [1]}), search.global_batch,
                       search.headroom, search.explicit_budget, search.calibration, 1, margin=search.margin, share=search,
                       expandable_segments=search.expandable_segments)

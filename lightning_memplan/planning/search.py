@@ -15,6 +15,13 @@ from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget, device_need, memory_budget, need_text
 from lightning_memplan.planning.decision import Candidate, Rejection
+from lightning_memplan.planning.ranking import (
+    CHANGE_COST,
+    CHANGE_PENALTY,
+    SIMPLICITY_MARGIN,
+    parallel_axes,
+    ranking_factor,
+)
 from lightning_memplan.planning.space import LayoutChoice, enumerate_layouts
 from lightning_memplan.planning.timing import (
     Layout,
@@ -28,39 +35,6 @@ __all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "SIMPLICITY_MARGIN"
 GiB = 2**30
 #: Candidates kept (ranked) per decision.
 DEFAULT_TOP_K = 5
-#: Relative step-time penalty per unit of change cost: with 1 %, a plan needing one more unit of
-#: machinery must be predicted > 1 % faster to win. This is "the cheapest sufficient change wins when
-#: the time model is close": within the model's accuracy, fewer moving parts are preferred.
-CHANGE_PENALTY = 0.01
-#: Units of change, relative to plain data parallelism with the user's TrainSpec.
-CHANGE_COST: dict[str, float] = {
-    "zero1": 0.5, "zero2": 1.0, "zero3": 1.5, "tp": 1.0, "sp": 0.5, "pp": 1.5, "cp": 1.5,
-    "interleaved": 0.5, "gpipe": 0.25, "selective": 0.5, "full": 1.0, "chunked": 0.5,
-    "vocab_parallel": 1.0, "micro_batch": 0.5,
-}
-#: The simplicity rule: each parallel dimension beyond data parallelism (tp, pp, cp) must be predicted
-#: to buy more than this fraction of step time, or the layout without it is preferred. Rationale: a
-#: gain smaller than the time model's own error does not justify one more axis to set up, debug and
-#: tune. The model's error against published runs (benchmarks/planner_vs_published.md, the 16 pinned
-#: rows) has a median |error| of 5.9 % and a spread of up to 14 points between layouts on one stack
-#: (Megatron Table 1: -6.0 % .. +8.4 %); 5 % is below that median, so a dimension that wins by more is
-#: rarely a model artefact. Applied only where the step is modelled (on CPU the change cost alone
-#: ranks). Compounds per dimension: two more axes must buy > 10.25 %. Context parallelism needs no
-#: special case: where the sequence does not fit without it, no layout without it is a candidate.
-SIMPLICITY_MARGIN = 0.05
-
-
-def parallel_axes(tp: int, pp: int, cp: int) -> tuple[str, ...]:
-    """The parallel dimensions beyond data parallelism a layout uses (``("tp", "cp")``)."""
-    return tuple(name for name, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size > 1)
-
-
-def ranking_factor(change_cost: float, axes: int, *, modelled: bool = True, margin: float = SIMPLICITY_MARGIN) -> float:
-    """The factor on predicted seconds per token that ranks plans (one ranking for ``plan()`` and
-    ``memplan_auto``): ``(1 + CHANGE_PENALTY * change_cost) * (1 + margin) ** axes``, the margin
-    (:data:`SIMPLICITY_MARGIN`) only where the step is modelled."""
-    factor = 1.0 + CHANGE_PENALTY * change_cost
-    return factor * (1.0 + margin) ** axes if modelled else factor
 
 
 def _layout_cost(lc: LayoutChoice, user_b: int) -> float:

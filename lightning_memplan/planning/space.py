@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_memplan.model.frameworks import pipeline_units
+from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, SCHEDULES, ModelSpec, TrainSpec
-from lightning_memplan.planning.runnable import pipeline_schedule_blocker
 
 __all__ = [
     "ALLOW_NAMES",
@@ -233,7 +233,7 @@ def enumerate_layouts(
     causal split); sp needs (s/c) % t == 0; the global batch must divide by dp x micro-batch;
     interleaving needs L >= p v and even chunks (L % (p v) == 0) when the stages are even (L % p == 0);
     the schedule must run its m micro-batches
-    (:func:`~lightning_memplan.planning.runnable.pipeline_schedule_blocker`: 1F1B m >= p, interleaved
+    (:func:`~lightning_memplan.model.runnable.pipeline_schedule_blocker`: 1F1B m >= p, interleaved
     m % p == 0, the rule memplan_auto's setup applies to a forced plan). One reason is recorded per
     rejected axis value (per layout and schedule), not per combination, so the list stays readable.
     """

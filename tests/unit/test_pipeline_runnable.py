@@ -15,9 +15,9 @@ import pytest
 
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model import estimate_memory
+from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import plan
-from lightning_memplan.planning.runnable import pipeline_schedule_blocker
 from lightning_memplan.planning.space import Allow, enumerate_layouts
 
 MODEL = ModelSpec(6, 64, 4, 128)

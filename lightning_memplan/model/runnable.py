@@ -1,5 +1,6 @@
 """Whether a pipeline schedule can run a dataloader batch: the one rule the planner's search and
-memplan_auto's setup both apply (pure: sizes in, a reason or ``None`` out).
+memplan_auto's setup both apply, and ``estimate_memory``'s plan check (pure: sizes in, a reason or
+``None`` out). It lives in the model layer so that the estimate and the planner above it read one rule.
 
 A Trainer's dataloader fixes the per-rank batch B. Under pipeline parallelism the schedule splits it
 into ``m`` micro-batches along the batch dimension (``torch.distributed.pipelining``'s
