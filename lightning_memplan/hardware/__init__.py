@@ -3,7 +3,7 @@
 Pure except :func:`detect_hardware` (``HardwareSpec.detect()``), the only device query of the core.
 """
 
-from lightning_memplan.hardware.detect import detect_hardware, nvml_interconnect
+from lightning_memplan.hardware.detect import nvml_interconnect
 from lightning_memplan.hardware.presets import (
     CHIP_ALIASES,
     CHIP_TABLE,
@@ -12,7 +12,7 @@ from lightning_memplan.hardware.presets import (
     lookup_chip,
     match_device_name,
 )
-from lightning_memplan.hardware.spec import HardwareSpec, known_presets
+from lightning_memplan.hardware.spec import HardwareSpec, detect_hardware, known_presets
 
 __all__ = [
     "CHIP_ALIASES",

@@ -1,27 +1,27 @@
-"""Describe the local machine as a :class:`HardwareSpec` (the only module of the core that queries a device).
+"""What the local machine says about itself (the only module of the core that queries a device).
 
-With CUDA: the device name, ``torch.cuda.mem_get_info`` total bytes, the device count as
-``gpus_per_node``, FLOP/s and the network figure from the sourced table matched by name (an unknown chip
-gets a warning and the marked fallback). When ``nvidia-ml-py`` (``pynvml``) is importable, the
-intra-node bandwidth is measured from the links NVML reports as active: active NVLink links x per-link
-bandwidth of their NVLink version, or the PCIe generation x width when no NVLink is up.
-Without CUDA: a description of the CPU host (memory from ``sysconf``; speeds unknown).
+:func:`cuda_device`: the device name, ``torch.cuda.mem_get_info`` total bytes, the device count and PCI
+bus id. :func:`nvml_interconnect`: when ``nvidia-ml-py`` (``pynvml``) is importable, the intra-node link
+NVML reports as active: active NVLink links x per-link bandwidth of their NVLink version, or the PCIe
+generation x width when no NVLink is up. :func:`host_description`: the CPU host (memory from
+``sysconf``). :meth:`HardwareSpec.detect <lightning_memplan.hardware.spec.HardwareSpec.detect>` (and
+:func:`~lightning_memplan.hardware.spec.detect_hardware`) turn these facts into a spec with the sourced
+table's speeds; this module builds no spec, so ``spec`` imports it and not the other way round.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
+from dataclasses import dataclass
 from typing import Any
-
-from lightning_memplan.hardware.presets import match_device_name
-from lightning_memplan.hardware.spec import HardwareSpec
 
 __all__ = [
     "NVLINK_BW_PER_LINK",
     "PCIE_BW_PER_LANE",
-    "detect_hardware",
+    "LocalDevice",
+    "cuda_device",
+    "host_description",
     "nvml_interconnect",
 ]
 
@@ -99,58 +99,45 @@ def _host_memory_bytes() -> int:
         return 1
 
 
-def _cpu_spec(num_nodes: int) -> HardwareSpec:
+@dataclass(frozen=True, kw_only=True)
+class LocalDevice:
+    """What the driver says about one local CUDA device (what :meth:`HardwareSpec.detect` describes).
+
+    Attributes:
+        name: ``torch.cuda.get_device_properties(index).name``.
+        index: the CUDA device index.
+        total_memory: bytes, ``torch.cuda.mem_get_info(index)[1]``.
+        count: ``torch.cuda.device_count()``.
+        pci_bus_id: ``"domain:bus:device.0"`` when the properties carry it (NVML looks the device up by it).
+    """
+
+    name: str
+    index: int
+    total_memory: int
+    count: int
+    pci_bus_id: str | None = None
+
+
+def host_description() -> tuple[str, int]:
+    """``(name, memory bytes)`` of the CPU host: processor and core count, memory from ``sysconf``."""
     cpu = platform.processor() or platform.machine() or "unknown cpu"
     cores = os.cpu_count() or 1
-    return HardwareSpec(
-        f"cpu ({cpu}, {cores} cores)",
-        max(1, _host_memory_bytes()),
-        gpus_per_node=1,
-        num_nodes=num_nodes,
-        source="host description (no CUDA device): memory from sysconf; speeds unknown",
-    )
+    return f"cpu ({cpu}, {cores} cores)", max(1, _host_memory_bytes())
 
 
-def detect_hardware(*, num_nodes: int = 1, device: int | None = None) -> HardwareSpec:
-    """The local machine as a :class:`HardwareSpec`.
-
-    Args:
-        num_nodes: nodes of the cluster (one machine cannot see the others; pass it).
-        device: CUDA device index to describe; ``None`` means the current device.
-
-    Returns:
-        A spec whose ``memory_bytes`` is the total the driver reports (``mem_get_info``), whose
-        ``gpus_per_node`` is ``torch.cuda.device_count()``, with speeds from the table (matched by device
-        name) and the intra-node bandwidth from NVML when available. Without CUDA, the CPU host.
-    """
+def cuda_device(device: int | None = None) -> LocalDevice | None:
+    """The local CUDA device ``device`` (``None``: the current one), or ``None`` without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
-        return _cpu_spec(num_nodes)
+        return None
     index = torch.cuda.current_device() if device is None else device
     props = torch.cuda.get_device_properties(index)
     _, total = torch.cuda.mem_get_info(index)
-    count = torch.cuda.device_count()
-    chip = match_device_name(props.name)
-    if chip is None:
-        spec = HardwareSpec.fallback_for(props.name, int(total), gpus_per_node=count, num_nodes=num_nodes)
-    else:
-        spec = HardwareSpec.from_chip(chip, gpus_per_node=count, num_nodes=num_nodes)
-        spec = dataclasses.replace(
-            spec,
-            memory_bytes=int(total),
-            source=f"torch.cuda: {props.name!r}, {int(total)} bytes (mem_get_info); table: {chip.source}",
-        )
     bus = None
     # Not in torch's _CudaDeviceProperties stub on every version, so read them dynamically.
     domain, pci_bus, pci_dev = (getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
     if domain is not None and pci_bus is not None and pci_dev is not None:
         bus = f"{domain:08x}:{pci_bus:02x}:{pci_dev:02x}.0"
-    link = nvml_interconnect(index, pci_bus_id=bus)
-    if link is not None and link["bw"] > 0 and count > 1:
-        spec = dataclasses.replace(
-            spec,
-            intra_node_bw=float(link["bw"]),
-            source=spec.source + f"; nvml: {link['active_links']} active {link['link']} v{link['version']} links",
-        )
-    return spec
+    return LocalDevice(name=props.name, index=index, total_memory=int(total), count=torch.cuda.device_count(),
+                       pci_bus_id=bus)

@@ -7,10 +7,18 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memplan.hardware.presets import CHIP_ALIASES, CHIP_TABLE, FALLBACK_CHIP, ChipEntry, lookup_chip
+from lightning_memplan.hardware import detect as _device
+from lightning_memplan.hardware.presets import (
+    CHIP_ALIASES,
+    CHIP_TABLE,
+    FALLBACK_CHIP,
+    ChipEntry,
+    lookup_chip,
+    match_device_name,
+)
 from lightning_memplan.validation import check_bool, check_int, check_mapping, check_number
 
-__all__ = ["HardwareSpec", "known_presets"]
+__all__ = ["HardwareSpec", "detect_hardware", "known_presets"]
 
 
 def known_presets() -> list[str]:
@@ -156,10 +164,41 @@ class HardwareSpec:
 
     @classmethod
     def detect(cls, *, num_nodes: int = 1, device: int | None = None) -> HardwareSpec:
-        """Describe the local machine (see :func:`lightning_memplan.hardware.detect.detect_hardware`)."""
-        from lightning_memplan.hardware.detect import detect_hardware
+        """The local machine (what :mod:`lightning_memplan.hardware.detect` reads from the driver).
 
-        return detect_hardware(num_nodes=num_nodes, device=device)
+        Args:
+            num_nodes: nodes of the cluster (one machine cannot see the others; pass it).
+            device: CUDA device index to describe; ``None`` means the current device.
+
+        Returns:
+            A spec whose ``memory_bytes`` is the total the driver reports (``mem_get_info``), whose
+            ``gpus_per_node`` is ``torch.cuda.device_count()``, with speeds from the table (matched by
+            device name; an unknown chip gets a warning and the marked fallback) and the intra-node
+            bandwidth from NVML when available. Without CUDA, the CPU host (speeds unknown).
+        """
+        local = _device.cuda_device(device)
+        if local is None:
+            name, memory = _device.host_description()
+            return cls(name, memory, gpus_per_node=1, num_nodes=num_nodes,
+                       source="host description (no CUDA device): memory from sysconf; speeds unknown")
+        chip = match_device_name(local.name)
+        if chip is None:
+            spec = cls.fallback_for(local.name, local.total_memory, gpus_per_node=local.count, num_nodes=num_nodes)
+        else:
+            spec = cls.from_chip(chip, gpus_per_node=local.count, num_nodes=num_nodes)
+            spec = dataclasses.replace(
+                spec,
+                memory_bytes=local.total_memory,
+                source=f"torch.cuda: {local.name!r}, {local.total_memory} bytes (mem_get_info); table: {chip.source}",
+            )
+        link = _device.nvml_interconnect(local.index, pci_bus_id=local.pci_bus_id)
+        if link is not None and link["bw"] > 0 and local.count > 1:
+            spec = dataclasses.replace(
+                spec,
+                intra_node_bw=float(link["bw"]),
+                source=spec.source + f"; nvml: {link['active_links']} active {link['link']} v{link['version']} links",
+            )
+        return spec
 
     @classmethod
     def fallback_for(cls, device_name: str, memory_bytes: int, *, gpus_per_node: int = 1, num_nodes: int = 1) -> HardwareSpec:
@@ -211,3 +250,8 @@ class HardwareSpec:
         data = dict(data)
         name, memory = data.pop("name"), data.pop("memory_bytes")
         return cls(name, memory, **data)
+
+
+def detect_hardware(*, num_nodes: int = 1, device: int | None = None) -> HardwareSpec:
+    """The local machine as a :class:`HardwareSpec`: :meth:`HardwareSpec.detect` (see there)."""
+    return HardwareSpec.detect(num_nodes=num_nodes, device=device)

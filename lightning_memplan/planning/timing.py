@@ -176,14 +176,14 @@ class StepTime:
 
 
 def is_cpu_host(hardware: HardwareSpec) -> bool:
-    """Whether ``hardware`` is :func:`~lightning_memplan.hardware.detect.detect_hardware`'s description of
+    """Whether ``hardware`` is :func:`~lightning_memplan.hardware.spec.detect_hardware`'s description of
     a host without CUDA (named ``"cpu (...)"``): no CUDA context, no NCCL, no accelerator speeds."""
     return hardware.name.startswith("cpu")
 
 
 def time_model_applies(hardware: HardwareSpec, train: TrainSpec) -> bool:
     """Whether step times mean anything here: not for a CPU host (``train.device == "cpu"`` or a
-    :func:`~lightning_memplan.hardware.detect.detect_hardware` CPU description, which has no speed
+    :func:`~lightning_memplan.hardware.spec.detect_hardware` CPU description, which has no speed
     figures); there the planner ranks by memory and change cost and says so (:data:`TIME_MODEL_OFF`)."""
     return train.device != "cpu" and not is_cpu_host(hardware)
 
