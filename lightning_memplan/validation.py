@@ -8,7 +8,15 @@ no torch or Lightning import, so the specs and the CLI can use it before anythin
 - :func:`check_number`: a finite real number (not ``bool``, ``nan`` or ``inf``) within bounds.
 - :func:`check_bool`: a real ``bool``; the strings ``"no"``/``"False"`` and the ints ``0``/``1`` are
   refused, so a string is never taken as a truth value.
+- :func:`check_str`: a ``str`` (optionally ``None``), never a number taken as a label.
 - :func:`check_choice`: one of a fixed set of strings.
+
+Every check *returns* the value it accepted as a plain Python ``int``/``float``/``bool``/``str``: a NumPy
+scalar (``np.int64(2)``, ``np.float32(0.5)``, ``np.bool_(True)``) or a 0-d tensor (``torch.tensor(2)``)
+is converted at the door by :func:`plain_scalar` (``.item()``, exact for integers), so a spec that stores
+what its checks return holds plain JSON values (``json.dumps(spec.to_dict())`` works, ints stay exact).
+A float-valued scalar is never an int (``np.float64(2.0)`` is refused where an int is asked), and a
+bool-valued one never a number.
 - :func:`divisor_hint`: the divisors of ``n`` for a message, by trial division up to ``sqrt(n)`` with
   a cap, so a message about ``10**12`` costs microseconds.
 """
@@ -23,17 +31,25 @@ from typing import Any
 
 __all__ = [
     "MAX_DIVISOR_SEARCH",
+    "MAX_WORLD_SIZE",
     "check_bool",
     "check_choice",
     "check_int",
     "check_mapping",
     "check_number",
     "check_optional_int",
+    "check_str",
     "divisor_hint",
     "divisor_list",
     "divisors",
+    "plain_scalar",
     "read_json_file",
 ]
+
+#: Most devices (``gpus_per_node * num_nodes``, ``dp * tp * pp * cp``) any spec accepts: 2^24 = 16,777,216,
+#: over ten times the largest training cluster announced (about 10^6 accelerators), and small enough that
+#: every loop over ranks, stages or divisors stays bounded whatever the user passes.
+MAX_WORLD_SIZE = 2**24
 
 #: Largest trial divisor :func:`divisors` tries (so ``n`` up to 10^10 is factored exactly; above it the
 #: hint says "a divisor of n"). 10^5 iterations of ``n % d`` take ~10 ms in CPython.
@@ -44,18 +60,42 @@ def _fix(hint: str) -> str:
     return f"; {hint}" if hint else ""
 
 
+_ARRAY_MODULES = ("numpy", "torch")
+
+
+def plain_scalar(value: Any) -> Any:
+    """A NumPy scalar, a 0-d NumPy array or a 0-d tensor as the Python ``int``/``float``/``bool``/``complex``
+    it holds (``.item()``: exact for every integer dtype); any other value unchanged.
+
+    Recognised by the defining module (``numpy``/``torch``), so neither is imported here. A tensor whose
+    value cannot be read (on the ``meta`` device) is returned unchanged, and the caller refuses it by type.
+    """
+    kind = type(value)
+    if kind in (int, float, bool, str) or kind.__module__.partition(".")[0] not in _ARRAY_MODULES:
+        return value
+    if getattr(value, "ndim", None) != 0 or not callable(getattr(value, "item", None)):
+        return value
+    try:
+        item = value.item()
+    except (RuntimeError, ValueError, TypeError):  # a meta tensor has no value to read
+        return value
+    return item if type(item) in (int, float, bool, complex) else value
+
+
 def check_int(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None, hint: str = "") -> int:
-    """``value`` as an ``int``: a Python/NumPy integer, not a ``bool``, within ``[minimum, maximum]``.
+    """``value`` as an ``int``: a Python/NumPy integer or 0-d integer tensor (:func:`plain_scalar`), not a
+    ``bool``, within ``[minimum, maximum]``.
 
     Raises:
-        TypeError: not an integer (``2.7``, ``"3"``, ``True``, ``None``).
+        TypeError: not an integer (``2.7``, ``np.float64(2.0)``, ``"3"``, ``True``, ``None``).
         ValueError: below ``minimum`` or above ``maximum``.
     """
     if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return value  # the common case first: the planner builds thousands of specs
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int{_fix(hint)}")
-    number = int(value)
+    plain = plain_scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int (got {type(value).__name__}){_fix(hint)}")
+    number = int(plain)
     if minimum is not None and number < minimum:
         raise ValueError(f"{name}={value!r} must be >= {minimum}{_fix(hint)}")
     if maximum is not None and number > maximum:
@@ -87,10 +127,11 @@ def check_number(
         TypeError: not a real number (``"1.5"``, ``True``, ``None``, a complex number).
         ValueError: ``nan``, ``inf`` or out of range.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r} must be a real number{_fix(hint)}")
+    plain = plain_scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a real number (got {type(value).__name__}){_fix(hint)}")
     try:
-        number = float(value)
+        number = float(plain)
     except OverflowError:  # an int beyond float range (10**400)
         raise ValueError(f"{name}={value!r} must be a finite number (it exceeds the float range){_fix(hint)}") from None
     if not math.isfinite(number):
@@ -105,16 +146,32 @@ def check_number(
 
 
 def check_bool(name: str, value: Any, *, hint: str = "") -> bool:
-    """``value`` when it is a real ``bool`` (NumPy's ``bool_`` too); nothing else is a truth value here.
+    """``value`` as a ``bool`` when it is one (NumPy's ``bool_`` and a 0-d bool tensor too); nothing else is a
+    truth value here.
 
     Raises:
-        TypeError: anything else, e.g. ``"no"``, ``"False"``, ``0``, ``None``.
+        TypeError: anything else, e.g. ``"no"``, ``"false"``, ``0``, ``np.int64(1)``, ``None``.
     """
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
-        return bool(value)
-    raise TypeError(f"{name}={value!r} must be True or False (a bool, not a string or number){_fix(hint)}")
+    plain = plain_scalar(value)
+    if isinstance(plain, bool):
+        return plain
+    raise TypeError(f"{name}={value!r} must be a bool (got {type(value).__name__}); pass True or False{_fix(hint)}")
+
+
+def check_str(name: str, value: Any, *, optional: bool = False, hint: str = "") -> str | None:
+    """``value`` when it is a ``str`` (or ``None`` with ``optional=True``): a label is never a number.
+
+    Raises:
+        TypeError: anything else, e.g. ``123``, ``b"x"``, ``["x"]``.
+    """
+    if type(value) is str or (optional and value is None):
+        return value
+    if isinstance(value, str):
+        return str(value)  # a str subclass as the plain string it holds
+    wanted = "a str or None" if optional else "a str"
+    raise TypeError(f"{name}={value!r:.80} must be {wanted} (got {type(value).__name__}){_fix(hint)}")
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any], *, hint: str = "") -> Any:
@@ -126,11 +183,13 @@ def check_choice(name: str, value: Any, choices: Iterable[Any], *, hint: str = "
     if type(value) is str and isinstance(choices, tuple) and value in choices:
         return value  # the common case first (a str option of a tuple of str)
     options = tuple(choices)
-    if isinstance(value, bool) or not any(isinstance(value, type(c)) and value == c for c in options):
-        raise ValueError(
-            f"{name}={value!r} is not supported; use one of {', '.join(map(repr, options))}{_fix(hint)}"
-        )
-    return value
+    if not isinstance(value, bool):
+        for option in options:
+            if isinstance(value, type(option)) and value == option:
+                return option  # the option itself: a str subclass (np.str_) comes back a plain str
+    raise ValueError(
+        f"{name}={value!r} is not supported; use one of {', '.join(map(repr, options))}{_fix(hint)}"
+    )
 
 
 def check_mapping(name: str, value: Any, required: Iterable[str], *, hint: str = "") -> None:

@@ -28,7 +28,7 @@ import functools
 import operator
 from typing import NamedTuple
 
-__all__ = ["BackwardMoment", "StageMoment", "backward_moments", "stage_moments"]
+__all__ = ["MAX_LISTED_BACKWARDS", "BackwardMoment", "StageMoment", "backward_moments", "stage_moments"]
 
 
 class BackwardMoment(NamedTuple):
@@ -42,10 +42,35 @@ class BackwardMoment(NamedTuple):
     """Per local chunk: whether its gradients exist already (an earlier backward of the step ran it)."""
 
 
-@functools.lru_cache(maxsize=1024)
-def backward_moments(stage: int, p: int, m: int, schedule: str, v: int = 1) -> tuple[BackwardMoment, ...]:
-    """Every backward of rank ``stage`` in one step of ``schedule`` with ``p`` ranks, ``m``
-    micro-batches and ``v`` local chunks (``v`` counts only for ``"interleaved"``)."""
+#: Most backwards :func:`backward_moments` lists (``m * v``): it returns one entry per backward, so its size is
+#: the user's micro-batch count. The estimate never needs the list: :func:`stage_moments` replays a bounded
+#: part of the step (see :func:`_replay`) for any ``m``.
+MAX_LISTED_BACKWARDS = 2**16
+
+
+def _forwards_before(n: int, chunk: int, per_round: int, chunks: int) -> int:
+    """Forwards of local ``chunk`` among the first ``n`` of an interleaved rank (forward j runs chunk
+    ``(j // r) mod v``): ``r`` per full round of ``r v`` forwards, then the part of the last round."""
+    period = per_round * chunks
+    return per_round * (n // period) + min(per_round, max(0, n % period - chunk * per_round))
+
+
+def _replay(stage: int, p: int, m: int, schedule: str, v: int, *, bounded: bool) -> list[BackwardMoment]:
+    """The rank's backwards in order; with ``bounded``, only enough of them for their undominated set.
+
+    The warm-up forwards are counted in closed form (:func:`_forwards_before`). ``bounded`` skips two kinds
+    of backward, so its cost is ``O(p v)`` whatever ``m`` (the proof is the docstring of
+    :func:`stage_moments`; ``tests/unit/test_bounded_time.py`` checks it against the full replay):
+
+    - steady phase (a forward before each backward): the held counts at backward ``k`` are
+      ``F_c(k + warmup) - B_c(k)`` (forwards and backwards of chunk c so far), and both counts grow by
+      exactly ``r`` per chunk every ``r v`` backwards (one chunk: every backward), so from the second full
+      period on (every chunk's gradients exist) the states repeat with period ``r v``. Whole periods are
+      skipped once one has been replayed.
+    - cool-down (no forward left) once every chunk's gradients exist: each backward only frees, so a later
+      backward of a chunk holds no more of anything than an earlier one of the same chunk. The replay stops
+      once every chunk has had one such backward.
+    """
     interleaved = schedule == "interleaved"
     chunks = v if interleaved else 1
     total = m * chunks
@@ -59,24 +84,57 @@ def backward_moments(stage: int, p: int, m: int, schedule: str, v: int = 1) -> t
         warmup -= 1 if warmup < total else 0  # the pair loop's forward is the last warm-up one
     # forward k runs local chunk (k // r) mod v, backward k chunk v - 1 - (k // r) mod v (one chunk unless
     # interleaved); written as one loop, the planner replays many schedules
-    held = [0] * chunks
+    if interleaved:
+        held = [_forwards_before(warmup, c, per_round, chunks) for c in range(chunks)]
+    else:
+        held = [warmup]
+    period = per_round * chunks if interleaved else 1
+    steady_end = total - warmup  # backwards 0 .. steady_end - 1 each follow a forward
     done = [False] * chunks
     done_now = tuple(done)
     moments: list[BackwardMoment] = []
-    forwards = 0
-    for k in range(-warmup, total):
-        if forwards < total:  # the warm-up forwards (k < 0), then one before each backward while any remain
+    cooled: set[int] = set()  # chunks with a cool-down backward after every chunk's gradients exist
+    forwards = warmup
+    k = 0
+    while k < total:
+        if k < steady_end:
+            if bounded and k >= 2 * period:  # states from here repeat those of the last period
+                skip = (steady_end - k) // period * period
+                if skip:
+                    k += skip
+                    forwards += skip
+                    continue
             held[(forwards // per_round) % chunks if interleaved else 0] += 1
             forwards += 1
-        if k < 0:
-            continue
         chunk = chunks - 1 - (k // per_round) % chunks if interleaved else 0
         moments.append(BackwardMoment(tuple(held), chunk, done_now))
+        if bounded and k >= steady_end and all(done):
+            cooled.add(chunk)
+            if len(cooled) == chunks:
+                break
         held[chunk] -= 1
         if not done[chunk]:
             done[chunk] = True
             done_now = tuple(done)
-    return tuple(moments)
+        k += 1
+    return moments
+
+
+@functools.lru_cache(maxsize=1024)
+def backward_moments(stage: int, p: int, m: int, schedule: str, v: int = 1) -> tuple[BackwardMoment, ...]:
+    """Every backward of rank ``stage`` in one step of ``schedule`` with ``p`` ranks, ``m``
+    micro-batches and ``v`` local chunks (``v`` counts only for ``"interleaved"``).
+
+    Raises:
+        ValueError: more than :data:`MAX_LISTED_BACKWARDS` backwards (``m * v``) to list.
+    """
+    listed = m * (v if schedule == "interleaved" else 1)
+    if listed > MAX_LISTED_BACKWARDS:
+        raise ValueError(
+            f"m={m!r} micro-batches (x v={v!r} chunks) is more than the {MAX_LISTED_BACKWARDS} backwards "
+            "backward_moments lists (one entry each); use stage_moments, which answers for any m"
+        )
+    return tuple(_replay(stage, p, m, schedule, v, bounded=False))
 
 
 class StageMoment(NamedTuple):
@@ -109,15 +167,28 @@ def stage_moments(
     has_head: bool,
 ) -> tuple[StageMoment, ...]:
     """:func:`backward_moments` weighted by each local chunk's share of the stage's activations and
-    gradients (``acts_share``, ``grads_share``: one entry per local chunk, each summing to 1), without
-    the moments another one dominates (no more of anything than it, so never the larger)."""
+    gradients (``acts_share``, ``grads_share``: one entry per local chunk, each summing to 1, none
+    negative), without the moments another one dominates (no more of anything than it, so never the
+    larger).
+
+    Bounded time for any ``m``: the backwards are replayed by ``_replay(..., bounded=True)``, a subset of
+    them that holds every undominated one, so the result is the same as over all of them. The subset
+    leaves out (a) steady-phase backwards whose (held, chunk, done) state is one already replayed (the
+    states repeat with period ``r v`` once every chunk's gradients exist), so their moments are in the set
+    already; (b) cool-down backwards, once every chunk's gradients exist, of a chunk that had an earlier
+    such backward ``j``. Between ``j`` and a later ``k`` only backwards run, so ``held_k <= held_j`` per
+    chunk, hence ``inflight`` (a sum of non-negative terms, float addition being monotone) and
+    ``inflight_head`` are no larger; ``inflight_after = inflight - share[chunk]`` with the same chunk is no
+    larger; ``loss_backward`` is the same (same chunk); and both gradient fractions are equal (every chunk
+    done). So ``k``'s moment is covered by ``j``'s or equal to it: the undominated set does not change.
+    """
     chunks = len(acts_share)
     if len(grads_share) != chunks:
         raise ValueError(f"acts_share={acts_share!r} and grads_share={grads_share!r} must have one entry per local chunk")
     out: set[StageMoment] = set()
     before_of: dict[tuple[bool, ...], float] = {}  # gradients alive, per set of done chunks (at most v + 1)
     # (a steady 1F1B phase repeats one backward state m - p times: each distinct state is weighted once)
-    for held_n, chunk, done in set(backward_moments(stage, p, m, schedule, v if chunks > 1 else 1)):
+    for held_n, chunk, done in set(_replay(stage, p, m, schedule, v if chunks > 1 else 1, bounded=True)):
         before = before_of.get(done)
         if before is None:
             before = before_of[done] = sum((share for share, d in zip(grads_share, done, strict=True) if d), 0.0)
