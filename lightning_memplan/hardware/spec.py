@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,9 @@ from lightning_memplan.hardware.presets import (
     lookup_chip,
     match_device_name,
 )
-from lightning_memplan.validation import check_bool, check_int, check_mapping, check_number
+from lightning_memplan.validation import MAX_WORLD_SIZE, check_bool, check_int, check_mapping, check_number
 
-__all__ = ["HardwareSpec", "detect_hardware", "known_presets"]
+__all__ = ["MAX_GPUS_PER_NODE", "HardwareSpec", "detect_hardware", "known_presets"]
 
 
 def known_presets() -> list[str]:
@@ -26,9 +27,14 @@ def known_presets() -> list[str]:
     return list(CHIP_TABLE)
 
 
-def _check_positive_number(name: str, value: Any, unit: str) -> None:
-    check_number(name, value, minimum=0.0, min_inclusive=False,
-                 hint=f"a finite number of {unit}; leave it None when unknown")
+#: Most GPUs per node (the NVLink/PCIe domain) a spec accepts: 7x the largest NVLink domain announced
+#: (NVIDIA's NVL576), so the planner's loops over in-node widths stay bounded whatever the user passes.
+MAX_GPUS_PER_NODE = 4096
+
+
+def _check_positive_number(name: str, value: Any, unit: str) -> float:
+    return check_number(name, value, minimum=0.0, min_inclusive=False,
+                        hint=f"a finite number of {unit}; leave it None when unknown")
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,26 @@ class HardwareSpec:
     fallback: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        # checked values stored back plain (np.int64 -> int), so to_dict()/asdict() is JSON with exact ints
+        keep = functools.partial(object.__setattr__, self)
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name={self.name!r} must be a non-empty string such as 'h100-sxm'")
-        check_int("memory_bytes", self.memory_bytes, hint="device memory in bytes, e.g. 80 * 2**30")
-        check_int("gpus_per_node", self.gpus_per_node, hint="GPUs per node, e.g. 8")
-        check_int("num_nodes", self.num_nodes, hint="nodes, e.g. 1")
-        check_bool("supports_bf16", self.supports_bf16)
-        check_bool("fallback", self.fallback)
+        keep("name", str(self.name))
+        keep("memory_bytes", check_int("memory_bytes", self.memory_bytes, hint="device memory in bytes, e.g. 80 * 2**30"))
+        keep("gpus_per_node", check_int(
+            "gpus_per_node", self.gpus_per_node, maximum=MAX_GPUS_PER_NODE,
+            hint=f"GPUs per node, e.g. 8 (at most MAX_GPUS_PER_NODE={MAX_GPUS_PER_NODE}, 7x the largest NVLink "
+            "domain announced); describe more GPUs with num_nodes"))
+        keep("num_nodes", check_int("num_nodes", self.num_nodes, maximum=MAX_WORLD_SIZE,
+                                    hint=f"nodes, e.g. 1 (at most MAX_WORLD_SIZE={MAX_WORLD_SIZE} devices in all)"))
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"gpus_per_node={self.gpus_per_node} x num_nodes={self.num_nodes} = {self.world_size} GPUs exceeds "
+                f"MAX_WORLD_SIZE={MAX_WORLD_SIZE} (over ten times the largest cluster announced; the bound keeps "
+                "every per-rank loop of the planner bounded); use fewer nodes"
+            )
+        keep("supports_bf16", check_bool("supports_bf16", self.supports_bf16))
+        keep("fallback", check_bool("fallback", self.fallback))
         if not isinstance(self.source, str):
             raise TypeError(f"source={self.source!r} must be a string (where the figures come from)")
         for attr, unit in (
@@ -86,7 +105,7 @@ class HardwareSpec:
         ):
             value = getattr(self, attr)
             if value is not None:
-                _check_positive_number(attr, value, unit)
+                keep(attr, _check_positive_number(attr, value, unit))
 
     # Derived ------------------------------------------------------------------------------------
     @property
