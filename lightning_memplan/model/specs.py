@@ -14,11 +14,12 @@ from typing import Any
 
 from lightning_memplan.model.lora import lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
+from lightning_memplan.validation import MAX_WORLD_SIZE, divisor_hint, divisors, plain_scalar
 from lightning_memplan.validation import check_bool as _check_bool
 from lightning_memplan.validation import check_choice as _check_choice
 from lightning_memplan.validation import check_int as _check_int
 from lightning_memplan.validation import check_number as _check_number
-from lightning_memplan.validation import divisor_hint
+from lightning_memplan.validation import check_str as _check_str
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -32,6 +33,7 @@ __all__ = [
     "RECOMPUTE_MODES",
     "SCHEDULES",
     "DEVICES",
+    "MAX_PIPELINE_CHUNKS",
     "ModelSpec",
     "ParallelPlan",
     "TrainSpec",
@@ -81,6 +83,17 @@ def canonical_precision(value: Any) -> str:
     return canonical
 
 
+
+
+#: Most pipeline chunks (``pp * virtual_stages``) a :class:`ParallelPlan` accepts: 8x the deepest published
+#: pipeline (Megatron-LM's 1T-parameter run, 64 stages; Narayanan et al. 2021 Table 1), so the per-stage
+#: estimate (each rank's schedule replayed, ``O(p v)`` steps; ``model/pipeline_timeline.py``) stays bounded.
+MAX_PIPELINE_CHUNKS = 512
+
+
+def _keep(spec: Any, name: str, value: Any) -> None:
+    """Store a checked (plain) value on a frozen spec: what its ``__post_init__`` checks, it keeps."""
+    object.__setattr__(spec, name, value)
 
 
 @dataclass(frozen=True)
@@ -147,49 +160,51 @@ class ModelSpec:
     extra_layer_params: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_int("n_layers", self.n_layers, hint="a transformer has at least one block")
-        _check_int("hidden", self.hidden)
-        _check_int("n_heads", self.n_heads)
-        _check_int("vocab_size", self.vocab_size)
-        _check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
-        _check_choice("norm", self.norm, NORM_KINDS)
-        _check_choice("position_embedding", self.position_embedding, POSITION_KINDS)
+        # every check returns the plain value (np.int64(2) -> 2, a 0-d tensor -> its item), stored back so
+        # to_dict() is plain JSON with exact ints
+        for name, hint in (("n_layers", "a transformer has at least one block"), ("hidden", ""), ("n_heads", ""),
+                           ("vocab_size", "")):
+            _keep(self, name, _check_int(name, getattr(self, name), hint=hint))
+        _keep(self, "ffn_kind", _check_choice("ffn_kind", self.ffn_kind, FFN_KINDS))
+        _keep(self, "norm", _check_choice("norm", self.norm, NORM_KINDS))
+        _keep(self, "position_embedding", _check_choice("position_embedding", self.position_embedding, POSITION_KINDS))
+        _keep(self, "name", _check_str("name", self.name, optional=True, hint="a label shown in reports, e.g. 'llama3-8b'"))
         if self.n_kv_heads is not None:
-            _check_int("n_kv_heads", self.n_kv_heads)
+            _keep(self, "n_kv_heads", _check_int("n_kv_heads", self.n_kv_heads))
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(
                     f"n_kv_heads={self.n_kv_heads!r} must divide n_heads={self.n_heads!r} (GQA groups "
                     f"queries evenly); use {divisor_hint(self.n_heads)}"
                 )
         if self.head_dim is not None:
-            _check_int("head_dim", self.head_dim)
+            _keep(self, "head_dim", _check_int("head_dim", self.head_dim))
         elif self.hidden % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads!r} does not divide hidden={self.hidden!r}; pass head_dim= "
                 f"explicitly or use n_heads {divisor_hint(self.hidden)}"
             )
         if self.ffn_hidden is not None:
-            _check_int("ffn_hidden", self.ffn_hidden)
-        if self.position_embedding == "learned":
-            if self.max_positions is None:
-                raise ValueError(
-                    "max_positions=None but position_embedding='learned' needs the table size; pass "
-                    "max_positions= (e.g. 1024 for GPT-2) or position_embedding='rope'"
-                )
-            _check_int("max_positions", self.max_positions)
-        elif self.max_positions is not None:
-            _check_int("max_positions", self.max_positions)
-        _check_number("dropout", self.dropout, minimum=0.0, maximum=1.0, max_inclusive=False,
-                      hint="a probability in [0, 1), e.g. dropout=0.1")
-        _check_int("extra_layer_params", self.extra_layer_params, minimum=0,
-                   hint="parameters per block beyond the linears and two norms (0 for most models)")
+            _keep(self, "ffn_hidden", _check_int("ffn_hidden", self.ffn_hidden))
+        if self.position_embedding == "learned" and self.max_positions is None:
+            raise ValueError(
+                "max_positions=None but position_embedding='learned' needs the table size; pass "
+                "max_positions= (e.g. 1024 for GPT-2) or position_embedding='rope'"
+            )
+        if self.max_positions is not None:
+            _keep(self, "max_positions", _check_int("max_positions", self.max_positions))
+        _keep(self, "dropout", _check_number("dropout", self.dropout, minimum=0.0, maximum=1.0, max_inclusive=False,
+                                             hint="a probability in [0, 1), e.g. dropout=0.1"))
+        _keep(self, "extra_layer_params", _check_int(
+            "extra_layer_params", self.extra_layer_params, minimum=0,
+            hint="parameters per block beyond the linears and two norms (0 for most models)"))
         for name in ("bias", "tied_embeddings", "qkv_fused", "qkv_bias"):
-            _check_bool(name, getattr(self, name))
+            _keep(self, name, _check_bool(name, getattr(self, name)))
         if self.n_params is not None:
-            _check_int("n_params", self.n_params, hint="the total number of parameters")
+            _keep(self, "n_params", _check_int("n_params", self.n_params, hint="the total number of parameters"))
         if self.n_trainable_params is not None:
-            _check_int("n_trainable_params", self.n_trainable_params, minimum=0,
-                       hint="the number of parameters with requires_grad=True")
+            _keep(self, "n_trainable_params", _check_int(
+                "n_trainable_params", self.n_trainable_params, minimum=0,
+                hint="the number of parameters with requires_grad=True"))
             if self.n_trainable_params > self.num_params:
                 raise ValueError(
                     f"n_trainable_params={self.n_trainable_params!r} exceeds the {self.num_params} parameters of "
@@ -362,31 +377,30 @@ class TrainSpec:
     norm_impl: str = "native"
 
     def __post_init__(self) -> None:
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("norm_impl", self.norm_impl, NORM_IMPLS)
-        _check_choice("framework", self.framework, FRAMEWORK_NAMES)
-        _check_int("micro_batch", self.micro_batch)
-        _check_int("seq_len", self.seq_len)
-        object.__setattr__(self, "precision", canonical_precision(self.precision))
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
-        _check_choice("attention", self.attention, ATTENTION_KINDS)
-        _check_choice("loss", self.loss, LOSS_MODES)
+        # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
+        for name, choices in (("device", DEVICES), ("norm_impl", NORM_IMPLS), ("framework", FRAMEWORK_NAMES)):
+            _keep(self, name, _check_choice(name, getattr(self, name), choices))
+        _keep(self, "micro_batch", _check_int("micro_batch", self.micro_batch))
+        _keep(self, "seq_len", _check_int("seq_len", self.seq_len))
+        _keep(self, "precision", canonical_precision(self.precision))
+        for name, choices in (("optimizer", OPTIMIZERS), ("optimizer_impl", OPTIMIZER_IMPLS),
+                              ("recompute", RECOMPUTE_MODES), ("attention", ATTENTION_KINDS), ("loss", LOSS_MODES)):
+            _keep(self, name, _check_choice(name, getattr(self, name), choices))
         if self.loss_chunk_size is not None:
-            _check_int("loss_chunk_size", self.loss_chunk_size, hint="tokens per loss chunk, e.g. 1024")
-        _check_int("grad_accumulation", self.grad_accumulation)
+            _keep(self, "loss_chunk_size",
+                  _check_int("loss_chunk_size", self.loss_chunk_size, hint="tokens per loss chunk, e.g. 1024"))
+        _keep(self, "grad_accumulation", _check_int("grad_accumulation", self.grad_accumulation))
         for name in ("param_bytes", "grad_bytes", "master_bytes", "activation_bytes"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, hint="bytes per element, e.g. 2 for bf16 or 4 for fp32")
+                _keep(self, name, _check_int(name, value, hint="bytes per element, e.g. 2 for bf16 or 4 for fp32"))
         if self.optimizer_bytes_per_param is not None:
-            _check_number(
+            _keep(self, "optimizer_bytes_per_param", _check_number(
                 "optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0.0, min_inclusive=False,
                 hint="e.g. 8 for Adam's two fp32 states; use optimizer='sgd' for a stateless optimizer",
-            )
+            ))
         for name in ("master_weights", "grads_alive_in_forward"):
-            _check_bool(name, getattr(self, name))
+            _keep(self, name, _check_bool(name, getattr(self, name)))
 
     @property
     def tokens(self) -> int:
@@ -451,16 +465,34 @@ class ParallelPlan:
     reshard_after_forward: bool | int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
-            _check_int(name, getattr(self, name))
-        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
+        # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
+        for name in ("dp", "tp", "pp", "cp"):
+            _keep(self, name, _check_int(name, getattr(self, name), maximum=MAX_WORLD_SIZE,
+                                         hint=f"at most {MAX_WORLD_SIZE} devices (MAX_WORLD_SIZE)"))
+        for name in ("microbatches", "virtual_stages"):
+            _keep(self, name, _check_int(name, getattr(self, name)))
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"dp*tp*pp*cp={self.world_size} (dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp}) exceeds "
+                f"MAX_WORLD_SIZE={MAX_WORLD_SIZE} devices (over ten times the largest cluster announced; the bound "
+                "keeps every per-rank loop bounded); use smaller axes"
+            )
+        if self.pp * self.virtual_stages > MAX_PIPELINE_CHUNKS:
+            raise ValueError(
+                f"pp={self.pp} x virtual_stages={self.virtual_stages} = {self.pp * self.virtual_stages} pipeline "
+                f"chunks exceeds MAX_PIPELINE_CHUNKS={MAX_PIPELINE_CHUNKS} (8x the deepest published pipeline, "
+                "Megatron-LM's 64 stages; the per-stage estimate replays each rank's schedule); use fewer stages"
+            )
+        zero = plain_scalar(self.zero)
+        if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3):
             raise ValueError(
                 f"zero={self.zero!r} must be 0 (none), 1 (optimizer states), 2 (+grads) or 3 (+params)"
             )
+        _keep(self, "zero", zero)
         self._check_reshard_after_forward()
-        _check_choice("schedule", self.schedule, SCHEDULES)
+        _keep(self, "schedule", _check_choice("schedule", self.schedule, SCHEDULES))
         for name in ("sp", "grad_buckets"):
-            _check_bool(name, getattr(self, name))
+            _keep(self, name, _check_bool(name, getattr(self, name)))
         if self.sp and self.tp == 1:
             raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the TP group); set tp")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -483,9 +515,10 @@ class ParallelPlan:
             )
 
     def _check_reshard_after_forward(self) -> None:
-        raf = self.reshard_after_forward
+        raf = plain_scalar(self.reshard_after_forward)
         if raf is None:
             return
+        _keep(self, "reshard_after_forward", raf if isinstance(raf, bool) else self.reshard_after_forward)
         if isinstance(raf, bool):
             wanted = 3 if raf else 2
             if self.zero != wanted:
@@ -495,8 +528,9 @@ class ParallelPlan:
                 )
             return
         shard = self.dp * self.cp
-        _check_int("reshard_after_forward", raf, minimum=2,
-                   hint="an int is the world size each block reshards to after forward; use True, False or None")
+        raf = _check_int("reshard_after_forward", self.reshard_after_forward, minimum=2,
+                         hint="an int is the world size each block reshards to after forward; use True, False or None")
+        _keep(self, "reshard_after_forward", raf)
         if self.zero != 3:
             raise ValueError(
                 f"reshard_after_forward={raf!r} (an int) needs zero=3 (got zero={self.zero!r}): it reshards "
@@ -509,7 +543,7 @@ class ParallelPlan:
                 "use reshard_after_forward=True or tp=1"
             )
         if raf >= shard or shard % raf:
-            choices = [n for n in range(2, shard) if shard % n == 0]
+            choices = [n for n in divisors(shard) or () if 1 < n < shard]  # shard <= MAX_WORLD_SIZE: factored
             fix = f"use one of {choices}" if choices else "use True (there is no non-trivial divisor)"
             raise ValueError(
                 f"reshard_after_forward={raf!r} must divide the data-parallel shard size dp*cp={shard} and be "
