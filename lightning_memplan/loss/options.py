@@ -11,8 +11,8 @@ Symbols follow docs/DESIGN.md: N tokens (b·s), h hidden, V vocab, t tensor-para
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -55,7 +55,10 @@ from lightning_memplan.model.terms import (  # noqa: E402
     auto_loss_chunk_tokens,
     loss_chunk_row_bytes,
 )
-from lightning_memplan.validation import check_number  # noqa: E402
+from lightning_memplan.validation import check_bool, check_choice, check_int, check_number  # noqa: E402
+
+#: The range of ``ignore_index``: targets are int64 (``F.cross_entropy``'s), so an id outside it never matches.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,59 +110,39 @@ class LossOptions:
     accumulation that made Liger-Kernel diverge, Liger issue 512, is what this avoids)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise TypeError(f"ignore_index={self.ignore_index!r} must be an int, e.g. -100")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction={self.reduction!r} must be one of {REDUCTIONS}")
-        _check_float("label_smoothing", self.label_smoothing)
-        if not 0.0 <= float(self.label_smoothing) < 1.0:
-            raise ValueError(
-                f"label_smoothing={self.label_smoothing!r} must be in [0, 1), as in F.cross_entropy; "
-                "typical values are 0.0 or 0.1"
-            )
-        check_number("z_loss", self.z_loss, minimum=0.0, hint="a finite float >= 0; PaLM uses 1e-4, 0 disables it")
+        # checked values stored back plain (np.int64 -> int, a 0-d tensor -> its item): options are data
+        keep = functools.partial(object.__setattr__, self)
+        keep("ignore_index", check_int(
+            "ignore_index", self.ignore_index, minimum=INT64_MIN, maximum=INT64_MAX,
+            hint="a target id compared with int64 targets, e.g. -100 (F.cross_entropy's default)"))
+        keep("reduction", check_choice("reduction", self.reduction, REDUCTIONS))
+        keep("label_smoothing", check_number(
+            "label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, max_inclusive=False,
+            hint="in [0, 1), as in F.cross_entropy; typical values are 0.0 or 0.1"))
+        keep("z_loss", check_number("z_loss", self.z_loss, minimum=0.0,
+                                    hint="a finite float >= 0; PaLM uses 1e-4, 0 disables it"))
         if self.softcap is not None:
-            check_number("softcap", self.softcap, minimum=0.0, min_inclusive=False,
-                         hint="a finite float > 0 or None; Gemma 2 uses 30.0 for final logits")
-        if not isinstance(self.shift, bool):
-            raise TypeError(f"shift={self.shift!r} must be a bool")
+            keep("softcap", check_number("softcap", self.softcap, minimum=0.0, min_inclusive=False,
+                                         hint="a finite float > 0 or None; Gemma 2 uses 30.0 for final logits"))
         if isinstance(self.chunk_size, str):
             if self.chunk_size != "auto":
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive int or 'auto'")
-        elif isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
-            raise TypeError(f"chunk_size={self.chunk_size!r} must be a positive int or 'auto'")
-        elif self.chunk_size <= 0:
-            raise ValueError(
-                f"chunk_size={self.chunk_size!r} must be > 0 tokens per chunk; use e.g. 1024 or 'auto'"
-            )
-        if (
-            isinstance(self.chunk_budget_bytes, bool)
-            or not isinstance(self.chunk_budget_bytes, int)
-            or self.chunk_budget_bytes <= 0
-        ):
-            raise ValueError(
-                f"chunk_budget_bytes={self.chunk_budget_bytes!r} must be a positive int number of bytes"
-            )
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
-        if not isinstance(self.validate_targets, bool):
-            raise TypeError(f"validate_targets={self.validate_targets!r} must be a bool")
-        if not isinstance(self.allow_retain_graph, bool):
-            raise TypeError(f"allow_retain_graph={self.allow_retain_graph!r} must be a bool")
-        if not isinstance(self.sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel={self.sequence_parallel!r} must be a bool")
+            keep("chunk_size", "auto")
+        else:
+            keep("chunk_size", check_int("chunk_size", self.chunk_size,
+                                         hint="a positive int (tokens per chunk, e.g. 1024) or 'auto'"))
+        keep("chunk_budget_bytes", check_int("chunk_budget_bytes", self.chunk_budget_bytes,
+                                             hint="a positive int number of bytes, e.g. 2**30"))
+        keep("mode", check_choice("mode", self.mode, MODES))
+        keep("backend", check_choice("backend", self.backend, BACKENDS))
+        for name in ("shift", "validate_targets", "allow_retain_graph", "sequence_parallel"):
+            keep(name, check_bool(name, getattr(self, name)))
         if self.accum_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             raise ValueError(f"accum_dtype={self.accum_dtype!r} must be a floating dtype; keep torch.float32")
         if self.mode in ("naive", "fp32_upcast") and self.sequence_parallel:
             raise ValueError(
                 f"sequence_parallel=True needs mode 'vocab_parallel' or 'auto', got mode={self.mode!r}"
             )
-
-
-def _check_float(name: str, value: Any) -> None:
-    check_number(name, value, minimum=None, hint="a finite float")
 
 
 def _device_type(device: str | torch.device) -> str:

@@ -54,27 +54,32 @@ from lightning_memplan.planning.search import (
     _Search,
 )
 from lightning_memplan.planning.space import Allow
-from lightning_memplan.validation import check_int, check_number, check_optional_int
+from lightning_memplan.validation import check_bool, check_int, check_number, check_optional_int
 
 __all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "SIMPLICITY_MARGIN", "plan"]
 
 GiB = 2**30
 
 
-def _check_inputs(model: Any, train: Any, hardware: Any, global_batch: Any, memory_budget: Any, headroom: Any) -> None:
+def _check_inputs(
+    model: Any, train: Any, hardware: Any, global_batch: Any, memory_budget: Any, headroom: Any
+) -> tuple[int | None, float | None, float]:
+    """The specs' types; ``global_batch``, ``memory_budget``, ``headroom`` as plain Python numbers."""
     for name, value, cls in (("model", model, ModelSpec), ("train", train, TrainSpec), ("hardware", hardware, HardwareSpec)):
         if not isinstance(value, cls):
             hint = " (HardwareSpec.preset('h100-80gb', gpus_per_node=8))" if cls is HardwareSpec else ""
-            raise TypeError(f"{name}={value!r} must be a {cls.__name__}{hint}")
-    check_optional_int("global_batch", global_batch, hint="sequences per optimizer step, or None")
+            raise TypeError(f"{name}={value!r:.200} must be a {cls.__name__}{hint}")
+    batch = check_optional_int("global_batch", global_batch, hint="sequences per optimizer step, or None")
+    budget = None
     if memory_budget is not None:
-        check_number(
+        budget = check_number(
             "memory_budget", memory_budget, minimum=1.0,
             hint="a finite number of bytes per device (e.g. 70 * 2**30); pass None to derive it from the device "
             "memory, headroom and overheads",
         )
-    check_number("headroom", headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
-                 hint="a fraction, e.g. 0.1 for 10 % of device memory")
+    room = check_number("headroom", headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
+                        hint="a fraction, e.g. 0.1 for 10 % of device memory")
+    return batch, budget, room
 
 
 def plan(
@@ -122,11 +127,11 @@ def plan(
         TypeError: wrong argument types.
     """
     t0 = time.perf_counter()
-    _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
-    check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
-    if not isinstance(expandable_segments, bool):
-        raise TypeError(f"expandable_segments={expandable_segments!r} must be a bool (True when the run sets "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    global_batch, memory_budget, headroom = _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
+    top_k = check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
+    expandable_segments = check_bool(
+        "expandable_segments", expandable_segments,
+        hint="True when the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     allow_spec = Allow.parse(allow)
     explicit = None if memory_budget is None else int(memory_budget)
     search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k,

@@ -11,7 +11,16 @@ from typing import Any
 
 from lightning_memplan.model.frameworks import pipeline_units
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
-from lightning_memplan.model.specs import LOSS_MODES, RECOMPUTE_MODES, SCHEDULES, ModelSpec, TrainSpec
+from lightning_memplan.model.specs import (
+    LOSS_MODES,
+    MAX_PIPELINE_CHUNKS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    ModelSpec,
+    TrainSpec,
+)
+from lightning_memplan.validation import MAX_DIVISOR_SEARCH, MAX_WORLD_SIZE, plain_scalar
+from lightning_memplan.validation import divisors as _divisors
 
 __all__ = [
     "ALLOW_NAMES",
@@ -45,15 +54,31 @@ ALLOW_NAMES: dict[str, str] = {
 
 
 def divisors(n: int) -> list[int]:
-    """Divisors of n in increasing order."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    """Divisors of n in increasing order (:func:`lightning_memplan.validation.divisors`: at most
+    ``sqrt(n)`` trial divisions, so a world of :data:`~lightning_memplan.validation.MAX_WORLD_SIZE` costs
+    ~4,000).
+
+    Raises:
+        ValueError: ``n`` above ``MAX_DIVISOR_SEARCH**2`` (10^10), too large to factor in bounded time.
+    """
+    found = _divisors(n)
+    if found is None:
+        raise ValueError(
+            f"n={n!r} is too large to list its divisors in bounded time (above {MAX_DIVISOR_SEARCH}**2); "
+            f"a world size is at most MAX_WORLD_SIZE={MAX_WORLD_SIZE}"
+        )
+    return found
 
 
 def _tuple(name: str, value: Any, kind: type | tuple[type, ...], choices: Iterable[Any] | None = None) -> tuple[Any, ...]:
-    values = (value,) if isinstance(value, (str, int, bool)) else tuple(value)
+    scalar = plain_scalar(value)
+    if isinstance(scalar, (str, int, bool, float)) or not isinstance(value, Iterable):
+        values: tuple[Any, ...] = (scalar,)
+    else:
+        values = tuple(value)
     if not values:
         raise ValueError(f"allow[{name!r}]={value!r} is empty; give at least one allowed value")
+    values = tuple(plain_scalar(v) for v in values)  # np.int64(2) -> 2, np.bool_ -> bool, 0-d tensors too
     for v in values:
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
             raise TypeError(f"allow[{name!r}] contains {v!r}; expected {kind}")
@@ -258,6 +283,9 @@ def enumerate_layouts(
             if pp > L:
                 rejected.append((f"tp={tp} pp={pp}", "divisibility", f"pp={pp} > n_layers={L}: a stage needs a block"))
                 continue
+            if pp > MAX_PIPELINE_CHUNKS:
+                rejected.append((f"tp={tp} pp={pp}", "bound", f"pp={pp} > MAX_PIPELINE_CHUNKS={MAX_PIPELINE_CHUNKS}"))
+                continue
             for cp in divisors(world // (tp * pp)):
                 if not _in(cp, allow.cp):
                     continue
@@ -309,7 +337,7 @@ def enumerate_layouts(
                             # stages); even stages keep even chunks (L mod (p v) == 0)
                             # units: the blocks, plus embedding and head where the stack weighs them (Llama 3)
                             units = pipeline_units(L, train.framework)
-                            for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp) + 1):
+                            for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp, MAX_PIPELINE_CHUNKS // pp) + 1):
                                 if (units % pp == 0 and units % (pp * v)) or not _in(v, allow.virtual_stages):
                                     continue
                                 schedules.append(("interleaved", v))
