@@ -378,6 +378,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
+        choices: tuple[str, ...]
         for name, choices in (("device", DEVICES), ("norm_impl", NORM_IMPLS), ("framework", FRAMEWORK_NAMES)):
             _keep(self, name, _check_choice(name, getattr(self, name), choices))
         _keep(self, "micro_batch", _check_int("micro_batch", self.micro_batch))
