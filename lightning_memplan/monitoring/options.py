@@ -15,6 +15,7 @@ __all__ = [
     "MonitorOptions",
     "check_fraction",
     "check_measure_every",
+    "check_optional_bool",
     "check_optional_int",
     "check_tolerance",
     "check_type",
@@ -43,8 +44,16 @@ def check_optional_int(name: str, value: Any, hint: str) -> int | None:
 
 def check_type(name: str, value: Any, cls: type) -> Any:
     if value is not None and not isinstance(value, cls):
-        raise TypeError(f"{name}={value!r} must be a {cls.__name__} or None")
+        raise TypeError(f"{name}={value!r:.200} must be a {cls.__name__} or None")
     return value
+
+
+def check_optional_bool(name: str, value: Any, meaning_of_none: str) -> bool | None:
+    """``None`` or a real bool (:func:`~lightning_memplan.validation.check_bool`): ``0``, ``"no"`` and
+    ``"false"`` are refused, never taken as a truth value."""
+    if value is None:
+        return None
+    return validation.check_bool(name, value, hint=f"or None ({meaning_of_none})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +106,10 @@ class MonitorOptions:
         check_type("model_spec", self.model_spec, ModelSpec)
         check_type("train_spec", self.train_spec, TrainSpec)
         check_type("plan", self.plan, ParallelPlan)
-        if self.track_tensors not in (None, True, False):
-            raise ValueError(f"track_tensors={self.track_tensors!r} must be None (CPU/MPS only), True or False")
-        validation.check_bool("write_files", self.write_files)
-        validation.check_bool("print_report", self.print_report)
+        flags = {
+            "track_tensors": check_optional_bool("track_tensors", self.track_tensors, "CPU/MPS only"),
+            "write_files": validation.check_bool("write_files", self.write_files),
+            "print_report": validation.check_bool("print_report", self.print_report),
+        }
+        for name, value in flags.items():  # np.bool_ -> bool
+            object.__setattr__(self, name, value)
