@@ -130,7 +130,7 @@ class LossOptions:
             keep("chunk_size", "auto")
         else:
             keep("chunk_size", check_int("chunk_size", self.chunk_size,
-                                         hint="a positive int (tokens per chunk, e.g. 1024) or 'auto'"))
+                                         hint="tokens per chunk, an int > 0 (e.g. 1024), or 'auto'"))
         keep("chunk_budget_bytes", check_int("chunk_budget_bytes", self.chunk_budget_bytes,
                                              hint="a positive int number of bytes, e.g. 2**30"))
         keep("mode", check_choice("mode", self.mode, MODES))

@@ -29,7 +29,7 @@ from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstima
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import TensorTracker
-from lightning_memplan.validation import check_int
+from lightning_memplan.validation import check_bool, check_int, check_optional_int
 
 __all__ = ["TraceResult", "calibrate", "default_loss", "make_optimizer", "trace_memory"]
 
@@ -220,8 +220,35 @@ def _move(module: nn.Module, device: torch.device) -> nn.Module:
         return module
 
 
-def _check_positive(name: str, value: Any) -> None:
-    check_int(name, value, hint="a positive int")
+#: Most training steps :func:`trace_memory` runs (the last is measured; 2 reach the steady state).
+MAX_TRACE_STEPS = 64
+#: Largest micro-batch or sequence length a traced batch may have: 2^31 - 1, the int32 index range of
+#: the kernels (fake tensors would take more, the real fallback step could not).
+MAX_TRACE_DIM = 2**31 - 1
+#: Most shapes :func:`calibrate` traces (each is one trace; 2 or 3 separate the terms).
+MAX_CALIBRATION_SHAPES = 16
+
+
+def _check_shape(name: str, value: Any, module: Any) -> tuple[int, int]:
+    """``value`` as a ``(micro_batch, seq_len)`` pair of plain positive ints; the error names ``name``,
+    shows the value and says what shape ``module`` is traced with."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else None
+    if pair is None or len(pair) != 2:
+        example = ("; a module without an nn.Embedding (such as "
+                   f"{type(module).__name__}) takes example_input= (e.g. a [batch, features] tensor) or "
+                   "input_fn=(b, s) -> batch") if _vocab_of(module) is None else ""
+        raise ValueError(
+            f"{name}={value!r:.80} must be a pair (micro_batch, seq_len) of positive ints, e.g. {name}=(8, 2048): "
+            f"it builds [micro_batch, seq_len] token ids{example}"
+        )
+    hint = f"{name} is (micro_batch, seq_len), each in [1, {MAX_TRACE_DIM}]"
+    return (check_int(f"{name}[0] (micro_batch)", pair[0], maximum=MAX_TRACE_DIM, hint=hint),
+            check_int(f"{name}[1] (seq_len)", pair[1], maximum=MAX_TRACE_DIM, hint=hint))
+
+
+def _check_callable(name: str, value: Any, what: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}={value!r:.80} must be a callable {what} or None")
 
 
 def _run(
@@ -311,18 +338,36 @@ def trace_memory(
         ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
             ``steps``; an unknown precision or optimizer.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module={module!r:.80} must be an nn.Module (a LightningModule or any torch module) to trace; "
+            "e.g. trace_memory(model, example_input=batch)"
+        )
     if (example_input is None) == (batch_shape is None):
         raise ValueError(
             "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
-            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r}"
+            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r:.80}"
         )
-    _check_positive("steps", steps)
-    if not isinstance(grads_alive_in_forward, bool):
-        raise TypeError(
-            f"grads_alive_in_forward={grads_alive_in_forward!r} must be True (Lightning's order) or False (a "
-            "loop that zeroes gradients before the forward)"
-        )
-    device = torch.device(device)
+    steps = check_int("steps", steps, maximum=MAX_TRACE_STEPS,
+                      hint=f"training steps to run, the last measured: 2 reach the steady state (at most {MAX_TRACE_STEPS})")
+    grads_alive_in_forward = check_bool(
+        "grads_alive_in_forward", grads_alive_in_forward,
+        hint="True is Lightning's order, False a loop that zeroes gradients before the forward")
+    fake = check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step")
+    seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it")
+    vocab_size = check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it")
+    _check_callable("input_fn", input_fn, "(b, s) -> batch")
+    _check_callable("loss_fn", loss_fn, "(module, batch) -> loss")
+    if not isinstance(optimizer, str) and not callable(optimizer):
+        raise TypeError(f"optimizer={optimizer!r:.80} must be a name such as 'adamw' or a factory params -> Optimizer")
+    if pin_moments is not None and not isinstance(pin_moments, Mapping):
+        raise TypeError(f"pin_moments={pin_moments!r:.80} must be a dict {{phase: '<operator>#<k>'}} or None")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device={device!r:.80} must be a device string such as 'cpu' or 'cuda', or a torch.device")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r:.80} is not a torch device; use 'cpu' or 'cuda'") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -332,15 +377,13 @@ def trace_memory(
         make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
     if optimizer_impl not in _OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
-    if batch_shape is not None and input_fn is None and _vocab_of(module) is None:
-        _token_batch(module, *batch_shape)  # raises: nothing to draw token ids from
+    if batch_shape is not None:
+        batch_shape = _check_shape("batch_shape", batch_shape, module)
+        if input_fn is None and _vocab_of(module) is None:
+            _token_batch(module, *batch_shape)  # raises: nothing to draw token ids from
     loss_fn = loss_fn or default_loss
     if batch_shape is not None:
-        if len(batch_shape) != 2:
-            raise ValueError(f"batch_shape={batch_shape!r} must be (micro_batch, seq_len)")
         b, s = batch_shape
-        _check_positive("batch_shape[0] (micro_batch)", b)
-        _check_positive("batch_shape[1] (seq_len)", s)
         micro_batch: int = b
         seq: int | None = s
 
@@ -457,12 +500,16 @@ def calibrate(
         ValueError: fewer than 2 shapes, a non-positive size, or shapes that cannot separate the terms
             (e.g. the same b*s twice).
     """
-    shapes = [tuple(s) for s in shapes]  # type: ignore[misc]
-    if len(shapes) < 2:
-        raise ValueError(f"shapes={shapes!r} needs at least two (micro_batch, seq_len) pairs, e.g. ((1, 64), (2, 128))")
-    for b, s in shapes:
-        _check_positive("micro_batch in shapes", b)
-        _check_positive("seq_len in shapes", s)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r:.80} must be an nn.Module to calibrate; e.g. calibrate(model)")
+    if not isinstance(shapes, (tuple, list)) or not 2 <= len(shapes) <= MAX_CALIBRATION_SHAPES:
+        raise ValueError(
+            f"shapes={shapes!r:.80} must be a list of at least two (micro_batch, seq_len) pairs and at most "
+            f"{MAX_CALIBRATION_SHAPES} (one trace each), e.g. ((1, 64), (2, 128))"
+        )
+    shapes = [_check_shape(f"shapes[{i}]", pair, module) for i, pair in enumerate(shapes)]
+    if quadratic is not None:
+        quadratic = check_bool("quadratic", quadratic, hint="or None to decide from the attention")
     if len(set(shapes)) != len(shapes):
         raise ValueError(f"shapes={shapes!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
     reference = max(shapes, key=lambda bs: (bs[0] * bs[1] * bs[1], bs[0] * bs[1]))
