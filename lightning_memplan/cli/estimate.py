@@ -84,10 +84,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lightning_memplan.report.escape import rich_text
     from lightning_memplan.report.render import format_bytes
 
-    title = (
-        f"{model.name or 'model'} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B params) | "
+    title = (  # the name may come from a config.json: escaped for rich markup and the terminal
+        f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B params) | "
         f"b={train.micro_batch} "
         f"s={train.seq_len} {train.precision} {train.optimizer} | {plan.describe()}"
     )
