@@ -33,7 +33,7 @@ from lightning_memplan.cli._common import (
     train_from_args,
 )
 
-__all__ = ["add_parser", "parse_allow", "parse_bytes", "run"]
+__all__ = ["add_arguments", "parse_allow", "parse_bytes", "run"]
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -103,13 +103,8 @@ def parse_allow(entries: list[str] | None) -> Any:
     return mapping
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "plan",
-        help="choose dp/fsdp/tp/pp/cp, recompute and loss mode for a model on a cluster",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lightning-memplan plan`` to its subparser (made by ``cli.build_parser``)."""
     add_model_arguments(parser)
     add_train_arguments(parser)
     group = parser.add_argument_group("cluster")
@@ -135,8 +130,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument("--markdown", action="store_true", help="print the explanation as Markdown")
     parser.add_argument("--html", default=None, metavar="OUT.html",
                         help="also write the plan map (every evaluated layout, peak vs step time) as one self-contained HTML file")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def _hardware(args: argparse.Namespace) -> Any:
@@ -152,6 +145,22 @@ def _hardware(args: argparse.Namespace) -> Any:
     if args.inter_node_bw is not None:
         hw = hw.replace(inter_node_bw=args.inter_node_bw)
     return hw
+
+
+def _shown(decision: Any, escape: Any) -> Any:
+    """``decision`` with the strings that come from the user's files (the model's name, e.g. a config.json
+    ``model_type``, and the notes, which may quote it) passed through ``escape`` for the output medium;
+    the planner's own words are left as they are."""
+    import dataclasses
+
+    model = dataclasses.replace(decision.model, name=escape(decision.model.name)) if decision.model.name else decision.model
+    return dataclasses.replace(decision, model=model, notes=tuple(escape(n) for n in decision.notes))
+
+
+def _markdown_inline(text: str) -> str:
+    from lightning_memplan.report.escape import markdown_text
+
+    return markdown_text(text).replace("\\|", "|")  # the plan's Markdown escapes "|" itself
 
 
 #: Fitting candidates kept for ``--html``'s plan map (the printed table still lists ``--top``).
@@ -174,16 +183,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(decision.to_dict(), indent=1))
     elif args.markdown:
-        print(decision.explain("markdown", top=args.top), end="")
+        print(_shown(decision, _markdown_inline).explain("markdown", top=args.top), end="")
     else:
         from rich.console import Console
 
         from lightning_memplan.planning.explain import rich_renderable
+        from lightning_memplan.report.escape import terminal_text
 
-        Console(file=sys.stdout, width=170).print(rich_renderable(decision, top=args.top))
+        # rich_renderable builds Text objects (not markup): only the terminal's control characters matter
+        shown = _shown(decision, lambda text: terminal_text(text, newlines=False))
+        Console(file=sys.stdout, width=170).print(rich_renderable(shown, top=args.top))
     if args.html:
+        from lightning_memplan.files import write_atomic
         from lightning_memplan.report.html import render_plan_html
-        from lightning_memplan.report.io import write_atomic
 
         write_atomic(args.html, render_plan_html(decision.to_dict()))
     return 0 if decision.fits else 1

@@ -4,6 +4,10 @@ PATH is the JSON file or the log directory holding it. Prints the rich table of 
 ``--epoch N``), or the whole report as Markdown (``--markdown``) or JSON (``--json``); ``--png OUT``
 redraws the chart; ``--html OUT`` writes the self-contained HTML report (with the plan map when
 memplan_auto's ``memplan_plan.json`` lies beside the JSON).
+
+The file may come from someone else: every string from it is escaped for the terminal and rich markup
+(:mod:`~lightning_memplan.report.escape`), so no escape sequence (window title, clipboard, clear screen)
+reaches the terminal and ``[/bogus]`` prints as it is.
 """
 
 from __future__ import annotations
@@ -13,19 +17,14 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_arguments", "run"]
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lightning-memplan report`` to its subparser (made by ``cli.build_parser``)."""
     from lightning_memplan.cli._common import int_at_least
     from lightning_memplan.report.render import UNITS
 
-    parser = subparsers.add_parser(
-        "report",
-        help="render a saved memory_report.json (from MemoryPlanCallback) again",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     parser.add_argument("path", help="memory_report.json, or the log directory that holds it")
     parser.add_argument("--epoch", type=int_at_least(0), default=None, help="epoch to show (default: the latest)")
     parser.add_argument("--units", default="GiB", choices=list(UNITS), help="display unit (default GiB)")
@@ -38,11 +37,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--html", default=None, metavar="OUT", help="also write the self-contained HTML report to OUT"
     )
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_memplan.report.escape import terminal_text
     from lightning_memplan.report.io import load_report
     from lightning_memplan.report.plot import matplotlib_available, render_png
     from lightning_memplan.report.render import render_markdown, render_rich
@@ -57,16 +55,18 @@ def run(args: argparse.Namespace) -> int:
 
         Console(file=sys.stdout, width=160).print(render_rich(report, epoch=args.epoch, units=args.units))
         for note in report.notes:
-            print(f"note: {note}")
+            print(f"note: {terminal_text(note)}")
         for inc in report.incidents:
-            print(f"incident: rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {inc.kind}: {inc.error}")
+            print(f"incident: rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {terminal_text(inc.kind)}: "
+                  f"{terminal_text(inc.error)}")
     if args.png:
         if not matplotlib_available():
             raise ValueError(f"--png={args.png!r} needs matplotlib; pip install 'lightning-memplan[plot]'")
         render_png(report, args.png, units=args.units)
     if args.html:
-        from lightning_memplan.report.html import plan_decision_beside, render_html
-        from lightning_memplan.report.io import write_atomic
+        from lightning_memplan.files import write_atomic
+        from lightning_memplan.report.html import render_html
+        from lightning_memplan.report.paths import plan_decision_beside
 
         source = args.path
         write_atomic(args.html, render_html(report, units=args.units, decision=plan_decision_beside(source)))

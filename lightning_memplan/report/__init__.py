@@ -1,9 +1,11 @@
-"""The memory report: data model, renderers (rich, Markdown, PNG), atomic JSON persistence, and the
+"""The memory report: data model, renderers (rich, Markdown, HTML, PNG; every string escaped for its medium by
+``report.escape``), atomic JSON persistence under a folder lock, and the
 end-of-epoch gather across ranks. Written by :class:`~lightning_memplan.callbacks.MemoryPlanCallback`,
 rendered again by ``lightning-memplan report PATH``."""
 
 from lightning_memplan.report.gather import gather_objects, gather_summaries
-from lightning_memplan.report.io import REPORT_BASENAME, WrittenFiles, load_report, report_paths, write_report
+from lightning_memplan.report.io import WrittenFiles, load_report, write_report
+from lightning_memplan.report.paths import REPORT_BASENAME, report_paths
 from lightning_memplan.report.plot import matplotlib_available, render_png
 from lightning_memplan.report.records import (
     EpochReport,

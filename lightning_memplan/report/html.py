@@ -10,15 +10,12 @@ one after the other, and the tables are plain HTML tables.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Mapping, Sequence
-from html import escape
-from pathlib import Path
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.report.escape import html_text as escape
 from lightning_memplan.report.records import EpochReport, MemoryReport
 from lightning_memplan.report.render import _RANK_HEADERS, UNITS, _component_rows, _rank_row, format_bytes
 from lightning_memplan.report.svg import Chart
@@ -36,7 +33,7 @@ from lightning_memplan.report.views import (
     timeline_view,
 )
 
-__all__ = ["auto_unit", "plan_decision_beside", "render_html", "render_plan_html"]
+__all__ = ["auto_unit", "render_html", "render_plan_html"]
 
 _WIDTH = 920
 #: Colours of the non-component lines and marks.
@@ -196,6 +193,11 @@ def _timeline_svg(view: TimelineView) -> str:
     return "".join(charts) + note
 
 
+def _epoch_key(epoch: EpochReport) -> str:
+    """A view key per epoch: ``"3"``, or ``"1.3"`` for run 1's epoch 3 (a second fit of the callback)."""
+    return f"{epoch.run}.{epoch.epoch}" if epoch.run else str(epoch.epoch)
+
+
 def _timeline_section(report: MemoryReport) -> str:
     views = []
     for epoch in reversed(report.epochs):  # the latest epoch first (the default view)
@@ -203,7 +205,7 @@ def _timeline_section(report: MemoryReport) -> str:
             rec = timeline_record(r)
             view = timeline_view(rec) if rec is not None else None
             if view is not None:
-                views.append((f"e{epoch.epoch}r{r.rank}", f"epoch {epoch.epoch}, rank {r.rank} (step {rec.step})", view))  # type: ignore[union-attr]
+                views.append((f"e{_epoch_key(epoch)}r{r.rank}", f"{epoch.label}, rank {r.rank} (step {rec.step})", view))  # type: ignore[union-attr]
     for inc in report.incidents:
         if inc.step_record is not None:
             view = timeline_view(inc.step_record)
@@ -290,7 +292,7 @@ def _ranks_svg(epoch: EpochReport, run: Mapping[str, Any]) -> str:
     scale = UNITS[unit]
     n = len(bars)
     ch = Chart(max(640, min(_WIDTH, 140 + 110 * n)), 340, (-0.6, n - 0.4), (0, hi * 1.15),
-               title=f"Epoch {epoch.epoch}: every rank at its peak (estimated | measured)", margins=(72, 16, 44, 52))
+               title=f"{epoch.label.capitalize()}: every rank at its peak (estimated | measured)", margins=(72, 16, 44, 52))
     for i, bar in enumerate(bars):
         for offset, comps, kind in ((-0.2, bar.estimated, "est."), (0.2, bar.measured, "meas.")):
             lo = 0
@@ -326,8 +328,8 @@ def _ranks_section(report: MemoryReport) -> str:
            '<p class="note">Each rank\'s components at its peak, the estimate next to the tensor tracker\'s measurement '
            "(a grey bar: the allocator's peak without a breakdown); pipeline stages are labelled, the line is the "
            "mean measured peak and the imbalance is max / mean - 1.</p>"]
-    out.append(_switcher("ranks", "Epoch:", [(str(e.epoch), f"epoch {e.epoch}") for e in reversed(report.epochs)]))
-    out += [_view("ranks", str(e.epoch), _ranks_svg(e, report.run)) for e in reversed(report.epochs)]
+    out.append(_switcher("ranks", "Epoch:", [(_epoch_key(e), e.label) for e in reversed(report.epochs)]))
+    out += [_view("ranks", _epoch_key(e), _ranks_svg(e, report.run)) for e in reversed(report.epochs)]
     out.append("</section>")
     return "\n".join(out)
 
@@ -408,7 +410,7 @@ def _plan_section(decision: Mapping[str, Any]) -> str:
 def _tables_section(report: MemoryReport, units: str) -> str:
     out = ['<section id="tables"><h2>Tables</h2>', f'<p class="note">Sizes in {escape(units)}.</p>']
     for epoch in report.epochs:
-        out.append(f"<h3>Epoch {epoch.epoch}</h3>")
+        out.append(f"<h3>{escape(epoch.label.capitalize())}</h3>")
         out.append(_table(_RANK_HEADERS, [_rank_row(r, units) for r in epoch.ranks], caption="Ranks"))
         headers = ["component"]
         for r in epoch.ranks:
@@ -438,21 +440,6 @@ def _incidents_section(report: MemoryReport, units: str) -> str:
             out.append(f"<pre>{escape(str(inc.allocator['summary']))}</pre>")
     out.append("</section>")
     return "\n".join(out)
-
-
-def plan_decision_beside(report_path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``"decision"`` of memplan_auto's ``memplan_plan.json`` in the directory of ``report_path``, or
-    ``None`` when there is none or it is not a readable plan record (the page then has no plan map)."""
-    from lightning_memplan.report.io import PLAN_FILENAME
-
-    path = Path(report_path)
-    plan_file = (path if path.is_dir() else path.parent) / PLAN_FILENAME
-    try:
-        data = json.loads(plan_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    decision = data.get("decision") if isinstance(data, dict) else None
-    return decision if isinstance(decision, dict) and isinstance(decision.get("candidates"), list) else None
 
 
 def render_html(report: MemoryReport, *, units: str = "GiB", decision: Mapping[str, Any] | None = None) -> str:

@@ -2,66 +2,71 @@
 is already on disk and replaced atomically), ``memory_report.md``, ``memory_report.html`` (self-contained,
 see :mod:`~lightning_memplan.report.html`) and ``memory_report.png``.
 
-Every file goes through :func:`~lightning_memplan.files.write_atomic` (temporary file, fsync,
-``os.replace``; stale temporaries of a killed writer are removed by the next write). A file already there
-that is not a readable report (invalid JSON, or valid JSON that is not a report) is moved aside to
-``memory_report.json.corrupt`` with a warning, never merged and never a crash.
+Every file goes through :func:`~lightning_memplan.files.atomic_file` (a fresh ``mkstemp`` temporary in the
+folder, fsync, ``os.replace``; never through a planted link; stale temporaries of a killed writer are
+removed by the next write). The writers of one folder take turns (``fcntl.flock`` on
+``.memory_report.lock``): each reads, merges and writes while holding it, so two processes writing one
+folder keep every epoch. A file already there that is not a readable report (a link, invalid JSON, or
+valid JSON that is not a report) is moved aside to ``memory_report.json.corrupt`` with a warning, never
+merged and never a crash.
+
+With ``errors="warn"`` (what the callback and the Fabric monitor use: a monitoring feature never ends the
+run) a file that cannot be written (a full or read-only disk, a folder in its place, a title matplotlib
+cannot draw) becomes one ``UserWarning`` naming each path and its error; every file on disk stays whole
+(its previous version) or absent, never partial.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_memplan.files import write_atomic
+from lightning_memplan.files import folder_lock, json_default, read_json, write_atomic
+from lightning_memplan.report.paths import (
+    LOCK_FILENAME,
+    PLAN_FILENAME,
+    REPORT_BASENAME,
+    plan_decision_beside,
+    report_paths,
+)
 from lightning_memplan.report.plot import matplotlib_available, render_png
 from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import render_markdown
-from lightning_memplan.validation import read_json_file
 
-__all__ = ["REPORT_BASENAME", "WrittenFiles", "load_report", "report_paths", "write_atomic", "write_report"]
+__all__ = [
+    "PLAN_FILENAME",
+    "REPORT_BASENAME",
+    "WrittenFiles",
+    "load_report",
+    "report_paths",
+    "report_text",
+    "write_atomic",
+    "write_report",
+]
 
-#: Stem of the report files in the run's log directory.
-REPORT_BASENAME = "memory_report"
-#: memplan_auto's plan record, written by rank 0 into the same log directory (the HTML report's plan map).
-PLAN_FILENAME = "memplan_plan.json"
+#: What ``write_report(errors=...)`` accepts.
+_ERRORS = ("raise", "warn")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WrittenFiles:
-    """Paths written by :func:`write_report` (``png`` is ``None`` when matplotlib is missing or ``png=False``;
-    ``html`` is ``None`` with ``html=False``)."""
+    """Paths written by :func:`write_report`: ``None`` for a file that was not written (``png``: matplotlib
+    missing or ``png=False``; ``html``: ``html=False``; any of them: its write failed under
+    ``errors="warn"``)."""
 
-    json: Path
-    markdown: Path
+    json: Path | None
+    markdown: Path | None
     png: Path | None
     html: Path | None = None
 
 
-def report_paths(
-    directory: str | os.PathLike[str], *, rank_suffix: int | None = None
-) -> tuple[Path, Path, Path]:
-    """``(json, md, png)`` paths in ``directory``; ``rank_suffix=r`` gives ``memory_report.rank{r}.*``
-    (what a non-zero rank writes when it alone hits an exception)."""
-    stem = REPORT_BASENAME if rank_suffix is None else f"{REPORT_BASENAME}.rank{rank_suffix}"
-    d = Path(directory)
-    return d / f"{stem}.json", d / f"{stem}.md", d / f"{stem}.png"
-
-
-def load_report(path: str | os.PathLike[str]) -> MemoryReport:
-    """Read a ``memory_report.json``.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: it is not JSON or not a memory report (the message names the path).
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / f"{REPORT_BASENAME}.json"
-    data = read_json_file(path, what="a memory_report.json written by MemoryPlanCallback")
+def _parse(path: Path, *, follow_links: bool) -> MemoryReport:
+    data = read_json(path, what="a memory_report.json written by MemoryPlanCallback", follow_links=follow_links)
     if not isinstance(data, dict) or not isinstance(data.get("epochs"), list):
         raise ValueError(
             f"path={str(path)!r} is not a memory report (no 'epochs' list); pass a memory_report.json"
@@ -71,9 +76,49 @@ def load_report(path: str | os.PathLike[str]) -> MemoryReport:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         detail = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
         raise ValueError(
-            f"path={str(path)!r} is not a valid memory report ({detail:.300}); pass a memory_report.json "
+            f"path={str(path)!r} is not a valid memory report ({detail:.400}); pass a memory_report.json "
             "written by MemoryPlanCallback, or delete the file"
         ) from None
+
+
+def load_report(path: str | os.PathLike[str]) -> MemoryReport:
+    """Read a ``memory_report.json`` (or the one in the folder ``path``), checked field by field.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: not a regular file, too large, not JSON, or not a memory report: a field of the wrong
+            type or out of range (a string, negative or 10**400 peak, a note that is not a string); the
+            message names the path and the field.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / f"{REPORT_BASENAME}.json"
+    return _parse(path, follow_links=True)  # a file the user named (a link to a report is fine)
+
+
+def report_text(report: MemoryReport) -> str:
+    """The JSON text of ``report`` (NumPy/torch scalars that reached it as numbers are written as numbers)."""
+    return json.dumps(report.to_dict(), indent=1, sort_keys=False, default=json_default, allow_nan=False) + "\n"
+
+
+def _merged_with_disk(report: MemoryReport, json_path: Path) -> MemoryReport:
+    """``report`` merged with the report already at ``json_path`` (read without following a link); an
+    unreadable file there is moved aside with a warning (a folder in its place is left for the write to
+    report)."""
+    try:
+        return report.merged_with(_parse(json_path, follow_links=False))
+    except FileNotFoundError:
+        return report
+    except ValueError as exc:
+        try:
+            if stat.S_ISDIR(os.lstat(json_path).st_mode):
+                return report  # the write fails on it and says so
+            aside = json_path.with_suffix(".json.corrupt")
+            os.replace(json_path, aside)  # renames a link itself, never its target
+        except FileNotFoundError:
+            return report
+        warnings.warn(f"{exc}; it was moved to {str(aside)!r} and a new report started", UserWarning, stacklevel=3)
+        return report
 
 
 def write_report(
@@ -84,34 +129,62 @@ def write_report(
     png: bool = True,
     html: bool = True,
     rank_suffix: int | None = None,
+    errors: str = "raise",
 ) -> tuple[MemoryReport, WrittenFiles]:
-    """Merge ``report`` with the JSON already in ``directory`` (earlier epochs are kept) and write the
-    JSON, Markdown, HTML (with ``html``; it holds the plan map when memplan_auto's ``memplan_plan.json`` is in
-    ``directory``) and (when matplotlib is installed and ``png``) PNG files.
+    """Merge ``report`` with the JSON already in ``directory`` (earlier epochs and runs are kept) and write
+    the JSON, Markdown, HTML (with ``html``; it holds the plan map when memplan_auto's ``memplan_plan.json``
+    is in ``directory``) and (when matplotlib is installed and ``png``) PNG files, holding the folder's
+    lock (module docstring).
+
+    Args:
+        errors: ``"raise"``: the first file that cannot be written raises its error (``OSError``,
+            ``ValueError``, ...). ``"warn"``: every file is tried, and the ones that failed make one
+            ``UserWarning`` naming each path and its error; nothing is raised.
 
     Returns:
-        the merged report that was written, and the paths.
+        the merged report, and the paths written.
     """
+    if errors not in _ERRORS:
+        raise ValueError(f"errors={errors!r} is not supported; use one of {', '.join(map(repr, _ERRORS))}")
     json_path, md_path, png_path = report_paths(directory, rank_suffix=rank_suffix)
+    html_path = json_path.with_suffix(".html")
+    failures: list[str] = []
     merged = report
-    if json_path.exists():
-        try:
-            merged = report.merged_with(load_report(json_path))
-        except ValueError as exc:
-            # An unreadable older file is not silently merged into garbage: keep it beside the new one.
-            aside = json_path.with_suffix(".json.corrupt")
-            os.replace(json_path, aside)
-            warnings.warn(f"{exc}; it was moved to {str(aside)!r} and a new report started", UserWarning, stacklevel=2)
-    write_atomic(json_path, json.dumps(merged.to_dict(), indent=1, sort_keys=False) + "\n")
-    write_atomic(md_path, render_markdown(merged, units=units))
-    written_html: Path | None = None
-    if html:
-        from lightning_memplan.report.html import plan_decision_beside, render_html
 
-        written_html = json_path.with_suffix(".html")
-        write_atomic(written_html, render_html(merged, units=units, decision=plan_decision_beside(json_path)))
-    written_png: Path | None = None
-    if png and matplotlib_available() and merged.latest is not None:
-        render_png(merged, png_path, units=units)
-        written_png = png_path
-    return merged, WrittenFiles(json=json_path, markdown=md_path, png=written_png, html=written_html)
+    def attempt(path: Path, write: Callable[[], None]) -> Path | None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - under errors="warn" no report write ends the run
+            if errors == "raise":
+                raise
+            failures.append(f"{str(path)!r}: {type(exc).__name__}: {str(exc)[:300]}")
+            return None
+        return path
+
+    with folder_lock(json_path.parent, LOCK_FILENAME):
+        try:
+            merged = _merged_with_disk(report, json_path)
+        except OSError as exc:  # moving an unreadable file aside failed (a read-only folder)
+            if errors == "raise":
+                raise
+            failures.append(f"{str(json_path)!r}: {type(exc).__name__}: {str(exc)[:300]}")
+        written_json = attempt(json_path, lambda: write_atomic(json_path, report_text(merged)))
+        written_md = attempt(md_path, lambda: write_atomic(md_path, render_markdown(merged, units=units)))
+        written_html: Path | None = None
+        if html:
+            from lightning_memplan.report.html import render_html
+
+            written_html = attempt(html_path, lambda: write_atomic(
+                html_path, render_html(merged, units=units, decision=plan_decision_beside(json_path))))
+        written_png: Path | None = None
+        if png and matplotlib_available() and merged.latest is not None:
+            written_png = attempt(png_path, lambda: render_png(merged, png_path, units=units))
+    if failures:
+        warnings.warn(
+            f"memory report: {len(failures)} file(s) could not be written, the run goes on (each file on disk is "
+            f"its previous version or absent, never partial): {'; '.join(failures)}. Free space or make the folder "
+            "writable, or log to another folder (the Trainer's default_root_dir, MemoryMonitor(dirpath=...))",
+            UserWarning,
+            stacklevel=2,
+        )
+    return merged, WrittenFiles(json=written_json, markdown=written_md, png=written_png, html=written_html)

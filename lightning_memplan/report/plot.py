@@ -20,7 +20,9 @@ import importlib.util
 import os
 from typing import Any
 
+from lightning_memplan.files import atomic_file
 from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.report.escape import terminal_text
 from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import UNITS
 from lightning_memplan.report.views import (
@@ -186,8 +188,10 @@ def _draw_ranks(ax: Any, report: MemoryReport) -> None:
 
 def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str = "GiB") -> None:
     """Draw ``report`` (every epoch; see the module docstring) to ``path`` (PNG), written atomically
-    (temp file + replace). ``units`` is accepted for symmetry with the text renderers; each panel picks
-    the binary unit its numbers read best in."""
+    (:func:`~lightning_memplan.files.atomic_file`). ``units`` is accepted for symmetry with the text
+    renderers; each panel picks the binary unit its numbers read best in. Text from the report (a model's
+    class name, phase names) is drawn as it is: mathtext and TeX are off (``text.parse_math``/``text.usetex``),
+    so a name like ``Net$\\undefinedmacro$`` is text, not a formula to parse."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -195,18 +199,17 @@ def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str
 
     if report.latest is None and not report.incidents:
         raise ValueError("report has no finished epoch to draw; render_png needs at least one epoch")
-    fig, axes = plt.subplots(3, 1, figsize=(11, 12), layout="constrained")
-    try:
-        model = report.run.get("model", "")
-        n_epochs, n_ranks = len(report.epochs), len(report_ranks(report))
-        fig.suptitle(f"Memory report{f': {model}' if model else ''} ({n_epochs} epoch{'s' if n_epochs != 1 else ''}, "
-                     f"{n_ranks} rank{'s' if n_ranks != 1 else ''})", fontsize=12, weight="bold")
-        _draw_timeline(axes[0], _timeline_for(report))
-        _draw_run(axes[1], report)
-        _draw_ranks(axes[2], report)
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        fig.savefig(tmp, format="png", dpi=80)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        fig, axes = plt.subplots(3, 1, figsize=(11, 12), layout="constrained")
+        try:
+            model = terminal_text(report.run.get("model", ""), newlines=False)
+            n_epochs, n_ranks = len(report.epochs), len(report_ranks(report))
+            fig.suptitle(f"Memory report{f': {model}' if model else ''} ({n_epochs} epoch{'s' if n_epochs != 1 else ''}, "
+                         f"{n_ranks} rank{'s' if n_ranks != 1 else ''})", fontsize=12, weight="bold")
+            _draw_timeline(axes[0], _timeline_for(report))
+            _draw_run(axes[1], report)
+            _draw_ranks(axes[2], report)
+            with atomic_file(path) as fh:
+                fig.savefig(fh, format="png", dpi=80)
+        finally:
+            plt.close(fig)

@@ -9,9 +9,10 @@ and a resumed run can continue it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
@@ -29,14 +30,86 @@ __all__ = [
 ]
 
 #: Bumped when a field changes meaning or is added; ``from_dict`` refuses newer formats and reads every
-#: older one (version 1 had no step timelines, per-phase estimate breakdowns nor per-step series).
-REPORT_FORMAT_VERSION = 2
+#: older one (version 1 had no step timelines, per-phase estimate breakdowns nor per-step series; version 2
+#: had no ``run`` per epoch: each ``trainer.fit`` of one callback is a run of its own since version 3).
+REPORT_FORMAT_VERSION = 3
+_T = TypeVar("_T")
+#: Byte counts and step indices are below 2**63 (a signed 64-bit integer, what the allocators report).
+_MAX_COUNT = 2**63
 
 
-def _int_map(data: Mapping[str, Any] | None) -> dict[str, int] | None:
+def _shown(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"  # repr of a huge int is long (or refused past 4300 digits)
+    return f"{value!r:.80}"
+
+
+def _count(name: str, value: Any, *, minimum: int | None = 0, optional: bool = True) -> int | None:
+    """A byte count / index read from a report: an ``int`` (or an integral finite float, as other JSON
+    writers give), at least ``minimum``, below 2**63. Raises a ValueError/TypeError naming ``name``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={_shown(value)} must be an integer (a count of bytes or steps), not {type(value).__name__}")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{name}={value!r} must be a whole, finite number")
+        value = int(value)
+    if abs(value) >= _MAX_COUNT or (minimum is not None and value < minimum):
+        low = f"{minimum}" if minimum is not None else "-2**63"
+        raise ValueError(f"{name}={_shown(value)} must be in [{low}, 2**63)")
+    return value
+
+
+def _required(name: str, value: Any, *, minimum: int | None = 0) -> int:
+    """:func:`_count` of a value that must be present."""
+    number = _count(name, value, minimum=minimum, optional=False)
+    assert number is not None
+    return number
+
+
+def _text(name: str, value: Any, *, optional: bool = False) -> str | None:
+    """A string read from a report (a note, a warning, an incident's kind or error)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={_shown(value)} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _ratio_value(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={_shown(value)} must be a finite number or null")
+    return float(value)
+
+
+def _at(where: str, parse: Callable[[Any], _T], data: Any) -> _T:
+    """``parse(data)``, with ``where`` (``"epochs[2]"``) put in front of a ValueError/TypeError's message so
+    it names the field's place in the file."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where}={_shown(data)} must be a JSON object, not {type(data).__name__}")
+    try:
+        return parse(data)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{where}.{exc}") from None
+
+
+def _items(name: str, value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}={_shown(value)} must be a list, not {type(value).__name__}")
+    return list(value)
+
+
+def _int_map(data: Mapping[str, Any] | None, name: str = "map") -> dict[str, int] | None:
     if data is None:
         return None
-    return {str(k): int(v) for k, v in data.items()}
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{name}={_shown(data)} must be a JSON object of byte counts")
+    return {str(k): _required(f"{name}[{str(k)!r:.40}]", v) for k, v in data.items()}
 
 
 _MAP_FIELDS = ("estimated_components", "estimated_phase_peaks", "measured_components", "measured_phase_peaks")
@@ -46,10 +119,27 @@ def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` whose per-component / per-phase maps hold ints (JSON may give floats)."""
     kwargs = dict(data)
     for key in _MAP_FIELDS:
-        kwargs[key] = _int_map(kwargs.get(key))
+        kwargs[key] = _int_map(kwargs.get(key), key)
     by_phase = kwargs.get("estimated_by_phase")
     if by_phase is not None:
-        kwargs["estimated_by_phase"] = {str(p): _int_map(c) for p, c in by_phase.items()}
+        if not isinstance(by_phase, Mapping):
+            raise TypeError(f"estimated_by_phase={_shown(by_phase)} must be a JSON object")
+        kwargs["estimated_by_phase"] = {str(p): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in by_phase.items()}
+    for key in ("step", "epoch", "rank", "steps"):
+        if key in kwargs:
+            kwargs[key] = _required(key, kwargs[key])
+    for key in ("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
+                "worst_step", "max_seq_len"):
+        if key in kwargs:
+            kwargs[key] = _count(key, kwargs[key])
+    if "headroom" in kwargs:
+        kwargs["headroom"] = _count("headroom", kwargs["headroom"], minimum=None)  # negative: over capacity
+    for key in ("backend",):
+        if key in kwargs:
+            kwargs[key] = _text(key, kwargs[key])
+    for key in ("estimated_peak_phase", "measurement"):
+        if key in kwargs:
+            kwargs[key] = _text(key, kwargs[key], optional=True)
     return kwargs
 
 
@@ -129,7 +219,7 @@ class StepRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
         kwargs = _with_int_maps(data)
         timeline = kwargs.get("timeline")
-        kwargs["timeline"] = StepTimeline.from_dict(timeline) if timeline else None
+        kwargs["timeline"] = _at("timeline", StepTimeline.from_dict, timeline) if timeline else None
         return cls(**kwargs)
 
 
@@ -195,10 +285,16 @@ class RankSummary:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankSummary:
         kwargs = _with_int_maps(data)
-        kwargs["shapes"] = tuple((int(b), int(s)) for b, s in kwargs.get("shapes", ()))
-        kwargs["tracked"] = tuple(StepRecord.from_dict(r) for r in kwargs.get("tracked", ()))
+        kwargs["shapes"] = tuple(
+            (_required(f"shapes[{i}]", shape[0]), _required(f"shapes[{i}]", shape[1]))
+            for i, shape in enumerate(_items("shapes", kwargs.get("shapes")))
+        )
+        kwargs["tracked"] = tuple(
+            _at(f"tracked[{i}]", StepRecord.from_dict, r) for i, r in enumerate(_items("tracked", kwargs.get("tracked")))
+        )
         series = kwargs.get("series")
-        kwargs["series"] = StepSeries.from_dict(series) if series else None
+        kwargs["series"] = _at("series", StepSeries.from_dict, series) if series else None
+        kwargs["measured_to_estimated"] = _ratio_value("measured_to_estimated", kwargs.get("measured_to_estimated"))
         return cls(**kwargs)
 
 
@@ -375,12 +471,25 @@ class EpochReport:
 
     ``warning_steps[i]`` is the step at which ``warnings[i]`` was first raised (on any rank); it may be
     shorter than ``warnings`` (reports of format version 1 have none), the pictures then place the
-    warning at the start of the epoch."""
+    warning at the start of the epoch. ``run`` counts the ``trainer.fit`` calls of one callback (0 for the
+    first; a second fit appends run 1 instead of replacing run 0's epochs); set by
+    :meth:`MemoryReport.with_epoch`."""
 
     epoch: int
     ranks: tuple[RankSummary, ...]
     warnings: tuple[str, ...] = ()
     warning_steps: tuple[int, ...] = ()
+    run: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(run, epoch)``: what identifies an epoch in a report."""
+        return (self.run, self.epoch)
+
+    @property
+    def label(self) -> str:
+        """``"epoch 3"``, or ``"run 1, epoch 3"`` for the epochs of a second or later fit."""
+        return f"run {self.run}, epoch {self.epoch}" if self.run else f"epoch {self.epoch}"
 
     def spread(self, name: str) -> Spread | None:
         """:class:`Spread` of a :class:`RankSummary` field (``"measured_peak"``, ``"headroom"``, ...)."""
@@ -393,6 +502,7 @@ class EpochReport:
             across[name] = asdict(spread) if spread else None
         return {
             "epoch": self.epoch,
+            "run": self.run,
             "ranks": [r.to_dict() for r in self.ranks],
             "across_ranks": across,
             "warnings": list(self.warnings),
@@ -402,10 +512,14 @@ class EpochReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpochReport:
         return cls(
-            epoch=int(data["epoch"]),
-            ranks=tuple(RankSummary.from_dict(r) for r in data.get("ranks", ())),
-            warnings=tuple(data.get("warnings", ())),
-            warning_steps=tuple(int(s) for s in data.get("warning_steps", ())),
+            epoch=_required("epoch", data["epoch"]),
+            ranks=tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks")))),
+            warnings=tuple(str(_text(f"warnings[{i}]", w)) for i, w in enumerate(_items("warnings", data.get("warnings")))),
+            warning_steps=tuple(
+                _required(f"warning_steps[{i}]", x)
+                for i, x in enumerate(_items("warning_steps", data.get("warning_steps")))
+            ),
+            run=_required("run", data.get("run", 0)),
         )
 
 
@@ -448,15 +562,18 @@ class Incident:
     def from_dict(cls, data: Mapping[str, Any]) -> Incident:
         rec = data.get("step_record")
         part = data.get("partial_epoch")
+        allocator = data.get("allocator") or {}
+        if not isinstance(allocator, Mapping):
+            raise TypeError(f"allocator={_shown(allocator)} must be a JSON object")
         return cls(
-            kind=data["kind"],
-            error=data["error"],
-            rank=int(data["rank"]),
-            epoch=int(data["epoch"]),
-            step=int(data["step"]),
-            step_record=StepRecord.from_dict(rec) if rec else None,
-            allocator=dict(data.get("allocator", {})),
-            partial_epoch=RankSummary.from_dict(part) if part else None,
+            kind=str(_text("kind", data["kind"])),
+            error=str(_text("error", data["error"])),
+            rank=_required("rank", data["rank"]),
+            epoch=_required("epoch", data["epoch"]),
+            step=_required("step", data["step"]),
+            step_record=_at("step_record", StepRecord.from_dict, rec) if rec else None,
+            allocator=dict(allocator),
+            partial_epoch=_at("partial_epoch", RankSummary.from_dict, part) if part else None,
         )
 
 
@@ -468,19 +585,31 @@ class MemoryReport:
         run: what the estimate assumed: ``model_spec``, ``train_spec``, ``plan`` (their ``to_dict``),
             ``estimate_source`` (``"calibrated"`` or ``"analytic"``), ``world_size``, ``accelerator``.
         notes: what could not be inferred or measured, and which argument supplies it.
-        epochs: one :class:`EpochReport` per finished epoch, in epoch order.
+        epochs: one :class:`EpochReport` per finished epoch, in ``(run, epoch)`` order.
         incidents: exceptions recorded by ``on_exception``.
+        current_run: the run (``trainer.fit`` of the callback, counted from 0) that :meth:`with_epoch`
+            adds to; :meth:`new_run` starts the next one.
     """
 
     run: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     epochs: tuple[EpochReport, ...] = ()
     incidents: tuple[Incident, ...] = ()
+    current_run: int = 0
 
     def with_epoch(self, epoch: EpochReport) -> MemoryReport:
-        """A copy with ``epoch`` added (replacing an earlier entry for the same epoch number)."""
-        kept = [e for e in self.epochs if e.epoch != epoch.epoch]
-        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.epoch)))
+        """A copy with ``epoch`` added to the current run (replacing an earlier entry for the same epoch
+        number of that run: a resumed epoch)."""
+        epoch = replace(epoch, run=self.current_run)
+        kept = [e for e in self.epochs if e.key != epoch.key]
+        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))
+
+    def new_run(self) -> MemoryReport:
+        """A copy whose next epochs form a new run (a second ``trainer.fit`` of the same callback): the
+        earlier fit's epochs are kept, not replaced. Unchanged while the current run has no epoch yet."""
+        if not any(e.run >= self.current_run for e in self.epochs):
+            return self
+        return replace(self, current_run=max(e.run for e in self.epochs) + 1)
 
     def with_incident(self, incident: Incident) -> MemoryReport:
         return replace(self, incidents=(*self.incidents, incident))
@@ -491,10 +620,8 @@ class MemoryReport:
         Used when writing over an existing ``memory_report.json``: epochs written earlier (by this run
         before a restart, or by another run in the same directory) are never lost.
         """
-        have = {e.epoch for e in self.epochs}
-        epochs = sorted(
-            [*self.epochs, *(e for e in older.epochs if e.epoch not in have)], key=lambda e: e.epoch
-        )
+        have = {e.key for e in self.epochs}
+        epochs = sorted([*self.epochs, *(e for e in older.epochs if e.key not in have)], key=lambda e: e.key)
         seen = {(i.rank, i.epoch, i.step, i.error) for i in self.incidents}
         incidents = (
             *(i for i in older.incidents if (i.rank, i.epoch, i.step, i.error) not in seen),
@@ -515,6 +642,7 @@ class MemoryReport:
             "components": list(COMPONENTS),
             "phases": list(PHASES),
             "run": dict(self.run),
+            "current_run": self.current_run,
             "notes": list(self.notes),
             "epochs": [e.to_dict() for e in self.epochs],
             "incidents": [i.to_dict() for i in self.incidents],
@@ -523,14 +651,21 @@ class MemoryReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
         version = data.get("format_version")
-        if not isinstance(version, int) or version > REPORT_FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version > REPORT_FORMAT_VERSION:
             raise ValueError(
-                f"format_version={version!r} is not a memory report this version can read (it reads <= "
+                f"format_version={_shown(version)} is not a memory report this version can read (it reads <= "
                 f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan or pass a memory_report.json"
             )
+        run = data.get("run") or {}
+        if not isinstance(run, Mapping):
+            raise TypeError(f"run={_shown(run)} must be a JSON object")
+        epochs = tuple(_at(f"epochs[{i}]", EpochReport.from_dict, e) for i, e in enumerate(_items("epochs", data.get("epochs"))))
         return cls(
-            run=dict(data.get("run", {})),
-            notes=tuple(data.get("notes", ())),
-            epochs=tuple(EpochReport.from_dict(e) for e in data.get("epochs", ())),
-            incidents=tuple(Incident.from_dict(i) for i in data.get("incidents", ())),
+            run=dict(run),
+            notes=tuple(str(_text(f"notes[{i}]", n)) for i, n in enumerate(_items("notes", data.get("notes")))),
+            epochs=tuple(sorted(epochs, key=lambda e: e.key)),
+            incidents=tuple(
+                _at(f"incidents[{i}]", Incident.from_dict, x) for i, x in enumerate(_items("incidents", data.get("incidents")))
+            ),
+            current_run=_required("current_run", data.get("current_run", max((e.run for e in epochs), default=0))),
         )

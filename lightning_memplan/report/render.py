@@ -2,13 +2,23 @@
 console, Markdown for ``memory_report.md`` (and loggers that take text), and unit handling.
 
 Bytes stay integers everywhere else; only these renderers convert to a display unit (house style 5).
+Every string from the report (run facts, notes, warnings, component keys, incident texts) is escaped for
+its medium by :mod:`~lightning_memplan.report.escape` (Markdown, rich markup, the terminal).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.escape import (
+    markdown_code,
+    markdown_code_block,
+    markdown_text,
+    rich_text,
+    terminal_text,
+)
 from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary
 
 __all__ = ["UNITS", "check_units", "format_bytes", "render_markdown", "render_rich", "epoch_markdown"]
@@ -130,51 +140,60 @@ def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = 
     chosen = _pick_epoch(report, epoch)
     if chosen is None:
         return Text("memory report: no finished epoch yet")
-    source = report.run.get("estimate_source", "no")
-    ranks = Table(title=f"Memory report, epoch {chosen.epoch}, {units} ({source} estimate)")
+    source = rich_text(report.run.get("estimate_source", "no"), newlines=False)
+    ranks = Table(title=f"Memory report, {chosen.label}, {units} ({source} estimate)")
     keep = [i for i, h in enumerate(_RANK_HEADERS) if h in _RICH_SHORT]  # fit an 80-column console
     for i in keep:
         header = _RANK_HEADERS[i]
         ranks.add_column(_RICH_SHORT[header], justify="left" if header in ("largest", "b x s") else "right")
     for r in chosen.ranks:
         row = _rank_row(r, units)
-        ranks.add_row(*(row[i] for i in keep))
+        ranks.add_row(*(rich_text(row[i], newlines=False) for i in keep))
     comps = Table(title=f"Components at the peak, {units} (estimated / measured by the tensor tracker)")
     comps.add_column("component")
     for r in chosen.ranks:
         comps.add_column(f"rank {r.rank} est.", justify="right")
         comps.add_column(f"rank {r.rank} meas.", justify="right")
     for row in _component_rows(chosen, units):
-        comps.add_row(*row)
+        comps.add_row(*(rich_text(c, newlines=False) for c in row))
     parts: list[Any] = [ranks, comps]
     across = _across_line(chosen, units)
     if across:
         parts.append(Text("across ranks: " + across))
-    for warning in chosen.warnings:
-        parts.append(Text("warning: " + warning, style="yellow"))
+    for warning in chosen.warnings:  # Text is not markup: only the terminal's controls need escaping
+        parts.append(Text("warning: " + terminal_text(warning), style="yellow"))
     return Group(*parts)
 
 
 def _pick_epoch(report: MemoryReport, epoch: int | None) -> EpochReport | None:
     if epoch is None:
         return report.latest
-    for e in report.epochs:
+    for e in reversed(report.epochs):  # the latest run holding that epoch number
         if e.epoch == epoch:
             return e
-    known = [e.epoch for e in report.epochs]
+    known = sorted({e.epoch for e in report.epochs})
     raise ValueError(f"epoch={epoch!r} is not in the report; it holds epochs {known}")
 
 
+#: A table cell made only of figures (``1.234``, ``2x512``, ``-``) needs no Markdown escaping.
+_FIGURES = re.compile(r"^[0-9.,x -]*$")
+
+
+def _md_cell(text: str) -> str:
+    return text if _FIGURES.match(text) else markdown_text(text)
+
+
 def _md_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    """A Markdown table; ``headers`` are this module's own words, every cell is escaped (:func:`_md_cell`)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
     """Markdown section for one epoch: ranks table, component table, spread, warnings."""
     out = [
-        f"## Epoch {epoch.epoch}",
+        f"## {epoch.label.capitalize()}",
         "",
         f"Sizes in {units}.",
         "",
@@ -189,7 +208,7 @@ def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
     if across:
         out += [f"Across ranks: {across}", ""]
     for warning in epoch.warnings:
-        out.append(f"- **warning:** {warning}")
+        out.append(f"- **warning:** {markdown_text(warning)}")
     if epoch.warnings:
         out.append("")
     return "\n".join(out)
@@ -201,17 +220,17 @@ def render_markdown(report: MemoryReport, *, units: str = "GiB") -> str:
     run = report.run
     for key in ("estimate_source", "accelerator", "world_size", "precision", "plan_description", "model"):
         if key in run:
-            out.append(f"- **{key}:** {run[key]}")
+            out.append(f"- **{key}:** {markdown_text(run[key])}")
     for note in report.notes:
-        out.append(f"- **note:** {note}")
+        out.append(f"- **note:** {markdown_text(note)}")
     out.append("")
     for epoch in report.epochs:
         out.append(epoch_markdown(epoch, units))
     for inc in report.incidents:
         out += [
-            f"## Incident on rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {inc.kind}",
+            f"## Incident on rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {markdown_text(inc.kind)}",
             "",
-            f"`{inc.error}`",
+            markdown_code(inc.error),
             "",
         ]
         rec = inc.step_record
@@ -222,8 +241,8 @@ def render_markdown(report: MemoryReport, *, units: str = "GiB") -> str:
             )
         for key, value in inc.allocator.items():
             if key != "summary":
-                out.append(f"- {key}: {value}")
+                out.append(f"- {markdown_text(key)}: {markdown_text(value)}")
         if "summary" in inc.allocator:
-            out += ["", "```", str(inc.allocator["summary"]), "```"]
+            out += ["", markdown_code_block(inc.allocator["summary"])]
         out.append("")
     return "\n".join(out).rstrip() + "\n"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from html import escape
+
+from lightning_memplan.report.escape import html_text as escape
 
 __all__ = ["Chart", "nice_ticks"]
 

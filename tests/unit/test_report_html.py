@@ -154,12 +154,18 @@ def _as_version_1(data):
     return data
 
 
-def test_version_2_round_trips_and_version_1_reports_still_read_and_render(tmp_path):
-    assert REPORT_FORMAT_VERSION == 2
+def test_version_3_round_trips_and_version_1_and_2_reports_still_read_and_render(tmp_path):
+    assert REPORT_FORMAT_VERSION == 3
     report = synthetic_report(ranks=2, epochs=2, oom=True)
     data = report.to_dict()
     again = MemoryReport.from_dict(json.loads(json.dumps(data)))
     assert again == report
+    v2 = json.loads(json.dumps(data))  # version 2: no runs (every epoch is run 0)
+    v2["format_version"] = 2
+    del v2["current_run"]
+    for epoch in v2["epochs"]:
+        del epoch["run"]
+    assert MemoryReport.from_dict(v2) == report
     old = MemoryReport.from_dict(_as_version_1(data))
     assert old.epochs[0].ranks[0].series is None and old.epochs[0].ranks[0].tracked[0].timeline is None
     page = _parse(render_html(old))
