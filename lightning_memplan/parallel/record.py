@@ -15,10 +15,11 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.rank_zero import rank_zero_warn  # the object lightning.pytorch re-exports
 
+from lightning_memplan.files import json_default, write_atomic
 from lightning_memplan.model.specs import ParallelPlan
-from lightning_memplan.report.io import PLAN_FILENAME  # written into the log directory by rank 0
 from lightning_memplan.parallel.decision import Resolution
 from lightning_memplan.parallel.mesh import MeshAxis
+from lightning_memplan.report.paths import PLAN_FILENAME  # written into the log directory by rank 0
 
 __all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "publish", "record", "stored_plan"]
 
@@ -51,13 +52,19 @@ def explain(res: Resolution) -> str:
 
 
 def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: Iterable[Any]) -> None:
-    """Rank 0's record of the decision: ``memplan_plan.json`` in ``log_dir`` (atomic write; skipped when
-    ``None``) and the plan as hyperparameters (``memplan/dp``, ..., ``memplan/plan``) on every logger that
-    logs hyperparameters."""
+    """Rank 0's record of the decision: ``memplan_plan.json`` in ``log_dir`` (atomic write, never through a
+    link; skipped when ``None``; a write that fails, e.g. a full or read-only disk, is a warning and the run
+    goes on: the plan is applied all the same) and the plan as hyperparameters (``memplan/dp``, ...,
+    ``memplan/plan``) on every logger that logs hyperparameters."""
     if log_dir is not None:
-        from lightning_memplan.files import write_atomic
-
-        write_atomic(os.path.join(log_dir, PLAN_FILENAME), json.dumps(record(res), indent=2, default=str))
+        path = os.path.join(log_dir, PLAN_FILENAME)
+        try:
+            write_atomic(path, json.dumps(record(res), indent=2, default=_json_value))
+        except (OSError, ValueError) as exc:
+            rank_zero_warn(
+                f"memplan_auto could not write its plan record {path!r} ({type(exc).__name__}: {exc}); the plan is "
+                "applied all the same (the HTML report has no plan map). Free space or make the log folder writable"
+            )
     params: dict[str, Any] = {f"memplan/{k}": v for k, v in res.plan.to_dict().items()}
     params["memplan/plan"] = res.plan.describe()
     for logger in loggers:
@@ -65,6 +72,15 @@ def publish(res: Resolution, log_dir: str | os.PathLike[str] | None, loggers: It
             logger.log_hyperparams(params)
         except NotImplementedError:  # Fabric's CSVLogger logs no hyperparameters
             continue
+
+
+def _json_value(value: Any) -> Any:
+    """NumPy/torch scalars as their numbers (:func:`~lightning_memplan.files.json_default`), anything else
+    JSON does not know (a dtype, an enum) as its text, as the record always wrote it."""
+    try:
+        return json_default(value)
+    except TypeError:
+        return str(value)
 
 
 def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
