@@ -41,6 +41,16 @@ _LEARNED_POS = ("gpt2", "opt", "gpt_bigcode")
 _TIED_BY_DEFAULT = ("gpt2", "gemma", "gemma2", "gemma3_text", "opt", "gpt_bigcode", "bloom")
 
 
+# Bounds on a config.json's sizes, checked before anything is built from them (a ValueError naming the
+# field; the CLI adds the file path). Each is over ten times the largest published value (Llama 3 405B:
+# hidden 16,384, ffn 53,248, 126 layers, 128 heads; Gemma 3: vocab 262,144; Llama 4 Scout: 10M positions).
+CONFIG_MAX_SIZE = 2**20  # hidden, ffn, head_dim
+CONFIG_MAX_HEADS = 2**16
+CONFIG_MAX_LAYERS = 2**16
+CONFIG_MAX_VOCAB = 2**24
+CONFIG_MAX_POSITIONS = 2**31 - 1  # int32 position ids
+
+
 def _first(cfg: Mapping[str, Any], names: tuple[str, ...]) -> Any:
     for name in names:
         if cfg.get(name) is not None:
@@ -132,7 +142,8 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
     if vision:
         # ViT-style: no vocabulary; the classifier's labels stand in for V, the patches for positions
         labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
-        cfg = {**cfg, "vocab_size": int(labels)}
+        cfg = {**cfg, "vocab_size": check_int("config['num_labels']", labels, maximum=CONFIG_MAX_VOCAB,
+                                              hint="the classifier's labels (a vision config's vocabulary)")}
     required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
     values = {key: _first(cfg, names) for key, names in required.items()}
     missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
@@ -161,23 +172,25 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         for name in ("attention_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout")
     )
 
-    def whole(names: tuple[str, ...], value: Any) -> int:
+    def whole(names: tuple[str, ...], value: Any, maximum: int = CONFIG_MAX_SIZE) -> int:
         key = next((n for n in names if cfg.get(n) is not None), names[0])
-        return check_int(f"config[{key!r}]", value, hint="a whole number in the Hugging Face config")
+        return check_int(f"config[{key!r}]", value, maximum=maximum,
+                         hint=f"a whole number in the Hugging Face config, at most {maximum} (far beyond any published "
+                         "model; the traced estimate builds the model's tensors from these sizes)")
 
     bias = model_type in ("gpt2", "gpt_neox", "opt", "bloom", "gpt_bigcode") or bool(
         cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias")
     )
     hidden = whole(_HIDDEN, values["hidden"])
-    n_heads = whole(_HEADS, values["n_heads"])
-    n_kv = whole(_KV_HEADS, kv) if kv is not None else None
+    n_heads = whole(_HEADS, values["n_heads"], CONFIG_MAX_HEADS)
+    n_kv = whole(_KV_HEADS, kv, CONFIG_MAX_HEADS) if kv is not None else None
     head_dim = whole(("head_dim",), cfg["head_dim"]) if cfg.get("head_dim") else None
     extra = _extra_layer_params(model_type, hidden, n_heads, n_kv or n_heads, head_dim or hidden // n_heads)
     return ModelSpec(
-        whole(_LAYERS, values["n_layers"]),
+        whole(_LAYERS, values["n_layers"], CONFIG_MAX_LAYERS),
         hidden,
         n_heads,
-        whole(("vocab_size",), values["vocab_size"]),
+        whole(("vocab_size",), values["vocab_size"], CONFIG_MAX_VOCAB),
         n_kv_heads=n_kv,
         head_dim=head_dim,
         ffn_hidden=whole(_FFN, _first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * hidden,
@@ -188,7 +201,7 @@ def spec_from_hf_config(config: Any) -> ModelSpec:
         extra_layer_params=extra,
         tied_embeddings=check_bool("config['tie_word_embeddings']", tied),
         position_embedding="learned" if learned else "rope",
-        max_positions=whole(_POSITIONS, positions) if positions else None,
+        max_positions=whole(_POSITIONS, positions, CONFIG_MAX_POSITIONS) if positions else None,
         dropout=dropout,
         name=model_type or cfg.get("_name_or_path") or None,
         # the traced path builds the real class from it (tracking/hf_trace.py); not for a nested text_config
