@@ -13,10 +13,13 @@ A traced entry is a JSON object (the depth-1 and depth-2 calibrations and parame
 On disk: one file ``hf_trace_<key>.json`` per entry in :func:`cache_dir` -- the directory named by
 :data:`CACHE_ENV` (``"0"`` or empty: memory only), else ``$XDG_CACHE_HOME/lightning_memplan/hf_trace``,
 else ``~/.cache/lightning_memplan/hf_trace`` (the XDG base-directory default). Files are written
-atomically (:func:`~lightning_memplan.files.write_atomic`: a crash leaves the previous file or
-none) and only ever parsed as JSON, never executed or unpickled. A file that does not parse, holds
-another key, or whose content the caller cannot use is ignored with a ``RuntimeWarning`` and
-rewritten. A directory that cannot be written leaves the cache in memory only.
+atomically (:func:`~lightning_memplan.files.write_atomic`: a fresh temporary in the folder, never
+through a link; a crash leaves the previous file or none) and only ever read by
+:func:`~lightning_memplan.files.read_json`, never executed or unpickled. A file that is not a regular
+file (a link, a FIFO), is too large, not UTF-8, nested too deep, holds a non-finite number, does not
+parse, holds another key, or whose content the caller cannot use is ignored with a ``RuntimeWarning``
+and traced again. A directory that cannot be written, or a :data:`CACHE_ENV` that cannot be resolved
+(``~nosuchuser/x``), leaves the cache in memory only (with a warning).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 _MEMORY: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_WARNED_DIRS: set[str] = set()
+#: Largest cache entry read (an entry is a few kB of coefficients).
+_MAX_ENTRY_BYTES = 4 * 2**20
 
 
 def clear_cache() -> None:
@@ -68,7 +74,20 @@ def cache_dir() -> Path | None:
     configured = os.environ.get(CACHE_ENV)
     if configured is not None:
         configured = configured.strip()
-        return None if configured in ("", "0") else Path(configured).expanduser()
+        if configured in ("", "0"):
+            return None
+        try:
+            return Path(configured).expanduser()
+        except (RuntimeError, KeyError, ValueError) as exc:  # "~nosuchuser/x": no such home directory
+            if configured not in _WARNED_DIRS:
+                _WARNED_DIRS.add(configured)
+                warnings.warn(
+                    f"{CACHE_ENV}={configured!r} cannot be resolved ({exc}); the HF trace cache stays in memory only. "
+                    f"Set {CACHE_ENV} to a folder path, or to 0",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return None
     base = os.environ.get("XDG_CACHE_HOME", "").strip()
     if base and Path(base).is_absolute():  # the XDG spec ignores a relative XDG_CACHE_HOME
         return Path(base) / "lightning_memplan" / "hf_trace"
@@ -123,17 +142,14 @@ def _read(key: str) -> dict[str, Any] | None:
     path = _path(key)
     if path is None:
         return None
-    try:
-        text = path.read_text(encoding="utf-8")
+    from lightning_memplan.files import read_json
+
+    try:  # a regular file only (a link or FIFO is refused, never waited on), size-capped, finite numbers
+        data = read_json(path, what="an HF trace cache entry", argument="cache_file", max_bytes=_MAX_ENTRY_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        _warn(path, f"unreadable: {exc}")
-        return None
-    try:
-        data = json.loads(text)
     except ValueError as exc:
-        _warn(path, f"not JSON: {exc}")
+        _warn(path, str(exc))
         return None
     if not isinstance(data, dict) or data.get("key") != key:
         _warn(path, "not an entry for this key")
@@ -148,8 +164,8 @@ def _write(key: str, data: dict[str, Any]) -> None:
     from lightning_memplan.files import write_atomic
 
     try:
-        write_atomic(path, json.dumps(data, sort_keys=True))
-    except OSError as exc:  # a read-only or full cache directory: the memory cache still holds it
+        write_atomic(path, json.dumps(data, sort_keys=True, allow_nan=False))
+    except (OSError, ValueError, TypeError) as exc:  # a read-only or full cache folder: the memory cache holds it
         warnings.warn(f"could not write the HF trace cache file {path} ({exc})", RuntimeWarning, stacklevel=3)
 
 
@@ -167,7 +183,7 @@ def cached(key: str, compute: Callable[[], dict[str, Any]], parse: Callable[[dic
     if data is not None:
         try:
             value = parse(data)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             path = _path(key)
             assert path is not None
             _warn(path, f"unusable entry: {type(exc).__name__}: {exc}")
