@@ -19,6 +19,7 @@ kernel per parameter, so a 128256 x 8192 embedding costs what a 64 x 32 one does
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import warnings
@@ -115,18 +116,37 @@ def _config_object(cfg: Mapping[str, Any]) -> Any:
     return CONFIG_MAPPING[model_type].from_dict(data)
 
 
+@functools.lru_cache(maxsize=1)
+def _model_class_names() -> frozenset[str]:
+    """Every model class name transformers' auto mappings know (``MODEL_*_MAPPING_NAMES`` of
+    ``transformers/models/auto/modeling_auto.py``): the only names a config's ``architectures`` may pick."""
+    from transformers.models.auto import modeling_auto
+
+    names: set[str] = set()
+    for attr in dir(modeling_auto):
+        if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES"):
+            for value in getattr(modeling_auto, attr).values():
+                names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return frozenset(n for n in names if isinstance(n, str))
+
+
 def model_class(config: Any) -> Any:
-    """The transformers class a config is trained as: ``config.architectures[0]``, else the first auto
-    class (causal LM, seq2seq, masked LM, image classification) that maps the config.
+    """The transformers class a config is trained as: ``config.architectures[0]`` when it names a model
+    class of transformers' auto mappings that subclasses ``PreTrainedModel`` (a config.json is someone
+    else's file: ``"AutoTokenizer"`` or any other attribute of ``transformers`` is never instantiated),
+    else the first auto class (causal LM, seq2seq, masked LM, image classification) that maps the config.
 
     Raises:
         ValueError: no class builds it (names the model type and what to pass instead).
     """
     import transformers
 
+    known = _model_class_names()
     for arch in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, str(arch), None)
-        if isinstance(cls, type):
+        if not isinstance(arch, str) or arch not in known:
+            continue
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
     for auto in _AUTO_CLASSES:
         mapping = getattr(transformers, auto)._model_mapping
