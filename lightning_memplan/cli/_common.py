@@ -38,7 +38,7 @@ def int_at_least(minimum: int) -> Any:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; use e.g. {max(minimum, 1)}") from None
+            raise argparse.ArgumentTypeError(f"{text!r:.60} is not a whole number; use e.g. {max(minimum, 1)}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
         return value
@@ -52,7 +52,7 @@ def finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r:.60} is not a number") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return value
