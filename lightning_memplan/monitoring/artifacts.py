@@ -8,6 +8,12 @@ report therefore goes to each file logger's own run folder (``log_dir`` of every
 logger), to W&B's run files folder (``run.dir``, uploaded with the run), and, when the first logger has
 no folder of its own, to ``<default_root_dir>/memory_reports/<run id>``.
 
+Names stay inside their root (CWE-22): the run id in the fallback folder is made one harmless path
+component (:func:`~lightning_memplan.files.safe_component`: ``"../../outside"`` -> ``"_._.._outside"``), and a
+TensorBoard/CSV ``log_dir`` that a name or version like ``"../../outside"``, an absolute path or a NUL
+puts outside the logger's own root folder is refused with a warning (the report then goes to the
+fallback folder under ``default_root_dir``).
+
 Loggers (rank 0):
 
 - MLflow: ``MlflowClient.log_artifact(run_id, path, "memory_report")`` for the JSON, Markdown, HTML and
@@ -23,6 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_memplan.files import safe_component
 from lightning_memplan.monitoring.emit import PREFIX
 from lightning_memplan.report.records import EpochReport
 from lightning_memplan.report.render import UNITS
@@ -43,11 +50,34 @@ def _logger_classes() -> tuple[Any, Any, Any, Any]:
     return CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path`` lies in ``root`` (lexically, after ``..`` is resolved; no NUL in either)."""
+    if "\x00" in path or "\x00" in root:
+        return False
+    full, base = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(root))
+    try:
+        return os.path.commonpath([full, base]) == base
+    except ValueError:  # different drives (Windows)
+        return False
+
+
 def _own_dir(logger: Any) -> str | None:
-    """The logger's own run folder, or ``None`` when it has none on this machine."""
+    """The logger's own run folder, or ``None`` when it has none on this machine (or when its name or
+    version puts it outside the logger's root folder: refused with a warning)."""
     csv, mlflow, tensorboard, wandb = _logger_classes()
     if isinstance(logger, (csv, tensorboard)):
-        return str(logger.log_dir)
+        log_dir = str(logger.log_dir)
+        root = str(getattr(logger, "save_dir", None) or logger.root_dir)  # the Trainer's loggers / Fabric's
+        if _inside(log_dir, root):
+            return log_dir
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"MemoryPlanCallback: {type(logger).__name__}.log_dir={log_dir!r} lies outside its root folder {root!r} "
+            f"(name={logger.name!r}, version={logger.version!r}); the memory report is not written there but under "
+            f"default_root_dir/{_FALLBACK_FOLDER}/. Give the logger a plain name and version (no '..', '/' or NUL)"
+        )
+        return None
     if isinstance(logger, wandb):
         run_dir = getattr(logger.experiment, "dir", None)
         return str(run_dir) if run_dir else None
@@ -66,13 +96,15 @@ def _run_id(logger: Any) -> str | None:
 
 def report_dirs(trainer: Any, fallback: str) -> list[str]:
     """Folders the report is written to on rank 0: every logger's own run folder (first logger first),
-    else ``<default_root_dir>/memory_reports/<run id>`` (MLflow, custom loggers), else ``fallback``
+    else ``<default_root_dir>/memory_reports/<run id>`` (MLflow, custom loggers, a logger whose folder a
+    name or version puts outside its root; the run id made one safe path component), else ``fallback``
     (no logger: ``default_root_dir``)."""
-    dirs = [d for d in (_own_dir(lg) for lg in trainer.loggers) if d]
-    if trainer.loggers and (not dirs or _own_dir(trainer.loggers[0]) is None):
+    own = [_own_dir(lg) for lg in trainer.loggers]  # once per logger: a refused folder warns once
+    dirs = [d for d in own if d]
+    if trainer.loggers and (not dirs or own[0] is None):
         run = _run_id(trainer.loggers[0])
         if run is not None:
-            dirs.insert(0, os.path.join(str(trainer.default_root_dir), _FALLBACK_FOLDER, run))
+            dirs.insert(0, os.path.join(str(trainer.default_root_dir), _FALLBACK_FOLDER, safe_component(run)))
     if not dirs:
         dirs = [fallback]
     return list(dict.fromkeys(dirs))
@@ -116,22 +148,33 @@ def _png_array(path: Path) -> Any:
 
 def log_report_files(trainer: Any, files: Any, epoch: EpochReport, units: str, step: int) -> None:
     """Give the written report (``files``: :class:`~lightning_memplan.report.io.WrittenFiles`) to each
-    logger through its own API (module docstring)."""
+    logger through its own API (module docstring). A logger that fails to take them (a full artifact store,
+    an unreadable PNG) gives a warning; the other loggers and the run go on."""
+    for logger in trainer.loggers:
+        try:
+            _log_files(logger, files, epoch, units, step)
+        except Exception as exc:  # noqa: BLE001 - a monitoring upload never ends the run
+            from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"MemoryPlanCallback: {type(logger).__name__} did not take the memory report files "
+                f"({type(exc).__name__}: {str(exc)[:300]}); they are on disk, and the run goes on"
+            )
+
+
+def _log_files(logger: Any, files: Any, epoch: EpochReport, units: str, step: int) -> None:
     _, mlflow, tensorboard, wandb = _logger_classes()
     paths = [p for p in (files.json, files.markdown, files.html, files.png) if p is not None]
-    for logger in trainer.loggers:
-        if isinstance(logger, mlflow) and logger.run_id:
-            for path in paths:
-                logger.experiment.log_artifact(logger.run_id, str(path), _ARTIFACT_PATH)
-        elif isinstance(logger, wandb):
-            run = logger.experiment
-            for path in paths:
-                run.save(str(path), base_path=str(Path(path).parent), policy="now")
-            columns, data = table_rows(epoch, units)
-            logger.log_table(key=f"{PREFIX}/ranks", columns=columns, data=data, step=step)
-            if files.png is not None:
-                logger.log_image(key=f"{PREFIX}/report", images=[str(files.png)], step=step)
-        elif isinstance(logger, tensorboard) and files.png is not None:
-            logger.experiment.add_image(
-                f"{PREFIX}/report", _png_array(files.png), global_step=step, dataformats="HWC"
-            )
+    if isinstance(logger, mlflow) and logger.run_id:
+        for path in paths:
+            logger.experiment.log_artifact(logger.run_id, str(path), _ARTIFACT_PATH)
+    elif isinstance(logger, wandb):
+        run = logger.experiment
+        for path in paths:
+            run.save(str(path), base_path=str(Path(path).parent), policy="now")
+        columns, data = table_rows(epoch, units)
+        logger.log_table(key=f"{PREFIX}/ranks", columns=columns, data=data, step=step)
+        if files.png is not None:
+            logger.log_image(key=f"{PREFIX}/report", images=[str(files.png)], step=step)
+    elif isinstance(logger, tensorboard) and files.png is not None:
+        logger.experiment.add_image(f"{PREFIX}/report", _png_array(files.png), global_step=step, dataformats="HWC")
