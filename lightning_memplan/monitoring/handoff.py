@@ -15,12 +15,15 @@ anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_memplan.files import write_atomic
+from lightning_memplan.files import read_json, write_atomic
+from lightning_memplan.report.io import report_text
 from lightning_memplan.report.records import MemoryReport
 
 __all__ = ["handoff_path", "load_handoff", "runs_in_children", "save_handoff"]
@@ -45,24 +48,47 @@ def handoff_path(token: str) -> Path:
     return Path(tempfile.gettempdir()) / f"lightning_memplan-{uid}" / f"report-{token}.json"
 
 
-def save_handoff(token: str, report: MemoryReport) -> None:
-    import json
+def _private_folder(path: Path) -> bool:
+    """Whether ``path`` is a real folder (not a link) that this user owns and no one else can write: a
+    folder someone else made first in the shared temporary directory is never used."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_mode & 0o022:
+        return False
+    return not hasattr(os, "getuid") or info.st_uid == os.getuid()
 
+
+def save_handoff(token: str, report: MemoryReport) -> None:
+    """Write ``report`` for the parent process (mode 0600, in a private folder; see the module docstring).
+    Never raises: a folder that is not private (someone else's, a link, writable by others) or a failed
+    write (a full temporary directory) is a warning, and the parent's ``report`` stays empty."""
     path = handoff_path(token)
-    path.parent.mkdir(mode=_PRIVATE, exist_ok=True)
-    write_atomic(path, json.dumps(report.to_dict()))
+    try:
+        with contextlib.suppress(FileExistsError):
+            path.parent.mkdir(mode=_PRIVATE)
+        if not _private_folder(path.parent):
+            raise PermissionError(f"{str(path.parent)!r} is not a private folder of this user (a link, another "
+                                  "user's, or writable by others)")
+        write_atomic(path, report_text(report), mode=0o600)
+    except (OSError, ValueError, TypeError) as exc:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"MemoryPlanCallback could not hand the report to the calling process through {str(path)!r} "
+                       f"({type(exc).__name__}: {exc}); the report files in the log folder are not affected")
 
 
 def load_handoff(token: str) -> MemoryReport | None:
     """The report a child wrote for ``token`` (the file is removed once read), or ``None``; a folder
-    another user owns is never read."""
-    from lightning_memplan.validation import read_json_file
-
+    another user owns (or a link) is never read, nor a file there that is not a regular file."""
     path = handoff_path(token)
-    if not path.is_file():
+    if not _private_folder(path.parent):
         return None
-    if hasattr(os, "getuid") and path.parent.stat().st_uid != os.getuid():
+    try:
+        data = read_json(path, what="a memory report", argument="handoff")
+    except FileNotFoundError:
         return None
-    report = MemoryReport.from_dict(read_json_file(path, what="a memory report", argument="handoff"))
+    report = MemoryReport.from_dict(data)
     path.unlink(missing_ok=True)
     return report
