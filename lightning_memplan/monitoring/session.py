@@ -136,8 +136,11 @@ class MemorySession:
 
     # ------------------------------------------------------------------------------------ set-up
     def begin_fit(self, device: torch.device, rank: int) -> None:
-        """Start a fit on ``device`` as ``rank``: a fresh probe, tracking on or off by device kind."""
+        """Start a fit on ``device`` as ``rank``: a fresh probe, tracking on or off by device kind. A second
+        fit of the same callback starts a new run of the report (its epochs are added, not put in place of
+        the first fit's); a resumed fit's checkpoint restores the run it belongs to."""
         self.fit = _FitState()
+        self.report = self.report.new_run()
         self.rank = int(rank)
         self.fit.probe = make_probe(device)
         kind = self.fit.probe.kind
@@ -484,7 +487,8 @@ class MemorySession:
 
     def write(self, directories: list[str]) -> Any:
         """Write the report to each folder (rank 0); the first folder's
-        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written."""
+        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written. A file
+        that cannot be written is a warning naming it and its error; the run goes on."""
         from lightning_memplan.report.io import write_report
 
         if not self.options.write_files or not directories:
@@ -492,7 +496,7 @@ class MemorySession:
         png = self.png_possible()
         first = None
         for directory in directories:
-            _, written = write_report(self.report, directory, units=self.options.units, png=png)
+            _, written = write_report(self.report, directory, units=self.options.units, png=png, errors="warn")
             first = first or written
         return first
 
@@ -533,7 +537,7 @@ class MemorySession:
         if self.options.write_files and directory:
             write_report(
                 self.report, directory, units=self.options.units,
-                rank_suffix=None if self.rank == 0 else self.rank,
+                rank_suffix=None if self.rank == 0 else self.rank, errors="warn",
             )
 
     # ------------------------------------------------------------------------------------ state
