@@ -46,6 +46,7 @@ __all__ = [
     "atomic_file",
     "clean_stale_temps",
     "folder_lock",
+    "json_default",
     "json_depth",
     "read_json",
     "safe_component",
@@ -202,6 +203,19 @@ def folder_lock(directory: str | os.PathLike[str], name: str, *, timeout_s: floa
         yield held
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def json_default(value: Any) -> Any:
+    """``json.dumps(..., default=json_default)``: a NumPy scalar or a one-element (0-d) torch tensor
+    becomes its Python number (``np.int64(2)`` -> ``2``, exact); anything else is a ``TypeError``, as
+    without ``default`` (never a silent ``str``)."""
+    module = type(value).__module__.split(".", 1)[0]
+    item = getattr(value, "item", None)
+    if module in ("numpy", "torch") and callable(item) and getattr(value, "ndim", 0) == 0:
+        number = item()
+        if isinstance(number, (bool, int, float, str)) or number is None:
+            return number
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 # ------------------------------------------------------------------------------------------ reading
