@@ -17,11 +17,16 @@ from pathlib import Path
 import pytest
 from test_report import _two_rank_epoch  # noqa: I001 - the report fixture of the report tests
 
+from lightning_memplan.files import atomic_file, clean_stale_temps, write_atomic
 from lightning_memplan.report import MemoryReport
-from lightning_memplan.files import atomic_target, clean_stale_temps, temp_path, write_atomic
 from lightning_memplan.report.io import load_report, write_report
 
 KILLS = 24
+
+
+def temp_path(path: Path, pid: int) -> Path:
+    """A temporary of ``path`` as a writer with ``pid`` makes it (``mkstemp``'s random part after the pid)."""
+    return path.with_name(f".{path.name}.tmp{pid}.k3x_9q")
 
 
 def _temps(directory: Path) -> list[str]:
@@ -48,18 +53,18 @@ def test_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_pat
     assert not stale[0].exists() and live.exists() and target.read_text() == "{}"
     os.utime(live, (time.time() - 7200, time.time() - 7200))  # older than STALE_TEMP_AGE_S: stale whoever wrote it
     assert clean_stale_temps(target) == [live]
-    # every target's own stale files go at its next write (the PNG's through atomic_target)
+    # every target's own stale files go at its next write (the PNG's through atomic_file)
     write_atomic(tmp_path / "memory_report.md", "# r")
-    with atomic_target(tmp_path / "memory_report.png") as tmp:
-        tmp.write_bytes(b"png")
+    with atomic_file(tmp_path / "memory_report.png") as fh:
+        fh.write(b"png")
     assert _temps(tmp_path) == [] and (tmp_path / "memory_report.png").read_bytes() == b"png"
 
 
 def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
     target = tmp_path / "memplan_plan.json"
     write_atomic(target, '{"ok": 1}')
-    with pytest.raises(RuntimeError, match="boom"), atomic_target(target) as tmp:
-        tmp.write_text('{"half')
+    with pytest.raises(RuntimeError, match="boom"), atomic_file(target) as fh:
+        fh.write(b'{"half')
         raise RuntimeError("boom")
     assert json.loads(target.read_text()) == {"ok": 1} and _temps(tmp_path) == []
 
@@ -92,10 +97,11 @@ def test_the_plan_file_is_written_atomically():
     # memplan_auto (Trainer and Fabric: parallel/record.py's publish) writes memplan_plan.json through the
     # one atomic helper, not a plain open("w") (read as text: importing Lightning costs more than this whole
     # file; the fit tests check the file's content)
-    text = (Path(__file__).resolve().parents[2] / "lightning_memplan" / "strategies" / "record.py").read_text()
+    text = (Path(__file__).resolve().parents[2] / "lightning_memplan" / "parallel" / "record.py").read_text()
     publish = text[text.index("def publish("):]
     publish = publish[: publish.index("\ndef ", 10)]
-    assert "write_atomic(os.path.join(log_dir, PLAN_FILENAME)" in publish and "open(" not in publish
+    assert "path = os.path.join(log_dir, PLAN_FILENAME)" in publish and "write_atomic(path" in publish
+    assert "open(" not in publish
 
 
 def _writer(directory: Path) -> None:
@@ -120,14 +126,14 @@ def test_kill_during_write_leaves_only_valid_files(tmp_path):
                 os._exit(1)
         if i % 2:  # every other kill waits until a write is under way (a loaded machine may fork slowly)
             deadline = time.monotonic() + 10.0
-            while not any(p.endswith(f".tmp{pid}") for p in _temps(tmp_path)) and time.monotonic() < deadline:
+            while not any(f".tmp{pid}." in p for p in _temps(tmp_path)) and time.monotonic() < deadline:
                 time.sleep(0.0005)
         else:  # the others land at a random moment: before the first write, between writes, inside one
             time.sleep(rng.uniform(0.005, 0.12))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        torn_seen += any(p.endswith(f".tmp{pid}") for p in _temps(tmp_path))  # this writer's, killed mid-write
+        torn_seen += any(f".tmp{pid}." in p for p in _temps(tmp_path))  # this writer's, killed mid-write
         for name in ("memory_report.json", "memplan_plan.json"):
             path = tmp_path / name
             if path.exists():  # absent only before the first complete write
