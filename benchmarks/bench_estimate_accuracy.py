@@ -34,7 +34,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
-from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 from lightning_memplan.testing.zoo import (  # noqa: E402
     GPT,
     ConvNet,
@@ -44,6 +43,7 @@ from lightning_memplan.testing.zoo import (  # noqa: E402
     llama_style,
     tied_style,
 )
+from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 
 MiB = 2**20
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")

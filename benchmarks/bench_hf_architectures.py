@@ -31,9 +31,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
-from lightning_memplan.tracking.hf_trace import vision_tokens  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, TrainSpec  # noqa: E402
-from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 from lightning_memplan.testing.hf_architectures import (  # noqa: E402
     ARCHITECTURES,
     build_model,
@@ -41,6 +39,8 @@ from lightning_memplan.testing.hf_architectures import (  # noqa: E402
     loss_of,
     measure_step,
 )
+from lightning_memplan.tracking.hf_trace import vision_tokens  # noqa: E402
+from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 
 CONFIG_TARGET = 0.03
 TRACED_TARGET = 0.005

@@ -48,8 +48,8 @@ from bench_estimate_accuracy import PRECISIONS, TRANSFORMERS, Case, losses  # no
 from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
 from lightning_memplan.model.result import PHASES  # noqa: E402
 from lightning_memplan.model.specs import ParallelPlan  # noqa: E402
-from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 from lightning_memplan.tracking import PrecisionEmulation, TensorTracker, run_training_step  # noqa: E402
+from lightning_memplan.tracking.trace import trace_memory  # noqa: E402
 
 MiB = 2**20
 # GPU sizes: large enough that allocator rounding and cuBLAS workspaces are small next to the terms.

@@ -1,7 +1,9 @@
 """lightning_memplan: per-rank memory estimation and measurement, automatic parallel layout and a
 logits-free LM loss for PyTorch Lightning.
 
-Importing the package registers ``strategy="memplan_auto"`` in Lightning's ``StrategyRegistry``.
+Importing the package registers ``strategy="memplan_auto"`` in Lightning's ``StrategyRegistry`` and in
+Fabric's ``STRATEGY_REGISTRY``. This module is the composition root: it wires the registries (nothing
+below it registers itself) and resolves the public names lazily; docs/architecture.md draws the layers.
 """
 
 from __future__ import annotations
@@ -55,6 +57,21 @@ def __dir__() -> list[str]:
 
 from lightning_memplan._registration import ensure_registered as _ensure_registered  # noqa: E402
 
-# Lightning discovers no third-party strategies by itself: importing this package registers
-# "memplan_auto" (immediately if Lightning is loaded, else the moment lightning.pytorch is imported).
+# Lightning discovers no third-party strategies by itself: importing this package registers "memplan_auto"
+# in the Trainer's and Fabric's registries (immediately if Lightning is loaded, else the moment
+# lightning.pytorch / lightning.fabric finish importing).
 _ensure_registered()
+
+from lightning_memplan.model.traced import register_coefficient_source as _register_coefficient_source  # noqa: E402
+
+
+def _hf_trace_source() -> Any:
+    """``calibration="auto"``'s source for a spec read from a Hugging Face config: the tracer
+    (``tracking/hf_trace.py``, imported only when such a spec is built; ``None`` without transformers)."""
+    from lightning_memplan.tracking.hf_trace import auto_source
+
+    return auto_source()
+
+
+# The model layer may not import the tracer (it sits above it): the composition root hands it the factory.
+_register_coefficient_source("hf_config", _hf_trace_source)

@@ -27,7 +27,7 @@ import math
 import numbers
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "MAX_DIVISOR_SEARCH",
@@ -42,9 +42,12 @@ __all__ = [
     "divisor_hint",
     "divisor_list",
     "divisors",
+    "keyword_options",
     "plain_scalar",
     "read_json_file",
 ]
+
+_T = TypeVar("_T")
 
 #: Most devices (``gpus_per_node * num_nodes``, ``dp * tp * pp * cp``) any spec accepts: 2^24 = 16,777,216,
 #: over ten times the largest training cluster announced (about 10^6 accelerators), and small enough that
@@ -253,3 +256,28 @@ def read_json_file(path: str | os.PathLike[str], *, what: str = "a JSON file", a
     from lightning_memplan.files import read_json  # the one JSON reader (regular files, size, depth, numbers)
 
     return read_json(path, what=what, argument=argument, follow_links=True)
+
+
+def keyword_options(cls: type[_T], given: dict[str, Any], *, owner: str, also: Iterable[str] = ()) -> _T:
+    """``cls(**given)`` for a keyword-only options dataclass that a front door takes as ``**options``.
+
+    Args:
+        cls: the options dataclass (its ``__post_init__`` checks the values).
+        given: the keyword arguments collected by ``**options``.
+        owner: who took them, for the message (``"MemoryMonitor"``).
+        also: the owner's own keyword arguments, listed in the message beside the options.
+
+    Raises:
+        TypeError: a name that is not a field of ``cls``, naming it, its value and every valid name.
+    """
+    import dataclasses
+
+    known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        name = unknown[0]
+        raise TypeError(
+            f"{owner}({name}={given[name]!r:.80}): unknown option {name!r}; {owner} takes "
+            f"{', '.join([*also, *known])}"
+        )
+    return cls(**given)

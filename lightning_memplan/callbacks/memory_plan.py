@@ -16,13 +16,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_memplan.model.result import Calibration
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring import emit
 from lightning_memplan.monitoring.artifacts import log_report_files, report_dirs
 from lightning_memplan.monitoring.handoff import load_handoff, runs_in_children, save_handoff
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.session import MemorySession, RunContext
-from lightning_memplan.model.result import Calibration
-from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.records import MemoryReport
 
 __all__ = ["MemoryPlanCallback"]

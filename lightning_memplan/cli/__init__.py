@@ -1,7 +1,8 @@
 """The ``lightning-memplan`` console script: ``estimate``, ``plan`` and ``report`` subcommands.
 
-Each subcommand lives in its own module exposing ``add_parser(subparsers)`` (which registers the
-subcommand and sets ``func``) so the entry point stays small and every command is testable alone.
+Each subcommand lives in its own module (its docstring is the subcommand's description) exposing
+``add_arguments(parser)`` and ``run(args)``; :func:`build_parser` makes the subparsers, so the entry point
+stays small and every command is testable alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
 
-_SUBCOMMANDS = ("estimate", "plan", "report")
+#: Subcommand -> its line in ``lightning-memplan --help``.
+_SUBCOMMANDS: dict[str, str] = {
+    "estimate": "per-rank memory breakdown for a model, training setup and parallel plan",
+    "plan": "choose dp/fsdp/tp/pp/cp, recompute and loss mode for a model on a cluster",
+    "report": "render a saved memory_report.json (from MemoryPlanCallback) again",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_SUBCOMMANDS) + "}")
-    for name in _SUBCOMMANDS:
-        importlib.import_module(f"lightning_memplan.cli.{name}").add_parser(sub)
+    for name, summary in _SUBCOMMANDS.items():
+        command = importlib.import_module(f"lightning_memplan.cli.{name}")
+        parser_of = sub.add_parser(
+            name, help=summary, description=command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        command.add_arguments(parser_of)
+        parser_of.set_defaults(func=command.run)
     return parser
 
 

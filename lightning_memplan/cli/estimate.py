@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from lightning_memplan.cli._common import (
     add_model_arguments,
@@ -24,16 +23,11 @@ from lightning_memplan.cli._common import (
     train_from_args,
 )
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_arguments", "run"]
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "estimate",
-        help="per-rank memory breakdown for a model, training setup and parallel plan",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lightning-memplan estimate`` to its subparser (made by ``cli.build_parser``)."""
     add_model_arguments(parser)
     add_train_arguments(parser)
     group = parser.add_argument_group("parallel plan")
@@ -47,8 +41,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int_at_least(0), default=None, help="one global rank instead of every stage")
     parser.add_argument("--units", default="GiB", choices=["B", "KiB", "MiB", "GiB", "GB"])
     parser.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

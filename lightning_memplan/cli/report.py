@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 __all__ = ["add_arguments", "run"]
 

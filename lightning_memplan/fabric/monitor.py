@@ -14,14 +14,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_memplan.fabric.collectives import broadcast_json, gather_json
 from lightning_memplan.monitoring import emit
 from lightning_memplan.monitoring.artifacts import log_report_files
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.session import MemorySession, RunContext
-from lightning_memplan.fabric.collectives import broadcast_json, gather_json
-from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.records import EpochReport, MemoryReport, StepRecord
-from lightning_memplan.validation import check_bool, check_int
+from lightning_memplan.validation import check_bool, check_int, keyword_options
 
 __all__ = ["MemoryMonitor"]
 
@@ -113,9 +112,6 @@ class MemoryMonitor:
     Args:
         fabric: the launched :class:`lightning.fabric.Fabric`.
         model, optimizer: what ``fabric.setup(model, optimizer)`` returned.
-        measure_every_n_steps, tolerance, min_headroom, units, calibrate, seq_len, max_seq_len, model_spec,
-            train_spec, plan, memory_budget, track_tensors, write_files, print_report: as for
-            :class:`~lightning_memplan.callbacks.MemoryPlanCallback`.
         loss_fn: ``(module, batch) -> loss`` the calibration trace runs on a fake copy of the module;
             pass the loss of your loop (default: next-token cross-entropy of a token batch, as
             :func:`~lightning_memplan.tracking.trace.default_loss`).
@@ -126,10 +122,15 @@ class MemoryMonitor:
         log_every_n_steps: log step metrics every this many optimizer steps (Lightning's default 50).
         dirpath: folder of the report files (default: the first logger's ``log_dir``, else the current
             folder), the same on every rank (rank 0's).
+        **options: the options :class:`~lightning_memplan.callbacks.MemoryPlanCallback` takes, with its
+            defaults and checks (one :class:`~lightning_memplan.monitoring.options.MonitorOptions`):
+            ``measure_every_n_steps``, ``tolerance``, ``min_headroom``, ``units``, ``calibrate``,
+            ``seq_len``, ``max_seq_len``, ``model_spec``, ``train_spec``, ``plan``, ``memory_budget``,
+            ``track_tensors``, ``write_files``, ``print_report``.
 
     Raises:
         TypeError: ``fabric`` not a Fabric; ``model``/``optimizer`` not what ``fabric.setup`` returned;
-            options of the wrong type (as the callback's).
+            an unknown option; options of the wrong type (as the callback's).
         ValueError: created before ``fabric.setup``; a model or optimizer of another Fabric; option
             values out of range (as the callback's).
 
@@ -150,34 +151,19 @@ class MemoryMonitor:
         model: Any,
         optimizer: Any,
         *,
-        measure_every_n_steps: int = 100,
-        tolerance: float = 0.10,
-        min_headroom: float = 0.10,
-        units: str = "GiB",
-        calibrate: bool = True,
-        seq_len: int | None = None,
-        max_seq_len: int | None = None,
-        model_spec: ModelSpec | None = None,
-        train_spec: TrainSpec | None = None,
-        plan: ParallelPlan | None = None,
-        memory_budget: int | None = None,
-        track_tensors: bool | None = None,
-        write_files: bool = True,
-        print_report: bool = True,
         loss_fn: Callable[[Any, Any], Any] | None = None,
         grads_alive_in_forward: bool = False,
         accumulate_grad_batches: int = 1,
         log_every_n_steps: int = _LOG_EVERY_N_STEPS,
         dirpath: str | os.PathLike[str] | None = None,
+        **options: Any,
     ) -> None:
         _check_fabric(fabric)
         _check_model(fabric, model)
         _check_optimizer(fabric, optimizer)
-        self.options = MonitorOptions(
-            measure_every_n_steps=measure_every_n_steps, tolerance=tolerance, min_headroom=min_headroom,
-            units=units, calibrate=calibrate, seq_len=seq_len, max_seq_len=max_seq_len, model_spec=model_spec,
-            train_spec=train_spec, plan=plan, memory_budget=memory_budget, track_tensors=track_tensors,
-            write_files=write_files, print_report=print_report,
+        self.options = keyword_options(
+            MonitorOptions, options, owner=_OWNER,
+            also=("loss_fn", "grads_alive_in_forward", "accumulate_grad_batches", "log_every_n_steps", "dirpath"),
         )
         hint = "e.g. loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())"
         self.loss_fn = _check_callable("loss_fn", loss_fn, hint)

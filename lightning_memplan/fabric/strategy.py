@@ -38,9 +38,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.model.specs import TrainSpec
 from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
-from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.decision import Resolution, ResolvedStrategy
 from lightning_memplan.parallel.inputs import (
     BatchShapeUnknown,
     compose_train_spec,
@@ -48,14 +48,10 @@ from lightning_memplan.parallel.inputs import (
     peek_loader,
 )
 from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
-from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, alias_mesh, build_device_mesh
-from lightning_memplan.parallel.record import explain, publish, record
-from lightning_memplan.parallel.resolve import (
-    PlanningOptions,
-    check_agreement,
-    resolve,
-    resolve_on_rank_zero,
-)
+from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, alias_mesh
+from lightning_memplan.parallel.record import publish, record
+from lightning_memplan.parallel.resolve import PlanningOptions, plan_on_every_rank, resolve
+from lightning_memplan.validation import check_bool, keyword_options
 
 __all__ = ["PIPELINE_REFUSAL", "MemplanAutoFabricStrategy"]
 
@@ -71,33 +67,27 @@ _SUPPORTED_ACCELERATORS = (CPUAccelerator, CUDAAccelerator)
 _ACCELERATOR_FIX = "Fabric(accelerator='cpu') or accelerator='cuda'"
 
 
-class MemplanAutoFabricStrategy(ModelParallelStrategy):
+class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
     """Chooses DP / FSDP / TP / activation checkpointing at ``fabric.setup`` and applies it.
 
     Args:
-        memory_budget: bytes each rank may use for tensors; ``None`` uses the detected (or given)
-            hardware memory minus ``headroom``. A small value simulates a small GPU.
-        allow: restrictions passed to the planner (see :func:`lightning_memplan.planning.plan`).
-        hardware: a :class:`~lightning_memplan.hardware.HardwareSpec` or preset name; ``None`` detects.
-        plan: force this :class:`~lightning_memplan.model.specs.ParallelPlan` (``pp=1``; its world size
-            must equal devices x num_nodes).
-        train: the :class:`~lightning_memplan.model.specs.TrainSpec` to plan with (batch shape,
-            precision, optimizer, recompute, loss); fields left at their defaults are read from the run.
-            With ``plan=``, its ``recompute`` is applied.
-        headroom: fraction of device memory kept free (planner's ``headroom``).
         log_dir: folder for ``memplan_plan.json`` (rank 0 writes it at setup); ``None``: call
             :meth:`log_plan` with the Fabric object to write it into its logger's folder.
         save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
+        **planning: the planning options :class:`~lightning_memplan.strategies.MemplanAutoStrategy` takes,
+            with its defaults and checks (one :class:`~lightning_memplan.parallel.resolve.PlanningOptions`):
+            ``memory_budget``, ``allow``, ``hardware``, ``plan`` (here with ``pp=1``; its world size must
+            equal devices x num_nodes), ``train`` (fields left at their defaults are read from the run)
+            and ``headroom``.
 
     Attributes:
-        decision: the planner's ``PlanDecision`` (or a ``ForcedDecision``).
-        applied_plan: the :class:`ParallelPlan` applied.
-        resolution: plan, mesh sizes, recompute, loss mode and notes.
+        decision, applied_plan, resolution: what was planned and applied
+            (:class:`~lightning_memplan.parallel.decision.ResolvedStrategy`).
 
     Raises:
         ValueError: an accelerator it cannot drive (not CPU or CUDA), a forced plan with ``pp > 1`` or for
             another world size, no batch shape to plan with, an optimizer with state, or nothing that fits.
-        TypeError: ``fabric.setup`` given something that is not a ``torch.nn.Module``.
+        TypeError: an unknown option; ``fabric.setup`` given something that is not a ``torch.nn.Module``.
 
     Example::
 
@@ -110,29 +100,28 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        memory_budget: int | None = None,
-        allow: Any = None,
-        hardware: Any = None,
-        plan: ParallelPlan | None = None,
-        train: TrainSpec | None = None,
-        headroom: float = 0.1,
+        *,
         log_dir: str | os.PathLike[str] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **planning: Any,
     ) -> None:
-        options = PlanningOptions(
-            memory_budget=memory_budget, allow=allow, hardware=hardware, plan=plan, train=train, headroom=headroom
+        options = keyword_options(
+            PlanningOptions, planning, owner="MemplanAutoFabricStrategy",
+            also=("log_dir", "save_distributed_checkpoint", "process_group_backend", "timeout"),
         )
-        if plan is not None and plan.pp > 1:
-            raise ValueError(f"plan={plan.describe()!r}: {PIPELINE_REFUSAL}")
+        if options.plan is not None and options.plan.pp > 1:
+            raise ValueError(f"plan={options.plan.describe()!r}: {PIPELINE_REFUSAL}")
         super().__init__(
             parallelize_fn=self._parallelize,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=check_bool("save_distributed_checkpoint", save_distributed_checkpoint),
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self._options = options
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"log_dir={log_dir!r:.80} must be a folder path (str or os.PathLike) or None (the logger's)")
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
         self.resolution: Resolution | None = None
         self._layout: TransformerLayout | None = None
@@ -140,14 +129,6 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
         self._loaders: list[Any] = []
 
     # ------------------------------------------------------------------------------------- properties
-    @property
-    def decision(self) -> Any:
-        return None if self.resolution is None else self.resolution.decision
-
-    @property
-    def applied_plan(self) -> ParallelPlan | None:
-        return None if self.resolution is None else self.resolution.plan
-
     @property  # type: ignore[override]
     @override
     def accelerator(self) -> Any:
@@ -276,16 +257,12 @@ class MemplanAutoFabricStrategy(ModelParallelStrategy):
                 warn=rank_zero_warn,
             )
 
-        resolution = resolve_on_rank_zero(compute, global_rank=self.global_rank, world_size=self.world_size)
-        self.resolution = resolution
-        for note in resolution.notes:
-            rank_zero_warn(f"memplan_auto: {note}")
-        self._device_mesh = build_device_mesh(resolution.mesh, self.root_device.type)
-        check_agreement(
-            resolution, module, self.world_size,
+        self.resolution, self._device_mesh = plan_on_every_rank(
+            compute, module=module, global_rank=self.global_rank, world_size=self.world_size,
+            device_type=self.root_device.type,
             what="the same model (same config and parameter shapes) before fabric.setup",
+            warn=rank_zero_warn, info=rank_zero_info,
         )
-        rank_zero_info(explain(resolution))
         self._fix_samplers()
 
     def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:

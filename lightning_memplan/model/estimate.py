@@ -30,6 +30,7 @@ from lightning_memplan.model import checkpointing, frameworks, pipeline_timeline
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.model.traced import traced_estimate
 from lightning_memplan.validation import check_optional_int, divisor_list
 
 __all__ = ["StageLayout", "check_compatible", "estimate_memory", "stage_layout"]
@@ -642,11 +643,11 @@ def estimate_memory(
     check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
                        hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
     check_compatible(model, train, plan)
-    if calibration is None and model.hf_config is not None:
-        # a spec read from a Hugging Face config: trace the real model class when transformers is there
-        from lightning_memplan.tracking.hf_trace import hf_trace_estimate
-
-        traced = hf_trace_estimate(model, train, plan, rank=rank)
+    source = model.calibration_source
+    if calibration is None and source is not None and source.available():
+        # traced coefficients handed over with the spec (e.g. a Hugging Face config's real class): scaled
+        # by the analytic terms (model/traced.py); None when the source has nothing for this spec
+        traced = traced_estimate(model, train, plan, rank=rank, source=source, stage_estimate=_estimate_stage)
         if traced is not None:
             return traced
     if rank is not None:

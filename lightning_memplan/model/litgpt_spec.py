@@ -1,4 +1,6 @@
-"""A :class:`~lightning_memplan.model.specs.ModelSpec` for a litgpt ``GPT``, read from its ``Config``.
+"""The :class:`~lightning_memplan.model.specs.ModelSpec` fields of a litgpt ``GPT``, read from its ``Config``
+(a field dict: ``model/readers.py`` and ``ModelSpec.from_module`` build the spec; this module imports no
+spec, so ``specs`` -> ``readers`` -> ``litgpt_spec`` stays one-way).
 
 litgpt (Lightning AI, Apache-2.0) keeps the architecture in a dataclass ``litgpt.Config`` on the model
 (``GPT.config``), not in a Hugging Face config, and its block tree (``transformer.h[i].attn.qkv`` fused,
@@ -14,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memplan.model.specs import ModelSpec
-
-__all__ = ["LITGPT_MLP_KINDS", "spec_from_litgpt"]
+__all__ = ["LITGPT_MLP_KINDS", "litgpt_config", "litgpt_fields"]
 
 #: litgpt MLP class -> ModelSpec.ffn_kind. ``LLaMAMLP`` is SwiGLU (``silu(fc_1(x)) * fc_2(x)``, then
 #: ``proj``); ``GemmaMLP`` is the same three-matrix gated MLP with GELU (memory as SwiGLU);
@@ -34,9 +34,9 @@ def litgpt_config(module: Any) -> Any:
     return None
 
 
-def spec_from_litgpt(module: Any) -> ModelSpec | None:
-    """The spec of the litgpt ``GPT`` inside ``module``; ``None`` when there is none or its MLP/norm kind
-    has no ModelSpec form (then the generic recognisers decide)."""
+def litgpt_fields(module: Any) -> dict[str, Any] | None:
+    """The ``ModelSpec`` fields of the litgpt ``GPT`` inside ``module``; ``None`` when there is none or its
+    MLP/norm kind has no ModelSpec form (then the generic recognisers decide)."""
     cfg = litgpt_config(module)
     if cfg is None:
         return None
@@ -45,11 +45,11 @@ def spec_from_litgpt(module: Any) -> ModelSpec | None:
     if ffn_kind is None or norm is None:
         return None
     rotary = float(getattr(cfg, "rotary_percentage", 1.0) or 0.0)
-    return ModelSpec(
-        int(cfg.n_layer),
-        int(cfg.n_embd),
-        int(cfg.n_head),
-        int(cfg.padded_vocab_size),
+    return dict(
+        n_layers=int(cfg.n_layer),
+        hidden=int(cfg.n_embd),
+        n_heads=int(cfg.n_head),
+        vocab_size=int(cfg.padded_vocab_size),
         n_kv_heads=int(cfg.n_query_groups),
         head_dim=int(cfg.head_size),
         ffn_hidden=int(cfg.intermediate_size),

@@ -1,34 +1,38 @@
-"""Published architectures as :class:`ModelSpec` presets, each with its source."""
+"""Published architectures as :class:`~lightning_memplan.model.specs.ModelSpec` presets, each with its source.
+
+The presets are field dicts (``ModelSpec.preset(name)`` builds the spec from one): this module imports no
+spec, so ``specs`` -> ``presets`` is one-way.
+"""
 
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
-from lightning_memplan.model.specs import ModelSpec
-
-__all__ = ["MODEL_PRESETS", "PRESET_SOURCES", "model_preset"]
+__all__ = ["MODEL_PRESETS", "PRESET_SOURCES", "preset_fields"]
 
 
-def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+def _gpt2(name: str, layers: int, hidden: int, heads: int) -> dict[str, Any]:
     # Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", Table 2; Hugging Face
     # gpt2* config.json: V=50257, learned positions n_positions=1024, GELU MLP 4h, LayerNorm, biases,
     # lm_head tied to wte.
-    return ModelSpec(
-        layers, hidden, heads, 50257,
+    return dict(
+        n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=50257,
         ffn_kind="gelu", norm="layernorm", bias=True, tied_embeddings=True,
         position_embedding="learned", max_positions=1024, name=name,
     )
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int) -> ModelSpec:
-    return ModelSpec(
-        layers, hidden, heads, vocab,
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int) -> dict[str, Any]:
+    return dict(
+        n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=vocab,
         n_kv_heads=kv, ffn_hidden=ffn, ffn_kind="swiglu", norm="rmsnorm", bias=False,
         tied_embeddings=False, position_embedding="rope", name=name,
     )
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {
+#: Preset name -> ``ModelSpec`` keyword arguments.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": _gpt2("gpt2", 12, 768, 12),
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
     "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
@@ -39,8 +43,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
-    "gpt3-175b": ModelSpec(
-        96, 12288, 96, 50257,
+    "gpt3-175b": dict(
+        n_layers=96, hidden=12288, n_heads=96, vocab_size=50257,
         ffn_kind="gelu", norm="layernorm", bias=True, tied_embeddings=True,
         position_embedding="learned", max_positions=2048, name="gpt3-175b",
     ),
@@ -61,8 +65,9 @@ PRESET_SOURCES: dict[str, str] = {
 }
 
 
-def model_preset(name: str) -> ModelSpec:
-    """Return the preset ``name`` (case-insensitive; ``_`` and ``-`` are interchangeable).
+def preset_fields(name: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of the preset ``name`` (case-insensitive; ``_`` and ``-`` are
+    interchangeable); a copy, ``ModelSpec(**preset_fields(name))``.
 
     Raises:
         ValueError: unknown name, listing the known ones and the closest match.
@@ -71,7 +76,7 @@ def model_preset(name: str) -> ModelSpec:
         raise TypeError(f"name={name!r} must be a preset name string such as 'llama3-8b'")
     key = name.strip().lower().replace("_", "-")
     if key in MODEL_PRESETS:
-        return MODEL_PRESETS[key]
+        return dict(MODEL_PRESETS[key])
     close = difflib.get_close_matches(key, MODEL_PRESETS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"model preset {name!r} is unknown{hint}; known presets: {', '.join(MODEL_PRESETS)}")

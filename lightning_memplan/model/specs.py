@@ -12,8 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_memplan.model import presets, readers
 from lightning_memplan.model.lora import lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
+from lightning_memplan.model.traced import CoefficientSource, coefficient_source
 from lightning_memplan.validation import MAX_WORLD_SIZE, divisor_hint, divisors, plain_scalar
 from lightning_memplan.validation import check_bool as _check_bool
 from lightning_memplan.validation import check_choice as _check_choice
@@ -124,7 +126,8 @@ class ModelSpec:
             count is known exactly); ``None`` derives N from the shape (:func:`param_count`).
         name: free-form label shown in reports.
         hf_config: the Hugging Face config this spec was read from, as sorted JSON
-            (:meth:`from_hf_config` sets it); with ``transformers`` installed, :func:`estimate_memory`
+            (:meth:`from_hf_config` sets it); with a ``calibration_source`` (what
+            :meth:`from_hf_config` attaches when ``transformers`` is installed), :func:`estimate_memory`
             then traces the real model class (``tracking/hf_trace.py``, ``source="hf_trace"``) instead of
             using the hand-written activation terms. ``None``: the analytic terms.
         n_trainable_params: parameters that train (``requires_grad``); the rest are frozen (peft LoRA's
@@ -135,6 +138,12 @@ class ModelSpec:
         qkv_bias: only the q/k/v projections carry biases (Qwen2); ``bias=True`` means every linear.
         extra_layer_params: parameters per block beyond the linears, their biases and two norms (Gemma-2's
             four norms per block, OLMo-2's and Qwen3's q/k norms); the config reader counts them.
+        calibration_source: where :func:`estimate_memory` takes traced coefficients from
+            (:class:`~lightning_memplan.model.traced.CoefficientSource`, data handed over: the model
+            layer runs no tracer). Whoever builds the spec chooses it: :meth:`from_hf_config`,
+            :meth:`from_module` and :meth:`from_dict` attach the Hugging Face tracer (``calibration="auto"``)
+            when transformers is installed; a spec built directly has none (the analytic terms). Not part
+            of :meth:`to_dict` (JSON); ``dataclasses.replace`` keeps it.
     """
 
     n_layers: int
@@ -158,6 +167,7 @@ class ModelSpec:
     n_trainable_params: int | None = field(default=None, kw_only=True)
     qkv_bias: bool = field(default=False, kw_only=True)
     extra_layer_params: int = field(default=0, kw_only=True)
+    calibration_source: CoefficientSource | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         # every check returns the plain value (np.int64(2) -> 2, a 0-d tensor -> its item), stored back so
@@ -215,6 +225,24 @@ class ModelSpec:
                 f"hf_config={self.hf_config!r:.80} must be a Hugging Face config as a JSON object string (what "
                 "ModelSpec.from_hf_config sets) or None"
             )
+        self._check_calibration_source()
+
+    def _check_calibration_source(self) -> None:
+        source = self.calibration_source
+        if source is None:
+            return
+        if not isinstance(source, CoefficientSource):
+            raise TypeError(
+                f"calibration_source={source!r:.80} must be a CoefficientSource (available(), trace_device(device), "
+                "depth_traces(model, t0)) or None; ModelSpec.from_hf_config(config) attaches the traced one"
+            )
+        try:
+            hash(source)
+        except TypeError as exc:
+            raise TypeError(
+                f"calibration_source={source!r:.80} must be hashable (specs are cache keys); make it a frozen "
+                "dataclass"
+            ) from exc
 
     # Derived sizes -----------------------------------------------------------------------------
     @property
@@ -266,35 +294,82 @@ class ModelSpec:
     # Constructors --------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> ModelSpec:
-        """A published architecture by name (``ModelSpec.preset("llama3-8b")``); see ``model.presets``."""
-        from lightning_memplan.model.presets import model_preset
+        """A published architecture by name (``ModelSpec.preset("llama3-8b")``); see ``model.presets``.
 
-        return model_preset(name)
+        Raises:
+            ValueError: unknown name, listing the known ones and the closest match.
+        """
+        return cls(**presets.preset_fields(name))
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
+    def from_hf_config(cls, config: Any, *, calibration: Any = "auto") -> ModelSpec:
         """From a Hugging Face ``PretrainedConfig`` or its ``config.json`` dict (Llama, Mistral, Qwen2,
-        GPT-2, GPT-NeoX, Gemma, Phi, ... field names)."""
-        from lightning_memplan.model.introspect import spec_from_hf_config
+        GPT-2, GPT-NeoX, Gemma, Phi, ... field names; :func:`~lightning_memplan.model.readers.hf_config_fields`).
 
-        return spec_from_hf_config(config)
+        Args:
+            config: the config object or dict.
+            calibration: where :func:`estimate_memory` takes traced coefficients from (the spec's
+                ``calibration_source``): ``"auto"`` (the Hugging Face tracer, ``tracking/hf_trace.py``,
+                when transformers is installed; :data:`~lightning_memplan.tracking.hf_trace.DISABLE_ENV`
+                set to ``"0"`` turns it off when estimating), ``"analytic"`` (none: the hand-written
+                terms) or a :class:`~lightning_memplan.model.traced.CoefficientSource`.
+
+        Raises:
+            TypeError: ``config`` is not a mapping or config object, or ``calibration`` is not one of the above.
+            ValueError: a required field is missing; or the architecture is one the analytic terms cannot
+                model (mixture-of-experts, encoder-decoder, vision) and nothing traces it.
+        """
+        source = coefficient_source(calibration, "hf_config")
+        reading = readers.hf_config_fields(config)
+        if reading.analytic_gap is not None and (source is None or not source.available()):
+            raise ValueError(
+                f"model_type={reading.model_type!r} is {reading.analytic_gap}, which the analytic terms cannot model; "
+                "install transformers (pip install transformers) for the traced config-only estimate, trace the model "
+                "with trace_memory(model, example_input=batch), or pass ModelSpec(..., n_params=N) with the exact count"
+            )
+        if reading.fields.get("hf_config") is None:
+            source = None  # nothing to trace (a nested text_config): the analytic terms
+        return cls(**reading.fields, calibration_source=source)
 
     @classmethod
-    def from_module(cls, module: Any) -> ModelSpec:
+    def from_module(cls, module: Any, *, calibration: Any = "auto") -> ModelSpec:
         """From a live ``nn.Module`` (a transformer is recognised by its repeated blocks, embedding and
-        output head; anything else gets an exact ``n_params`` and needs :func:`trace_memory`)."""
-        from lightning_memplan.model.introspect import spec_from_module
+        output head; anything else gets an exact ``n_params`` and needs :func:`trace_memory`); see
+        :func:`~lightning_memplan.model.readers.module_fields`. A module carrying a Hugging Face config
+        is read through :meth:`from_hf_config` (``calibration`` as there); its traced source is kept only
+        when the config describes what runs (the bare transformers class, nothing frozen, no checkpointing).
 
-        return spec_from_module(module)
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ValueError: it has no parameters.
+        """
+        from dataclasses import replace
+
+        reading = readers.module_fields(module)
+        if reading.config is None:
+            return cls(**reading.fields)
+        from_config = cls.from_hf_config(reading.config, calibration=calibration)
+        keep = reading.config_describes_run
+        return replace(from_config, hf_config=from_config.hf_config if keep else None,
+                       calibration_source=from_config.calibration_source if keep else None, **reading.fields)
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
+        """The fields as JSON-ready values (``calibration_source`` left out: it is code, not data)."""
+        from dataclasses import fields
 
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibration_source"}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], *, calibration: Any = "auto") -> ModelSpec:
+        """The inverse of :meth:`to_dict`; a spec that keeps an ``hf_config`` gets the source
+        ``calibration`` names (as :meth:`from_hf_config`), so a JSON round trip estimates the same."""
+        spec = cls(**data)
+        if spec.hf_config is None or spec.calibration_source is not None:
+            return spec
+        from dataclasses import replace
+
+        source = coefficient_source(calibration, "hf_config")
+        return spec if source is None else replace(spec, calibration_source=source)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lightning_memplan.model.result import Calibration
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.monitoring.manual import manual_optimization_trace
 from lightning_memplan.parallel.infer import (
     _calibration_shapes,
     _optimizer_factory,
@@ -15,9 +18,6 @@ from lightning_memplan.parallel.infer import (
     parallelised_by,
     pipeline_split,
 )
-from lightning_memplan.monitoring.manual import manual_optimization_trace
-from lightning_memplan.model.result import Calibration
-from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.tracking.compiled import eager_view
 
 if TYPE_CHECKING:

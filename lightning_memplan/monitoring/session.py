@@ -22,8 +22,13 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_memplan.model.result import Calibration, MemoryEstimate
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.advice import forecast_message, headroom_message, mismatch_message
 from lightning_memplan.monitoring.calibration import describe_run, run_calibration
+from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
+from lightning_memplan.monitoring.options import MonitorOptions
+from lightning_memplan.monitoring.step_record import build_incident, build_step_record
 from lightning_memplan.parallel.infer import (
     InferenceError,
     _unwrap,
@@ -33,11 +38,6 @@ from lightning_memplan.parallel.infer import (
     infer_train_spec,
     stage_micro_batch,
 )
-from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
-from lightning_memplan.monitoring.options import MonitorOptions
-from lightning_memplan.monitoring.step_record import build_incident, build_step_record
-from lightning_memplan.model.result import Calibration, MemoryEstimate
-from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.records import (
     EpochReport,

@@ -21,7 +21,16 @@ from lightning_memplan.parallel.mesh import MeshLayout
 from lightning_memplan.parallel.pipeline import pipeline_blocker
 from lightning_memplan.parallel.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
 
-__all__ = ["ForcedDecision", "Resolution", "applicability", "decide", "fold_blocked", "module_blockers", "runnable_forced_schedule"]
+__all__ = [
+    "ForcedDecision",
+    "Resolution",
+    "ResolvedStrategy",
+    "applicability",
+    "decide",
+    "fold_blocked",
+    "module_blockers",
+    "runnable_forced_schedule",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +96,29 @@ class Resolution:
         return json.dumps(
             {"plan": self.plan.to_dict(), "mesh": list(self.mesh.shape), "recompute": self.recompute}, sort_keys=True
         )
+
+
+class ResolvedStrategy:
+    """What both memplan_auto strategies (Trainer and Fabric) expose about their :class:`Resolution`.
+
+    A mixin in front of Lightning's ``ModelParallelStrategy`` (``class MemplanAutoStrategy(ResolvedStrategy,
+    ModelParallelStrategy)``); the strategy sets :attr:`resolution` once rank 0's plan has been received.
+
+    Attributes:
+        resolution: plan, mesh sizes, recompute, loss mode and notes (``None`` before planning).
+    """
+
+    resolution: Resolution | None = None
+
+    @property
+    def decision(self) -> Any:
+        """The planner's ``PlanDecision`` (or a :class:`ForcedDecision`); ``None`` before planning."""
+        return None if self.resolution is None else self.resolution.decision
+
+    @property
+    def applied_plan(self) -> ParallelPlan | None:
+        """The :class:`ParallelPlan` applied (``decision.plan`` unless a dimension had to be folded)."""
+        return None if self.resolution is None else self.resolution.plan
 
 
 def applicability(

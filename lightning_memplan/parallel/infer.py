@@ -336,9 +336,6 @@ def infer_plan(trainer: Any, pl_module: Any = None) -> tuple[ParallelPlan, str]:
     applied = getattr(strategy, "applied_plan", None)  # memplan_auto: the plan it really applied
     if isinstance(applied, ParallelPlan):
         return applied, f"{name} applied plan: {applied.describe()}"
-    applied = getattr(strategy, "applied_plan", None)  # memplan_auto: the plan really applied
-    if isinstance(applied, ParallelPlan):
-        return applied, f"{name} applied plan: {applied.describe()}"
     decision = getattr(strategy, "decision", None)
     if decision is not None and isinstance(getattr(decision, "plan", None), ParallelPlan):
         return decision.plan, f"{name} decision: {decision.plan.describe()}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,11 +22,17 @@ from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.parallel.decision import Resolution, decide
 from lightning_memplan.parallel.inputs import BatchShapeUnknown, model_spec_for
 from lightning_memplan.parallel.layouts import TransformerLayout
+from lightning_memplan.parallel.mesh import build_device_mesh
+from lightning_memplan.parallel.record import explain
 from lightning_memplan.parallel.stall import RankRendezvous
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "PlanningOptions",
     "check_agreement",
+    "plan_on_every_rank",
     "rendezvous",
     "resolve",
     "resolve_on_rank_zero",
@@ -222,6 +228,43 @@ def check_agreement(resolution: Resolution, module: nn.Module, world_size: int, 
             "memplan_auto: ranks disagree on the plan or the model "
             f"(ranks grouped by fingerprint: {sorted(groups.values())}); every rank must build {what}"
         )
+
+
+def plan_on_every_rank(
+    compute: Callable[[], Resolution],
+    *,
+    module: nn.Module,
+    global_rank: int,
+    world_size: int,
+    device_type: str,
+    what: str,
+    warn: Callable[[str], None],
+    info: Callable[[str], None],
+) -> tuple[Resolution, DeviceMesh]:
+    """The planning step of both front doors, on every rank at the same point (it enters collectives).
+
+    Rank 0 runs ``compute`` and broadcasts the result (:func:`resolve_on_rank_zero`); every rank warns its
+    notes, builds the ``pp x dp_replicate x dp_shard x tp`` mesh, checks that every rank planned the same
+    model (:func:`check_agreement`) and logs the explanation.
+
+    Args:
+        compute: rank 0's planning (a call of :func:`resolve` with the front door's inputs).
+        module: the module planned for (its parameter shapes enter the agreement check).
+        global_rank, world_size: this process's rank and the number of processes.
+        device_type: the mesh's device type (``"cpu"``, ``"cuda"``).
+        what: what every rank must build alike, for the disagreement message.
+        warn, info: rank-zero warning and info functions.
+
+    Returns:
+        The resolution and the device mesh built from it.
+    """
+    resolution = resolve_on_rank_zero(compute, global_rank=global_rank, world_size=world_size)
+    for note in resolution.notes:
+        warn(f"memplan_auto: {note}")
+    mesh = build_device_mesh(resolution.mesh, device_type)
+    check_agreement(resolution, module, world_size, what=what)
+    info(explain(resolution))
+    return resolution, mesh
 
 
 def _picklable(exc: BaseException) -> bool:

@@ -39,31 +39,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_memplan.parallel.infer import has_fsdp2, parallelised_by
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
-from lightning_memplan.parallel.decision import Resolution
+from lightning_memplan.parallel.decision import Resolution, ResolvedStrategy
+from lightning_memplan.parallel.infer import has_fsdp2, parallelised_by
 from lightning_memplan.parallel.inputs import train_spec_for
 from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
-from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh, build_device_mesh
+from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh
 from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.record import (
     CHECKPOINT_KEY,
     PLAN_FILENAME,
-    explain,
     publish,
     record,
     stored_plan,
 )
-from lightning_memplan.parallel.resolve import (
-    PlanningOptions,
-    check_agreement,
-    rendezvous,
-    resolve,
-    resolve_on_rank_zero,
-)
+from lightning_memplan.parallel.resolve import PlanningOptions, plan_on_every_rank, rendezvous, resolve
 from lightning_memplan.parallel.stall import RankRendezvous
 from lightning_memplan.parallel.tensor_parallel import resume_blocker
+from lightning_memplan.validation import check_bool
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,7 +68,7 @@ __all__ = ["PLAN_FILENAME", "MemplanAutoStrategy"]
 #: callbacks' and the LightningModule's ``setup``: the earliest point the batch shape is readable.
 _AFTER_SETUP_HOOKS = "post_setup"
 
-class MemplanAutoStrategy(ModelParallelStrategy):
+class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
     """Chooses DP / FSDP / TP / PP / activation checkpointing from the memory model and applies it.
 
     Args:
@@ -121,7 +115,7 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=check_bool("save_distributed_checkpoint", save_distributed_checkpoint),
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -136,14 +130,6 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         self._self_parallel = False
 
     # ------------------------------------------------------------------------------------- properties
-    @property
-    def decision(self) -> Any:
-        return None if self.resolution is None else self.resolution.decision
-
-    @property
-    def applied_plan(self) -> ParallelPlan | None:
-        return None if self.resolution is None else self.resolution.plan
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -186,21 +172,14 @@ class MemplanAutoStrategy(ModelParallelStrategy):
         if not self._plan_pending:
             return
         self._plan_pending = False
-        trainer = self._require_lightning_module().trainer
-        resolution = resolve_on_rank_zero(
-            lambda: self._resolve(trainer), global_rank=self.global_rank, world_size=self.world_size
-        )
-        self.resolution = resolution
-        for note in resolution.notes:
-            rank_zero_warn(f"memplan_auto: {note}")
-        self._device_mesh = build_device_mesh(resolution.mesh, self.root_device.type)
-        check_agreement(
-            resolution, self._require_lightning_module(), self.world_size,
+        lm = self._require_lightning_module()
+        self.resolution, self._device_mesh = plan_on_every_rank(
+            lambda: self._resolve(lm.trainer), module=lm, global_rank=self.global_rank,
+            world_size=self.world_size, device_type=self.root_device.type,
             what="the same LightningModule (same config and parameter shapes) before fit",
+            warn=rank_zero_warn, info=rank_zero_info,
         )
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(explain(resolution))
+        lm._device_mesh = self._device_mesh
 
     def _check_accelerator(self) -> None:
         check_accelerator(

@@ -3,13 +3,24 @@
 Used by the multi-process tests and benchmarks. The rendezvous port is picked at run time (never a
 fixed port), results come back through a pickle file per rank, and a failure on any rank re-raises in
 the caller with that rank's traceback, so a test fails with the real error instead of hanging.
+
+Every call starts fresh processes. Where the platform has it, they are forked from one
+``multiprocessing`` fork server per calling process that imported torch and Lightning once
+(``start_method="forkserver"``, the default on Linux and macOS): a spawned child would import them
+again, which costs seconds per rank and dominated the distributed tests' wall time on 2-core machines.
+Each child still starts as a spawned one would: the caller's environment variables, working directory
+and ``sys.path`` at the time of the call are applied before ``fn`` is unpickled (the fork server's own
+are those of its start). Sources: Python's ``multiprocessing`` "Contexts and start methods" and
+``set_forkserver_preload``; ``torch.multiprocessing.start_processes``.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -19,6 +30,12 @@ import torch.multiprocessing as mp
 
 __all__ = ["find_free_port", "run_distributed"]
 
+# What the fork server imports once for all the children it forks: the heavy imports every rank pays
+# under "spawn". The package itself is left out, so that its import-time reads of the environment happen
+# in each child, under the caller's environment, as with "spawn".
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "lightning.fabric", "lightning.pytorch")
+_START_METHODS = ("forkserver", "spawn")
+
 
 def find_free_port() -> int:
     """Ask the OS for a free TCP port on the loopback interface."""
@@ -27,13 +44,17 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def _worker(
     rank: int,
     world_size: int,
     port: int,
     out_dir: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    payload: bytes,
+    context: tuple[dict[str, str], str, list[str]],
     backend: str,
     timeout_s: float,
     num_nodes: int = 1,
@@ -43,6 +64,14 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # the caller's environment, working directory and import path at the time of the call (a child
+    # forked from the fork server has the server's): applied before ``fn`` is unpickled, as under spawn
+    environ, cwd, import_path = context
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = import_path + [p for p in sys.path if p not in import_path]
+    fn, args = pickle.loads(payload)  # trusted: pickled by this harness's caller for its own children
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -81,6 +110,7 @@ def run_distributed(
     backend: str = "gloo",
     timeout_s: float = 300.0,
     num_nodes: int = 1,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return each rank's result.
 
@@ -93,6 +123,9 @@ def run_distributed(
         num_nodes: simulated nodes on this host: ranks ``n * (world_size // num_nodes) + i`` form node
             ``n`` (``NODE_RANK=n``, ``LOCAL_RANK=i``), as Lightning's multi-node environment numbers
             them, so ``Trainer(devices=world_size // num_nodes, num_nodes=num_nodes)`` runs in each.
+        start_method: ``"forkserver"`` (fork each rank from a server that imported torch and Lightning
+            once; the default where the platform has it) or ``"spawn"`` (a fresh interpreter per rank;
+            the default elsewhere). Either way each rank is a new process with the caller's environment.
 
     Returns:
         ``[result_rank0, result_rank1, ...]``.
@@ -106,11 +139,21 @@ def run_distributed(
         raise ValueError(
             f"num_nodes={num_nodes!r} must be a positive int dividing world_size={world_size}, e.g. num_nodes=2"
         )
+    if start_method is None:
+        start_method = _default_start_method()
+    if start_method not in _START_METHODS or start_method not in multiprocessing.get_all_start_methods():
+        available = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
+        raise ValueError(f"start_method={start_method!r} is not one of {available} on this platform; "
+                         f"use start_method=None for the default")
+    payload = pickle.dumps((fn, args))  # an unpicklable fn or argument fails here, in the caller
+    if start_method == "forkserver":
+        # only taken into account before the fork server of this process starts (its first use)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
     # The port is free when picked but another process may take it before rank 0's store binds it:
     # such a run is retried on a new port (a few times), any other failure is raised at once.
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _spawn(fn, world_size, args, backend, timeout_s, find_free_port(), num_nodes)
+            return _spawn(fn, world_size, payload, backend, timeout_s, find_free_port(), num_nodes, start_method)
         except _PortTaken:
             if attempt == _PORT_ATTEMPTS - 1:
                 raise RuntimeError(
@@ -127,15 +170,16 @@ class _PortTaken(RuntimeError):
     pass
 
 
-def _spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], backend: str, timeout_s: float,
-           port: int, num_nodes: int = 1) -> list[Any]:
+def _spawn(fn: Callable[..., Any], world_size: int, payload: bytes, backend: str, timeout_s: float,
+           port: int, num_nodes: int, start_method: str) -> list[Any]:
+    context = (dict(os.environ), os.getcwd(), list(sys.path))
     with tempfile.TemporaryDirectory(prefix="memplan_dist_") as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, port, out_dir, fn, args, backend, timeout_s, num_nodes),
+            args=(world_size, port, out_dir, payload, context, backend, timeout_s, num_nodes),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         failure: BaseException | None = None
         try:
@@ -153,13 +197,13 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], backe
                 results.append(None)
                 continue
             with open(path, "rb") as fh:
-                status, payload = pickle.load(fh)  # trusted: the result file this harness's own child wrote in a private temp dir
+                status, value = pickle.load(fh)  # trusted: the result file this harness's own child wrote in a private temp dir
             if status == "ok":
-                results.append(payload)
+                results.append(value)
             else:
-                errors.append(f"rank {rank}: {payload}")
+                errors.append(f"rank {rank}: {value}")
                 results.append(None)
-                port_taken |= status == "init" and ("address already in use" in payload.lower() or "eaddrinuse" in payload.lower())
+                port_taken |= status == "init" and ("address already in use" in value.lower() or "eaddrinuse" in value.lower())
         if port_taken:
             raise _PortTaken(port)
         if errors or failure is not None:

@@ -6,9 +6,10 @@ build_reduced`) and traces each with :func:`~lightning_memplan.tracking.trace.ca
 is allocated, however wide the model), giving per phase and component ``c0 + c1*(b*s) + c2*(b*s^2)``.
 The step starts from a primed steady state (:func:`primed_optimizer`), so one traced step measures
 what the second of two would, at half the cost. The result is a JSON-ready entry for
-``tracking/hf_cache.py``; :class:`DepthTraces` is its parsed form, and :meth:`DepthTraces.full_depth`
-the full model: per-block cost = depth 2 - depth 1, fixed cost (embedding, head, loss) = depth 1 -
-per-block, so ``bytes(L) = bytes(1) + (L - 1) * (bytes(2) - bytes(1))`` at the requested ``(b, s)``.
+``tracking/hf_cache.py``; :class:`~lightning_memplan.model.traced.DepthTraces` (the model layer's
+data class, re-exported here with :class:`TracedStep`) is its parsed form, and
+:meth:`DepthTraces.full_depth` the full model: per-block cost = depth 2 - depth 1, fixed cost
+(embedding, head, loss) = depth 1 - per-block, so ``bytes(L) = bytes(1) + (L - 1) * (bytes(2) - bytes(1))`` at the requested ``(b, s)``.
 
 Mixture-of-experts: transformers' default expert kernel is ``aten._grouped_mm``, whose meta kernel
 implements only CUDA's bf16 checks, so a fake CPU trace fails where the real CPU step runs. During
@@ -20,14 +21,11 @@ traced without allocating.
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration
-from lightning_memplan.model.specs import TrainSpec
+from lightning_memplan.model.traced import TRACE_SHAPES, TRACED_DEPTHS, DepthTraces, TracedStep
 
 __all__ = [
     "TRACED_DEPTHS",
@@ -39,49 +37,9 @@ __all__ = [
     "trace_depths",
 ]
 
-#: Batch shapes ``(b, s)`` traced per depth (eager attention adds a third to separate ``b*s^2``).
-TRACE_SHAPES: tuple[tuple[int, int], ...] = ((1, 64), (2, 128))
-#: Depths traced; their difference is one block.
-TRACED_DEPTHS = (1, 2)
-
 # Config keys of attention-probability dropout: CPU SDPA with dropout runs the math path, which saves the
 # [b, a, s, s] probabilities, so those steps do grow with b*s^2.
 _ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout_rate")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TracedStep:
-    """What of a training step the trace runs, and nothing else (so, with the config, the cache key).
-
-    Everything else a :class:`~lightning_memplan.model.specs.TrainSpec` says (batch shape, loss mode,
-    parallel plan, byte overrides ...) is applied by scaling the traced bytes, never traced; two
-    steps that differ only there share one trace.
-
-    Attributes:
-        precision: the Lightning precision string emulated.
-        attention: ``attn_implementation`` the copy is built with (``"sdpa"``, ``"eager"`` ...).
-        recompute: ``"none"`` or ``"full"`` (HF ``gradient_checkpointing_enable()``).
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        optimizer_impl: ``None``, ``"foreach"``, ``"for_loop"`` or ``"fused"``.
-        device: ``"cpu"`` or ``"cuda"`` (the device the fake step pretends to run on).
-    """
-
-    precision: str
-    attention: str
-    recompute: str
-    optimizer: str
-    optimizer_impl: str | None
-    device: str
-
-    @classmethod
-    def of(cls, train: TrainSpec) -> TracedStep:
-        """The traced fields of ``train`` (already a traced step ``T0``, ``hf_trace._traced_train``)."""
-        return cls(precision=train.precision, attention=train.attention, recompute=train.recompute,
-                   optimizer=train.optimizer, optimizer_impl=train.optimizer_impl, device=train.device)
-
-    def to_json(self) -> str:
-        """Sorted JSON of the fields and :data:`TRACE_SHAPES` (the cache key's step part)."""
-        return json.dumps({**asdict(self), "trace_shapes": TRACE_SHAPES}, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -169,7 +127,7 @@ def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from lightning_memplan.model.hf_build import build_reduced, input_fn_for, vision_tokens
-    from lightning_memplan.model.introspect import norm_impl_of
+    from lightning_memplan.model.readers import norm_impl_of
     from lightning_memplan.tracking.trace import calibrate
 
     verbosity = hf_logging.get_verbosity()
@@ -213,66 +171,3 @@ def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
     finally:
         hf_logging.set_verbosity(verbosity)
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class DepthTraces:
-    """A parsed cache entry: the depth-1 and depth-2 calibrations of one config and traced step.
-
-    Attributes:
-        class_name: the transformers class traced (``"LlamaForCausalLM"``).
-        one, two: calibrations of the depth-1 and depth-2 copies.
-        n_params_one, n_params_two: their parameter counts.
-        vision_tokens: the sequence length a vision model's image fixes (``None`` for token inputs).
-        norm_impl: the traced class's RMSNorm implementation (``TrainSpec.norm_impl``; ``"native"`` when
-            it has none), detected by :func:`~lightning_memplan.model.introspect.norm_impl_of`.
-    """
-
-    class_name: str
-    one: Calibration
-    two: Calibration
-    n_params_one: int
-    n_params_two: int
-    vision_tokens: int | None = None
-    norm_impl: str = "native"
-    #: This process's answers derived from the entry (:meth:`full_depth`, and ``hf_trace``'s device
-    #: scaling), keyed by what they depend on: a planner asks for the same ones under hundreds of plans.
-    #: Read-only for callers; it goes with the entry when ``clear_cache()`` drops it.
-    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
-
-    @classmethod
-    def from_entry(cls, data: Mapping[str, Any]) -> DepthTraces:
-        """Parse a :func:`trace_depths` entry (``KeyError``/``TypeError``/``ValueError`` if malformed)."""
-        one, two = (data["depths"][str(d)] for d in TRACED_DEPTHS)
-        tokens = one.get("vision_tokens")
-        return cls(
-            class_name=str(data["class"]),
-            one=Calibration.from_dict(one["calibration"]),
-            two=Calibration.from_dict(two["calibration"]),
-            n_params_one=int(one["n_params"]),
-            n_params_two=int(two["n_params"]),
-            vision_tokens=int(tokens) if tokens else None,
-            norm_impl=str(data["norm_impl"]),
-        )
-
-    def n_params(self, n_layers: int) -> int:
-        """Parameters of the full-depth model: ``P(1) + (L - 1) * (P(2) - P(1))``."""
-        return self.n_params_one + (n_layers - 1) * (self.n_params_two - self.n_params_one)
-
-    def full_depth(self, n_layers: int, b: int, s: int) -> dict[str, dict[str, int]]:
-        """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)`` (a vision model's ``s``
-        is its image's token count whatever is passed). Memoised: the caller must not modify it."""
-        if self.vision_tokens:
-            s = self.vision_tokens  # the image fixes the sequence: only b scales
-        hit = self.memo.get(("full_depth", n_layers, b, s))
-        if hit is not None:
-            return hit  # type: ignore[no-any-return]
-        by_phase: dict[str, dict[str, int]] = {}
-        for phase in PHASES:
-            by_phase[phase] = {}
-            for comp in COMPONENTS:
-                v1, v2 = self.one.bytes_for(phase, comp, b, s), self.two.bytes_for(phase, comp, b, s)
-                by_phase[phase][comp] = max(0, v1 + (n_layers - 1) * (v2 - v1))
-        if len(self.memo) < 8192:
-            self.memo[("full_depth", n_layers, b, s)] = by_phase
-        return by_phase

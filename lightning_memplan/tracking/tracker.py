@@ -62,8 +62,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
-from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 from lightning_memplan.tracking.report import TrackerReport
+from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 
 __all__ = ["TensorTracker"]
 

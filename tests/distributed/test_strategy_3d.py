@@ -47,8 +47,8 @@ def fit_3d(plan: ParallelPlan, model_kwargs: dict, root: str) -> dict:
     import torch.distributed as dist
 
     from lightning_memplan.callbacks import MemoryPlanCallback
-    from lightning_memplan.strategies import MemplanAutoStrategy
     from lightning_memplan.parallel.mesh import MeshAxis
+    from lightning_memplan.strategies import MemplanAutoStrategy
 
     world = dist.get_world_size()
     ref_losses, _ = reference_run(model_kwargs)

@@ -17,8 +17,8 @@ DEPRECATION = "Slicing a flattened dim"
 
 
 def fit_and_record_warnings(rank: int, world: int, plan: ParallelPlan) -> dict:
-    from lightning_memplan.strategies import MemplanAutoStrategy
     from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, LIGHTNING_TP_ALIAS, alias_mesh
+    from lightning_memplan.strategies import MemplanAutoStrategy
 
     strategy = MemplanAutoStrategy(plan=plan)
     x, y = token_data(16)

@@ -13,11 +13,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_callback_helpers import LitGPT, make_trainer, read_metrics, token_loader
 
 from lightning_memplan.callbacks import MemoryPlanCallback
-from lightning_memplan.monitoring.advice import remedy
 from lightning_memplan.callbacks.memory_plan import MemoryPlanCallback as _Cls
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.result import COMPONENTS
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.monitoring.advice import remedy
 from lightning_memplan.report import load_report
 from lightning_memplan.testing.zoo import gpt2_style
 

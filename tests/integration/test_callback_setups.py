@@ -92,8 +92,8 @@ def test_metrics_share_self_logs_steps_one_value_per_optimizer_step(tmp_path):
 
 
 def test_warnings_use_the_callbacks_units_and_honest_advice():
-    from lightning_memplan.monitoring.advice import forecast_message, headroom_message, mismatch_message
     from lightning_memplan.model.specs import ParallelPlan
+    from lightning_memplan.monitoring.advice import forecast_message, headroom_message, mismatch_message
     from lightning_memplan.report.records import StepRecord
 
     mib = 2**20

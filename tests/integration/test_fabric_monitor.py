@@ -148,6 +148,7 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
         ({"grads_alive_in_forward": "no"}, TypeError, "grads_alive_in_forward='no'"),
         ({"dirpath": 5}, TypeError, "dirpath=5 must be a folder path"),
         ({"plan": "dp=2"}, TypeError, "plan='dp=2' must be a ParallelPlan"),
+        ({"measure_every_n_step": 5}, TypeError, r"MemoryMonitor\(measure_every_n_step=5\): unknown option"),
     ]
     for options, error, message in bad:
         with pytest.raises(error, match=message):

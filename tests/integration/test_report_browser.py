@@ -37,11 +37,10 @@ def test_report_renders_in_chromium(tmp_path, shape):
 
 def test_plan_map_renders_in_chromium(tmp_path):
     from lightning_memplan.hardware import HardwareSpec
-    from lightning_memplan.model.presets import model_preset
-    from lightning_memplan.model.specs import TrainSpec
+    from lightning_memplan.model.specs import ModelSpec, TrainSpec
     from lightning_memplan.planning import plan
 
-    decision = plan(model_preset("llama3-8b"), TrainSpec(micro_batch=1, seq_len=8192),
+    decision = plan(ModelSpec.preset("llama3-8b"), TrainSpec(micro_batch=1, seq_len=8192),
                     HardwareSpec.preset("h100-80gb", gpus_per_node=8, num_nodes=8), global_batch=512, top_k=40)
     path = tmp_path / "plan.html"
     write_atomic(path, render_plan_html(decision.to_dict()))

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_layout
 from lightning_memplan.parallel.decision import decide
 from lightning_memplan.parallel.pipeline import pipeline_blocker, split_blocks, stage_indices
 from lightning_memplan.parallel.planner_bridge import applicable, narrow_allow
 from lightning_memplan.parallel.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
+from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_layout
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, MLPNet, causal_lm_loss, llama_style
 

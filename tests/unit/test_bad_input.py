@@ -30,9 +30,9 @@ from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.loss import LinearCrossEntropy, LossOptions, linear_cross_entropy
 from lightning_memplan.model import estimate_memory
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.tracking.trace import trace_memory
 from lightning_memplan.planning import plan
 from lightning_memplan.report.io import load_report
+from lightning_memplan.tracking.trace import trace_memory
 from lightning_memplan.validation import read_json_file
 
 BOUND_S = 1.0  # every refusal must come within this much CPU time (a linear loop burns CPU) ...

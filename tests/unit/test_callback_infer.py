@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from lightning_memplan.callbacks import MemoryPlanCallback, is_out_of_memory
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.advice import REMEDIES, culprit, headroom_message, mismatch_message, remedy
+from lightning_memplan.monitoring.measure import PhaseProbe, read_rss
 from lightning_memplan.parallel.infer import (
     InferenceError,
     batch_factory,
@@ -20,8 +22,6 @@ from lightning_memplan.parallel.infer import (
     infer_plan,
     infer_train_spec,
 )
-from lightning_memplan.monitoring.measure import PhaseProbe, read_rss
-from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.report import StepRecord
 
 IDS = torch.zeros(3, 17, dtype=torch.long)

@@ -42,6 +42,7 @@ def test_import_registers_for_fabric_without_importing_lightning():
         ({"plan": "dp=2"}, TypeError, "plan='dp=2'"),
         ({"train": {"micro_batch": 1}}, TypeError, "train="),
         ({"headroom": 1.0}, ValueError, "headroom=1.0"),
+        ({"memory_budjet": 1}, TypeError, "MemplanAutoFabricStrategy(memory_budjet=1): unknown option"),
         # pipeline parallelism is refused under Fabric, naming the Trainer strategy that runs it
         ({"plan": ParallelPlan(pp=2, microbatches=2)}, ValueError, "MemplanAutoStrategy(plan=...)"),
     ],

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("transformers", reason="the traced config-only path builds the transformers class")
 
-from lightning_memplan.tracking import hf_trace  # noqa: E402
 from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # noqa: E402
 from lightning_memplan.testing.hf_architectures import example_batch, measure_step  # noqa: E402
+from lightning_memplan.tracking import hf_trace  # noqa: E402
 
 
 def _llama(**extra):
@@ -123,7 +123,7 @@ def test_plans_and_frozen_parameters_scale_the_traced_bytes() -> None:
     assert sharded.source == "hf_trace"
     assert sharded.by_phase["optimizer"]["params"] == pytest.approx(one.by_phase["optimizer"]["params"] / 4, rel=0.01)
     lora = estimate_memory(
-        ModelSpec.from_hf_config(_llama()).__class__(**{**spec.to_dict(), "n_trainable_params": 1000}), train
+        dataclasses.replace(spec, n_trainable_params=1000), train
     )
     assert lora.by_phase["optimizer"]["optimizer"] < one.by_phase["optimizer"]["optimizer"] / 20
 
@@ -247,12 +247,13 @@ def test_primed_one_step_trace_equals_the_two_step_steady_state(precision: str, 
     optimizer phase peaks at the phase's start: the other shape is measured at that "start" moment too
     (tests/distributed/test_strategy_hf.py's tiny Llama once failed there)."""
     from lightning_memplan.model.hf_build import build_reduced, input_fn_for
+    from lightning_memplan.model.traced import traced_train
     from lightning_memplan.tracking.hf_calibrate import primed_optimizer
     from lightning_memplan.tracking.trace import calibrate
 
     cfg = _llama().to_dict()
-    t0 = hf_trace._traced_train(TrainSpec(micro_batch=2, seq_len=32, precision=precision, optimizer=optimizer,
-                                          optimizer_impl="for_loop", device="cpu"))
+    t0 = traced_train(TrainSpec(micro_batch=2, seq_len=32, precision=precision, optimizer=optimizer,
+                                optimizer_impl="for_loop", device="cpu"), "cpu")
     model = build_reduced(cfg, 2, attention=t0.attention, recompute=t0.recompute)
     input_fn, _ = input_fn_for(model, cfg)
     shapes = ((1, 16), (2, 32))
@@ -272,8 +273,8 @@ def test_primed_one_step_trace_equals_the_two_step_steady_state(precision: str, 
 def test_with_lora_counts_what_peft_trains(family: str, targets: tuple[str, ...]) -> None:
     """ModelSpec.with_lora (no peft) equals peft's trainable count on the real model."""
     peft = pytest.importorskip("peft")
-    from lightning_memplan.tracking.hf_trace import model_class
     from lightning_memplan.testing.hf_architectures import ARCHITECTURES
+    from lightning_memplan.tracking.hf_trace import model_class
 
     config = ARCHITECTURES[family].config(0.0)
     model = peft.get_peft_model(model_class(config)._from_config(config),

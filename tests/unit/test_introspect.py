@@ -226,8 +226,8 @@ def test_analytic_parameter_count_equals_the_real_model(name: str) -> None:
     """The config reader alone (no trace) counts what transformers builds: Qwen2 q/k/v biases, Gemma-2's
     four norms per block, Qwen3's per-head and OLMo-2's full-width q/k norms."""
     pytest.importorskip("transformers")
-    from lightning_memplan.tracking.hf_trace import model_class
     from lightning_memplan.testing.hf_architectures import ARCHITECTURES
+    from lightning_memplan.tracking.hf_trace import model_class
 
     config = ARCHITECTURES[name].config(0.0)
     with torch.device("meta"):

@@ -16,10 +16,10 @@ from lightning_memplan.report.html import render_html, render_plan_html
 from lightning_memplan.report.io import load_report, write_report
 from lightning_memplan.report.plot import render_png
 from lightning_memplan.report.records import REPORT_FORMAT_VERSION, MemoryReport, RankAccumulator
-from lightning_memplan.tracking.timeline import SeriesBuilder, TimelineBuilder
 from lightning_memplan.report.views import plan_view
 from lightning_memplan.testing.reports import synthetic_report, synthetic_step
 from lightning_memplan.tracking import TensorTracker
+from lightning_memplan.tracking.timeline import SeriesBuilder, TimelineBuilder
 
 SHAPES = {
     "one_rank_one_epoch": dict(ranks=1, epochs=1, seq_change=False, warnings=False),

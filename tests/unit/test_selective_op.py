@@ -9,10 +9,10 @@ from lightning_memplan.model import checkpointing as ck
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.specs import RECOMPUTE_MODES, TrainSpec
-from lightning_memplan.tracking.trace import trace_memory
 from lightning_memplan.parallel.fsdp import apply_activation_checkpointing
 from lightning_memplan.parallel.layouts import find_layout
 from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style, llama_style
+from lightning_memplan.tracking.trace import trace_memory
 
 B, S = 2, 128
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_memplan.model.result import COMPONENTS, MemoryEstimate
-from lightning_memplan.tracking.trace import TraceResult, calibrate, default_loss, trace_memory
 from lightning_memplan.testing.zoo import GPT, MLPNet, causal_lm_loss, gpt2_style, llama_style, tied_style
+from lightning_memplan.tracking.trace import TraceResult, calibrate, default_loss, trace_memory
 
 
 def _lm_loss(model, idx):

@@ -1,0 +1,387 @@
+"""Traced coefficients as data: what a coefficient source hands ``estimate_memory``, and how it is scaled.
+
+A :class:`~lightning_memplan.model.specs.ModelSpec` may carry a :class:`CoefficientSource`
+(``ModelSpec.calibration_source``), chosen by whoever built the spec (``ModelSpec.from_hf_config``,
+``from_module``, ``from_dict``: the Hugging Face tracer of ``tracking/hf_trace.py`` when transformers
+is importable). :func:`~lightning_memplan.model.estimate.estimate_memory` asks the source for the
+coefficients of the step it traces (:class:`DepthTraces`, plain data) and scales them here; the model
+layer imports no tracer and no transformers code (``tests/unit/test_estimate_snapshot.py`` checks it).
+
+The data: :func:`trace_depths <lightning_memplan.tracking.hf_calibrate.trace_depths>` traces the
+depth-1 and depth-2 copies of a model at :data:`TRACE_SHAPES`, giving per phase and component
+``c0 + c1*(b*s) + c2*(b*s^2)``; :class:`DepthTraces` is that entry parsed, and
+:meth:`DepthTraces.full_depth` the full model: per-block cost = depth 2 - depth 1, fixed cost
+(embedding, head, loss) = depth 1 - per-block, so ``bytes(L) = bytes(1) + (L - 1) * (bytes(2) -
+bytes(1))`` at the requested ``(b, s)``.
+
+The scaling (:func:`traced_estimate`): the hand-written terms stay in charge of *how* a component
+changes, the trace says *how big* it is. Each component of each phase is ``traced(T0, one rank) *
+analytic(train, plan) / analytic(T0, one rank)``, where ``T0`` (:func:`traced_train`) is the step that
+was traced (the source's device, the requested precision, attention and recompute ``"none"``/``"full"``,
+an optimizer PyTorch ships, the model's own loss, no byte overrides) and the analytic terms use the exact
+traced parameter count. So ZeRO/FSDP sharding, tensor/pipeline/context parallelism, selective recompute,
+a chunked or vocab-parallel loss, CUDA kernels (traced on CPU when no GPU is visible),
+``grads_alive_in_forward=False``, master weights and byte overrides scale the traced bytes by the
+analytic ratio, and with ``plan=None`` and a traced ``train`` the estimate *is* the trace. A component
+the analytic terms put at zero on one rank but not on the plan (DDP buckets, p2p buffers) is added.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+
+if TYPE_CHECKING:  # annotations only: specs imports this module (the registry), not the other way round
+    from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+
+__all__ = [
+    "CALIBRATION_CHOICES",
+    "TRACED_DEPTHS",
+    "TRACE_SHAPES",
+    "CoefficientSource",
+    "DepthTraces",
+    "TracedStep",
+    "coefficient_source",
+    "register_coefficient_source",
+    "traced_estimate",
+    "traced_train",
+]
+
+#: Batch shapes ``(b, s)`` traced per depth (eager attention adds a third to separate ``b*s^2``).
+TRACE_SHAPES: tuple[tuple[int, int], ...] = ((1, 64), (2, 128))
+#: Depths traced; their difference is one block.
+TRACED_DEPTHS = (1, 2)
+#: What ``ModelSpec.from_hf_config(..., calibration=...)`` accepts besides a :class:`CoefficientSource`.
+CALIBRATION_CHOICES = ("auto", "analytic")
+
+_TRACED_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
+_TRACED_RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedStep:
+    """What of a training step the trace runs, and nothing else (so, with the config, the cache key).
+
+    Everything else a :class:`~lightning_memplan.model.specs.TrainSpec` says (batch shape, loss mode,
+    parallel plan, byte overrides ...) is applied by scaling the traced bytes, never traced; two
+    steps that differ only there share one trace.
+
+    Attributes:
+        precision: the Lightning precision string emulated.
+        attention: ``attn_implementation`` the copy is built with (``"sdpa"``, ``"eager"`` ...).
+        recompute: ``"none"`` or ``"full"`` (HF ``gradient_checkpointing_enable()``).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer_impl: ``None``, ``"foreach"``, ``"for_loop"`` or ``"fused"``.
+        device: ``"cpu"`` or ``"cuda"`` (the device the fake step pretends to run on).
+    """
+
+    precision: str
+    attention: str
+    recompute: str
+    optimizer: str
+    optimizer_impl: str | None
+    device: str
+
+    @classmethod
+    def of(cls, train: TrainSpec) -> TracedStep:
+        """The traced fields of ``train`` (already a traced step ``T0``, :func:`traced_train`)."""
+        return cls(precision=train.precision, attention=train.attention, recompute=train.recompute,
+                   optimizer=train.optimizer, optimizer_impl=train.optimizer_impl, device=train.device)
+
+    def to_json(self) -> str:
+        """Sorted JSON of the fields and :data:`TRACE_SHAPES` (the cache key's step part)."""
+        return json.dumps({**asdict(self), "trace_shapes": TRACE_SHAPES}, sort_keys=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DepthTraces:
+    """A parsed traced entry: the depth-1 and depth-2 calibrations of one config and traced step.
+
+    Attributes:
+        class_name: the class traced (``"LlamaForCausalLM"``).
+        one, two: calibrations of the depth-1 and depth-2 copies.
+        n_params_one, n_params_two: their parameter counts.
+        vision_tokens: the sequence length a vision model's image fixes (``None`` for token inputs).
+        norm_impl: the traced class's RMSNorm implementation (``TrainSpec.norm_impl``; ``"native"`` when
+            it has none), detected by :func:`~lightning_memplan.model.readers.norm_impl_of`.
+    """
+
+    class_name: str
+    one: Calibration
+    two: Calibration
+    n_params_one: int
+    n_params_two: int
+    vision_tokens: int | None = None
+    norm_impl: str = "native"
+    #: This process's answers derived from the entry (:meth:`full_depth`, and the device scaling of
+    #: :func:`traced_estimate`), keyed by what they depend on: a planner asks for the same ones under
+    #: hundreds of plans. Read-only for callers; it goes with the entry when a cache drops it.
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @classmethod
+    def from_entry(cls, data: Mapping[str, Any]) -> DepthTraces:
+        """Parse a traced entry (``trace_depths``'s JSON; ``KeyError``/``TypeError``/``ValueError`` if malformed)."""
+        one, two = (data["depths"][str(d)] for d in TRACED_DEPTHS)
+        tokens = one.get("vision_tokens")
+        return cls(
+            class_name=str(data["class"]),
+            one=Calibration.from_dict(one["calibration"]),
+            two=Calibration.from_dict(two["calibration"]),
+            n_params_one=int(one["n_params"]),
+            n_params_two=int(two["n_params"]),
+            vision_tokens=int(tokens) if tokens else None,
+            norm_impl=str(data["norm_impl"]),
+        )
+
+    def n_params(self, n_layers: int) -> int:
+        """Parameters of the full-depth model: ``P(1) + (L - 1) * (P(2) - P(1))``."""
+        return self.n_params_one + (n_layers - 1) * (self.n_params_two - self.n_params_one)
+
+    def full_depth(self, n_layers: int, b: int, s: int) -> dict[str, dict[str, int]]:
+        """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)`` (a vision model's ``s``
+        is its image's token count whatever is passed). Memoised: the caller must not modify it."""
+        if self.vision_tokens:
+            s = self.vision_tokens  # the image fixes the sequence: only b scales
+        hit = self.memo.get(("full_depth", n_layers, b, s))
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        by_phase: dict[str, dict[str, int]] = {}
+        for phase in PHASES:
+            by_phase[phase] = {}
+            for comp in COMPONENTS:
+                v1, v2 = self.one.bytes_for(phase, comp, b, s), self.two.bytes_for(phase, comp, b, s)
+                by_phase[phase][comp] = max(0, v1 + (n_layers - 1) * (v2 - v1))
+        if len(self.memo) < 8192:
+            self.memo[("full_depth", n_layers, b, s)] = by_phase
+        return by_phase
+
+
+@runtime_checkable
+class CoefficientSource(Protocol):
+    """Where a spec's traced coefficients come from (``ModelSpec.calibration_source``).
+
+    An implementation is hashable and compares by value (a frozen dataclass), since specs are cache keys.
+    ``tracking/hf_trace.py``'s ``HFTraceSource`` traces the Hugging Face class of ``ModelSpec.hf_config``;
+    a test may hand stored entries back (``tests/unit/test_estimate_snapshot.py``).
+    """
+
+    def available(self) -> bool:
+        """Whether the source can answer now (``False``: the analytic terms are used)."""
+        ...
+
+    def trace_device(self, device: str) -> str:
+        """The device a step requested on ``device`` is traced on (``"cuda"`` only where one is visible)."""
+        ...
+
+    def depth_traces(self, model: ModelSpec, t0: TrainSpec) -> DepthTraces | None:
+        """The coefficients of ``model`` traced with the step ``t0`` (:func:`traced_train`); ``None``
+        when the source has nothing for this spec (e.g. it carries no ``hf_config``).
+
+        Raises:
+            ValueError: the model cannot be traced (names it and what to pass instead).
+        """
+        ...
+
+
+SourceFactory = Callable[[], "CoefficientSource | None"]
+_FACTORIES: dict[str, SourceFactory] = {}
+
+
+def register_coefficient_source(kind: str, factory: SourceFactory) -> None:
+    """Register the factory of the default source for specs read from ``kind`` (``"hf_config"``).
+
+    ``factory()`` returns a :class:`CoefficientSource`, or ``None`` when it cannot trace in this
+    environment (e.g. transformers is not installed). The package's composition root
+    (``lightning_memplan/__init__.py``) registers the Hugging Face tracer, since the model layer may not
+    import it.
+
+    Raises:
+        TypeError: ``kind`` is not a string or ``factory`` is not callable.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"kind={kind!r} must be a non-empty string naming what specs are read from, e.g. 'hf_config'")
+    if not callable(factory):
+        raise TypeError(f"factory={factory!r} must be a callable returning a CoefficientSource or None")
+    _FACTORIES[kind] = factory
+
+
+def coefficient_source(calibration: Any, kind: str) -> CoefficientSource | None:
+    """The source a spec read from ``kind`` carries for ``calibration``: ``"auto"`` (the registered
+    factory's source, ``None`` when none is registered or it cannot trace here), ``"analytic"``
+    (``None``: the hand-written terms) or a :class:`CoefficientSource` instance (itself).
+
+    Raises:
+        TypeError: ``calibration`` is neither one of :data:`CALIBRATION_CHOICES` nor a source.
+    """
+    if isinstance(calibration, str):
+        if calibration == "auto":
+            factory = _FACTORIES.get(kind)
+            return factory() if factory is not None else None
+        if calibration == "analytic":
+            return None
+    elif isinstance(calibration, CoefficientSource):
+        return calibration
+    raise TypeError(
+        f"calibration={calibration!r:.80} must be 'auto' (trace the real class when transformers is installed), "
+        "'analytic' (the hand-written terms) or a CoefficientSource (available(), trace_device(device), "
+        "depth_traces(model, t0))"
+    )
+
+
+@functools.lru_cache(maxsize=4096)  # frozen input; the planner asks for the same few steps many times
+def traced_train(train: TrainSpec, device: str) -> TrainSpec:
+    """T0: the step a trace runs for ``train`` on ``device`` (see the module docstring)."""
+    return train.replace(
+        device=device,
+        recompute=train.recompute if train.recompute in _TRACED_RECOMPUTE else "none",
+        optimizer=train.optimizer if train.optimizer in _TRACED_OPTIMIZERS else "adamw",
+        # "naive"/"fp32_upcast": the model computes its own loss, as traced; a replaced loss is scaled
+        loss=train.loss if train.loss in ("naive", "fp32_upcast") else "fp32_upcast",
+        master_weights=False,
+        param_bytes=None,
+        grad_bytes=None,
+        master_bytes=None,
+        optimizer_bytes_per_param=None,
+        activation_bytes=None,
+        grads_alive_in_forward=True,
+        grad_accumulation=1,
+    )
+
+
+def _steps(train: TrainSpec, source: CoefficientSource) -> tuple[TrainSpec, TrainSpec]:
+    """``(T0, T0 on train's device)``."""
+    return _steps_on(train, source.trace_device(train.device))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few steps under every plan
+def _steps_on(train: TrainSpec, device: str) -> tuple[TrainSpec, TrainSpec]:
+    t0 = traced_train(train, device)
+    return t0, t0.replace(device=train.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _specs(model: ModelSpec, n_params: int) -> tuple[ModelSpec, ModelSpec]:
+    """``(the spec with the traced parameter count, the same training every parameter)``: what the
+    analytic terms see for the requested step and for the traced one."""
+    base = replace(model, hf_config=None, n_params=n_params, calibration_source=None)
+    return base, replace(base, n_trainable_params=None)
+
+
+#: ``_estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
+#: analytic terms of one pipeline stage (passed in, so that this module does not import the estimate).
+StageEstimate = Callable[["ModelSpec", "TrainSpec", "ParallelPlan", int, int, "Calibration | None"], MemoryEstimate]
+
+
+@functools.lru_cache(maxsize=4096)  # the same reference step under every plan a planner tries
+def _one_rank_terms(spec: ModelSpec, train: TrainSpec, one_device: ParallelPlan,
+                    stage_estimate: StageEstimate) -> MemoryEstimate:
+    """The analytic terms of ``train`` on one rank (the denominators of the scaling): what
+    ``estimate_memory(spec, train)`` returns for a spec without a source (one stage, rank 0)."""
+    return stage_estimate(spec, train, one_device, 0, 0, None)
+
+
+def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spec: ModelSpec,
+               steps: tuple[TrainSpec, TrainSpec], one_device: ParallelPlan,
+               stage_estimate: StageEstimate) -> dict[str, dict[str, int]]:
+    """The traced bytes at the full depth and ``train``'s batch shape, on ``train``'s device: a step
+    traced on the CPU for a CUDA one is scaled by the analytic CUDA/CPU ratio per component."""
+    t0, t0_dev = steps
+    memo_key = ("on_device", model.n_layers, train.micro_batch, train.seq_len, t0_dev, traced_spec)
+    hit = data.memo.get(memo_key)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    traced = data.full_depth(model.n_layers, train.micro_batch, train.seq_len)
+    if t0.device != train.device:
+        cpu_ref = _one_rank_terms(traced_spec, t0, one_device, stage_estimate)
+        dev_ref = _one_rank_terms(traced_spec, t0_dev, one_device, stage_estimate)
+        out: dict[str, dict[str, int]] = {}
+        for phase in PHASES:
+            out[phase] = {}
+            for comp in COMPONENTS:
+                value, den = traced[phase][comp], cpu_ref.by_phase[phase].get(comp, 0)
+                num = dev_ref.by_phase[phase].get(comp, 0)
+                out[phase][comp] = round(value * num / den) if den else value + num
+        traced = out
+    if len(data.memo) < 8192:
+        data.memo[memo_key] = traced
+    return traced
+
+
+def traced_estimate(
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan,
+    *,
+    rank: int | None,
+    source: CoefficientSource,
+    stage_estimate: StageEstimate,
+) -> MemoryEstimate | None:
+    """The estimate of ``model`` scaled from ``source``'s traced coefficients (``source="hf_trace"``).
+
+    The caller (``estimate_memory``) has validated the arguments and checked the plan against the spec.
+    Returns ``None`` when the source has nothing for this spec, or the spec's exact ``n_params`` -- from
+    a live module -- differs from the traced class's: the caller then uses the analytic terms.
+
+    Raises:
+        ValueError: the source cannot trace the model, or ``n_trainable_params`` exceeds the traced count.
+    """
+    steps = _steps(train, source)
+    data = source.depth_traces(model, steps[0])
+    if data is None:
+        return None
+    if train.norm_impl != data.norm_impl:
+        # The config names a class, and its norms are what they are: the traced class's implementation
+        # scales the CPU trace to CUDA (where fused and composite RMSNorms save different bytes).
+        train = train.replace(norm_impl=data.norm_impl)
+        steps = _steps(train, source)
+    t0_dev = steps[1]
+    n_params = data.n_params(model.n_layers)
+    if model.n_params is not None and model.n_params != n_params:
+        return None  # a live module that differs from its config (resized embeddings ...): not this trace
+    if model.n_trainable_params is not None and model.n_trainable_params > n_params:
+        raise ValueError(
+            f"n_trainable_params={model.n_trainable_params!r} exceeds the {n_params} parameters traced for "
+            f"{data.class_name!r}; pass at most {n_params}"
+        )
+    one_device = type(plan)()  # the default plan: one device (this module does not import specs)
+    base, traced_spec = _specs(model, n_params)
+    traced = _on_device(data, model, train, traced_spec, steps, one_device, stage_estimate)
+    # The trace is the answer on one rank of the traced step; anything else scales it by the analytic
+    # ratio requested/traced per component (a component the traced step lacks is added).
+    reference = None if (t0_dev == train and plan == one_device and base == traced_spec) else (
+        _one_rank_terms(traced_spec, t0_dev, one_device, stage_estimate).by_phase
+    )
+    stages = [plan.stage_of_rank(rank)] if rank is not None else list(range(plan.pp))
+    best: MemoryEstimate | None = None
+    per_stage = plan.dp * plan.cp * plan.tp
+    for stage in stages:
+        r = rank if rank is not None else stage * per_stage
+        target = stage_estimate(base, train, plan, stage, r, None)
+        by_phase: dict[str, dict[str, int]] = {}
+        for phase in PHASES:
+            values = traced[phase]
+            if reference is not None:
+                den_phase, num_phase = reference[phase], target.by_phase[phase]
+                values = {}
+                for comp in COMPONENTS:
+                    value, den, num = traced[phase][comp], den_phase.get(comp, 0), num_phase.get(comp, 0)
+                    values[comp] = round(value * num / den) if den else value + num
+            by_phase[phase] = {comp: max(0, int(v)) for comp, v in values.items()}
+        peak = max(PHASES, key=lambda p: sum(by_phase[p].values()))
+        est = MemoryEstimate(
+            **by_phase[peak],
+            peak_phase=peak,
+            rank=r,
+            stage=stage,
+            by_phase=by_phase,
+            details={**target.details, "traced_params": n_params},
+            source="hf_trace",
+        )
+        if best is None or est.total > best.total:
+            best = est
+    return best

@@ -1,0 +1,230 @@
+"""Same numbers, byte for byte, as the tree before the one-way-layers rework (commit 8bf0700), and the
+model layer taking traced coefficients as data.
+
+``tests/data/estimate_snapshot_8bf0700.json.gz`` was written by ``benchmarks/estimate_snapshot.py`` on
+commit 8bf0700: the 2,304-case analytic table and the 216 config-only rows of the Hugging Face
+architecture grid (traced). ``tests/data/hf_trace_entries_8bf0700.json.gz`` holds the traced entries
+those rows used (what ``trace_depths`` returned, keyed by config JSON and traced step). Here the
+analytic table is recomputed, and the HF rows are estimated from the stored entries through a
+:class:`CoefficientSource` fixture (no tracing, no transformers): the scaling path on every row. The
+benchmark script re-traces all rows (slow) to check the tracer itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.model.traced import CoefficientSource, DepthTraces, TracedStep, coefficient_source
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+@cache
+def _snapshot() -> dict[str, Any]:
+    return json.loads(gzip.decompress((DATA / "estimate_snapshot_8bf0700.json.gz").read_bytes()))
+
+
+@cache
+def _entries() -> dict[str, Any]:
+    return json.loads(gzip.decompress((DATA / "hf_trace_entries_8bf0700.json.gz").read_bytes()))
+
+
+def _snapshot_module() -> Any:
+    spec = importlib.util.spec_from_file_location("estimate_snapshot", ROOT / "benchmarks" / "estimate_snapshot.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_analytic_table_is_byte_identical() -> None:
+    expected = _snapshot()["analytic"]
+    table = _snapshot_module().analytic_table()
+    assert len(table) == len(expected) == 2304
+    assert sum(v.get("source") == "analytic" for v in table.values()) == 2304
+    differ = [key for key in expected if _canonical(table.get(key)) != _canonical(expected[key])]
+    assert not differ, f"{len(differ)} of {len(expected)} cases changed, e.g. {differ[:3]}"
+    assert _canonical(table) == _canonical(expected)
+
+
+@dataclass(frozen=True)
+class _StoredSource:
+    """The traced entries of the snapshot's rows, handed over as a coefficient source (the rows ran on
+    the CPU, so the trace device is the CPU)."""
+
+    def available(self) -> bool:
+        return True
+
+    def trace_device(self, device: str) -> str:
+        return "cpu"
+
+    def depth_traces(self, model: ModelSpec, t0: TrainSpec) -> DepthTraces | None:
+        if model.hf_config is None:
+            return None
+        return _parsed(model.hf_config + "\n" + TracedStep.of(t0).to_json())
+
+
+@cache
+def _parsed(key: str) -> DepthTraces:
+    return DepthTraces.from_entry(_entries()[key])
+
+
+def test_the_hf_grid_scaled_from_stored_traces_is_byte_identical() -> None:
+    rows = _snapshot()["hf"]
+    assert len(rows) == 216 and len(_entries()) == 216
+    source = _StoredSource()
+    assert isinstance(source, CoefficientSource)
+    differ = []
+    for key, row in rows.items():
+        row = dict(row)
+        config, train = json.loads(row.pop("hf_config")), TrainSpec.from_dict(row.pop("train"))
+        spec = ModelSpec.from_hf_config(config, calibration=source)
+        assert spec.calibration_source == source and spec.hf_config == _canonical(config)
+        from lightning_memplan.model.estimate import estimate_memory
+
+        got = estimate_memory(spec, train).to_dict()
+        if _canonical(got) != _canonical(row):
+            differ.append(key)
+    assert not differ, f"{len(differ)} of {len(rows)} rows changed, e.g. {differ[:3]}"
+
+
+def test_the_source_travels_with_replace_and_json_round_trips() -> None:
+    """``dataclasses.replace`` keeps the source, ``hf_config=None`` turns the trace off (the analytic
+    terms), ``to_dict`` leaves the source out and ``from_dict`` attaches the one ``calibration`` names."""
+    import dataclasses
+
+    key, row = next(iter(_snapshot()["hf"].items()))
+    train = TrainSpec.from_dict(row["train"])
+    source = _StoredSource()
+    spec = ModelSpec.from_hf_config(json.loads(row["hf_config"]), calibration=source)
+    from lightning_memplan.model.estimate import estimate_memory
+
+    traced = estimate_memory(spec, train)
+    assert traced.source == "hf_trace" and traced.total == row["total"], key
+    assert estimate_memory(dataclasses.replace(spec, name="renamed"), train).total == traced.total
+    assert estimate_memory(dataclasses.replace(spec, hf_config=None), train).source == "analytic"
+    data = spec.to_dict()
+    assert "calibration_source" not in data and json.loads(json.dumps(data)) == data
+    back = ModelSpec.from_dict(data, calibration=source)
+    assert back == spec and estimate_memory(back, train).to_dict() == traced.to_dict()
+    analytic = ModelSpec.from_dict(data, calibration="analytic")
+    assert analytic.calibration_source is None and estimate_memory(analytic, train).source == "analytic"
+    # an explicit calibration= wins over the spec's source, as before
+    assert estimate_memory(spec, train, ParallelPlan(), calibration=_calibration(traced)).source != "hf_trace"
+
+
+def _calibration(estimate: Any) -> Any:
+    from lightning_memplan.model.result import Calibration
+
+    return Calibration(coefficients={p: {c: (0, 0, 0) for c in estimate.by_phase[p]} for p in estimate.by_phase})
+
+
+@pytest.mark.parametrize("bad", ["traced", True, 1, None, object()])
+def test_calibration_choice_is_checked(bad: Any) -> None:
+    with pytest.raises(TypeError, match="calibration="):
+        coefficient_source(bad, "hf_config")
+    with pytest.raises(TypeError, match="calibration="):
+        ModelSpec.from_hf_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                  "vocab_size": 128, "model_type": "llama"}, calibration=bad)
+
+
+def test_a_spec_refuses_a_source_that_is_not_one() -> None:
+    with pytest.raises(TypeError, match="calibration_source="):
+        ModelSpec(2, 64, 4, 128, calibration_source="hf")  # type: ignore[arg-type]
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def available(self) -> bool:
+            return True
+
+        def trace_device(self, device: str) -> str:
+            return "cpu"
+
+        def depth_traces(self, model: Any, t0: Any) -> None:
+            return None
+
+    with pytest.raises(TypeError, match="hashable"):
+        ModelSpec(2, 64, 4, 128, calibration_source=Unhashable())  # type: ignore[arg-type]
+
+
+def test_analytic_calibration_refuses_what_the_terms_cannot_model() -> None:
+    moe = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128,
+           "model_type": "mixtral", "num_local_experts": 4}
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelSpec.from_hf_config(moe, calibration="analytic")
+    assert ModelSpec.from_hf_config(moe, calibration=_StoredSource()).calibration_source == _StoredSource()
+
+
+# --------------------------------------------------------------------------------- the one-way house
+_LAYERS = {"validation": 0, "files": 0, "model": 1, "hardware": 1, "loss": 2, "tracking": 3, "planning": 4,
+           "report": 5}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, function bodies included, ``if TYPE_CHECKING:`` blocks not."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", "")) == "TYPE_CHECKING":
+                for c in child.orelse:
+                    visit(c)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                base = child.module if not child.level else "lightning_memplan.model." + child.module
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return out
+
+
+def test_the_estimate_imports_no_tracer_and_no_transformers() -> None:
+    for name in ("estimate.py", "traced.py", "specs.py"):
+        imported = _imports(ROOT / "lightning_memplan" / "model" / name)
+        bad = sorted(m for m in imported if m.split(".")[0] in ("transformers", "torch")
+                     or m.startswith(("lightning_memplan.tracking", "lightning_memplan.model.hf_build")))
+        assert not bad, f"model/{name} imports {bad}"
+
+
+@pytest.mark.parametrize("package", ["model", "hardware", "loss", "tracking", "planning"])
+def test_lower_layers_import_nothing_above_them(package: str) -> None:
+    for path in sorted((ROOT / "lightning_memplan" / package).glob("*.py")):
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[0] != "lightning_memplan" or len(parts) < 2:
+                continue
+            target = parts[1]
+            rank = _LAYERS.get(target)
+            assert rank is not None and rank <= _LAYERS[package] and (rank < _LAYERS[package] or target == package), (
+                f"{package}/{path.name} imports {module} (layer {target!r} is not below {package!r})"
+            )
+
+
+def test_importing_the_package_loads_no_torch_or_transformers() -> None:
+    import subprocess
+
+    code = ("import sys, lightning_memplan; from lightning_memplan import ModelSpec; ModelSpec.preset('gpt2'); "
+            "print(sorted(m for m in ('torch', 'transformers', 'lightning_memplan.tracking') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
