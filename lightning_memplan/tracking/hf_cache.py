@@ -166,7 +166,13 @@ def _write(key: str, data: dict[str, Any]) -> None:
     try:
         write_atomic(path, json.dumps(data, sort_keys=True, allow_nan=False))
     except (OSError, ValueError, TypeError) as exc:  # a read-only or full cache folder: the memory cache holds it
-        warnings.warn(f"could not write the HF trace cache file {path} ({exc})", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"could not write the HF trace cache file {str(path)!r} ({type(exc).__name__}: {exc}); the estimate goes on "
+            f"with the entry kept in memory for this process. Free space in the folder, or set {CACHE_ENV} to a "
+            "writable folder (0: memory only)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def cached(key: str, compute: Callable[[], dict[str, Any]], parse: Callable[[dict[str, Any]], T]) -> T:
