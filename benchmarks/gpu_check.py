@@ -20,6 +20,10 @@ Sections shipped here (``loss``, ``callback`` and ``strategy`` added by those pa
   (the CUDA allocator's) within the callback's 10% tolerance of the estimate.
 - ``strategy``: ``strategy="memplan_auto"`` on one device plans, applies, trains a few steps and
   writes ``memplan_plan.json``.
+- ``deepspeed``: Lightning's ``DeepSpeedStrategy`` (ZeRO-2, ZeRO-3, ZeRO-2 with optimizer offload) on one
+  GPU with ``MemoryPlanCallback``, which reads the DeepSpeed config into ``TrainSpec(framework=
+  "deepspeed")``: the estimate against the device's measured peak, and the host figure. Runs only when
+  ``deepspeed`` imports and a CUDA GPU is present; otherwise it says why and passes (issue 27).
 
 Run: ``python benchmarks/gpu_check.py [--quick] [--sections estimate,...] [--out PATH]``. Without CUDA it
 prints why and exits 0; ``--allow-cpu`` runs the sections on the CPU (peaks from ``TensorTracker``) to
@@ -351,6 +355,61 @@ def strategy_section(ctx: Context) -> SectionResult:
     result.table = "```\n" + json.dumps(written.get("plan"), indent=1) + "\n```"
     result.notes.append(f"trained {trainer.global_step} steps under the applied plan above")
     result.ok = trainer.global_step > 0
+    return result
+
+
+#: (label, ZeRO stage, offload_optimizer) cases of the ``deepspeed`` section.
+DEEPSPEED_CASES = (("zero2", 2, False), ("zero3", 3, False), ("zero2_offload", 2, True))
+
+
+@section("deepspeed", "DeepSpeedStrategy (ZeRO-2/3, optimizer offload): framework='deepspeed' estimate vs the device")
+def deepspeed_section(ctx: Context) -> SectionResult:
+    import json
+    import tempfile
+
+    result = SectionResult("deepspeed")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
+        result.notes.append(f"skipped: deepspeed does not import ({type(exc).__name__}: {exc}); pip install deepspeed")
+        return result
+    if ctx.device.type != "cuda":
+        result.notes.append("skipped: DeepSpeed needs a CUDA GPU")
+        return result
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_memplan import MemoryPlanCallback
+
+    rows = ["| case | estimated peak (MiB) | measured peak (MiB) | measured / estimated | host estimate (MiB) |",
+            "|---|---:|---:|---:|---:|"]
+    ratios = []
+    for label, stage, offload in DEEPSPEED_CASES:
+        if ctx.time_left() < 30:
+            result.notes.append(f"{label}: skipped to stay within the time budget")
+            continue
+        zero: dict[str, Any] = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True,
+                                "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  "zero_force_ds_cpu_optimizer": False, "bf16": {"enabled": True}}
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = _fit(ctx, Path(tmp), DeepSpeedStrategy(config=config),
+                           [MemoryPlanCallback(measure_every_n_steps=2, print_report=False)])
+            with open(Path(trainer.log_dir) / "memory_report.json") as fh:
+                report = json.load(fh)
+        for rank in report["epochs"][-1]["ranks"]:
+            est, meas = rank.get("estimated_peak"), rank.get("measured_peak")
+            host = (rank.get("estimated_host") or 0) / MiB
+            if est and meas:
+                ratios.append(meas / est)
+                rows.append(f"| {label} | {est / MiB:.1f} | {meas / MiB:.1f} | {meas / est:.3f} | {host:.1f} |")
+            else:
+                rows.append(f"| {label} | {est} | {meas} | - | {host:.1f} |")
+    result.table = "\n".join(rows)
+    result.ok = bool(ratios) and all(abs(r - 1) <= 0.15 for r in ratios)
+    result.notes.append("target: measured within 15% of the framework='deepspeed' estimate (first check on a "
+                        "GPU; the CPU tests compare with DeepSpeed's own formulas)")
     return result
 
 

@@ -33,9 +33,12 @@ _EXPORTS: dict[str, str] = {
     "HardwareSpec": "lightning_memplan.hardware",
     "plan": "lightning_memplan.planning",
     "PlanDecision": "lightning_memplan.planning",
+    "max_micro_batch": "lightning_memplan.planning",
+    "max_seq_len": "lightning_memplan.planning",
     "linear_cross_entropy": "lightning_memplan.loss",
     "LinearCrossEntropy": "lightning_memplan.loss",
     "MemoryPlanCallback": "lightning_memplan.callbacks",
+    "MemoryPlanBatchSizeFinder": "lightning_memplan.callbacks",
     "MemplanAutoStrategy": "lightning_memplan.strategies",
 }
 

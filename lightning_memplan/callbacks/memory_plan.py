@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring import emit
 from lightning_memplan.monitoring.artifacts import log_report_files, report_dirs
+from lightning_memplan.monitoring.checkpoint import CheckpointSaves, measured_save
 from lightning_memplan.monitoring.handoff import load_handoff, runs_in_children, save_handoff
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.session import MemorySession, RunContext
+from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.records import MemoryReport
 
 __all__ = ["MemoryPlanCallback"]
@@ -43,7 +45,8 @@ class MemoryPlanCallback(Callback):
     the steady-state estimate describes); on MPS sampled allocator counters. After each epoch it gathers every rank's
     figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically),
     ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
-    ``default_root_dir``), prints a rich table on rank 0 and logs to every logger.
+    ``default_root_dir``, named in one log line; another fit's report already there is kept, this fit's
+    epochs are added as a new run), prints a rich table on rank 0 and logs to every logger.
 
     **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` optimizer steps
     and on every tracked step, at the step ``self.log`` uses, one value per optimizer step; bytes are exact
@@ -64,6 +67,21 @@ class MemoryPlanCallback(Callback):
       component ``params, grads, optimizer, master, activations, attention, logits, comm, workspace, other``
     - after each epoch: ``memplan/epoch/{estimated_peak,measured_peak,reserved}_{max,min,imbalance}``
       (imbalance = max / mean - 1 across ranks), ``memplan/epoch/headroom_min``, ``memplan/epoch/ranks``
+    - after each validation, test or predict run: ``memplan/<phase>/estimated_peak`` and
+      ``memplan/<phase>/measured_peak`` for ``<phase>`` in val, test, predict (e.g. memplan/val/measured_peak),
+      and the step keys above under the phase (reserved, headroom, measured_to_estimated, micro_batch,
+      seq_len, per-phase and, on tracked steps, per-component), the largest value of the run (smallest headroom)
+
+    **Evaluation steps.** Validation (inside ``trainer.fit``, after the sanity check), test and predict steps
+    are estimated for the eval batch's shape
+    (:func:`~lightning_memplan.model.eval_estimate.estimate_eval_memory`: no saved activations under
+    ``no_grad``, one block's working set, the logits and the loss's buffers, the last training step's
+    gradients and the optimizer states as they exist at the step) and measured like training steps (the
+    tensor tracker on the first step of each phase per epoch and every ``measure_every_n_steps``). The
+    epoch report holds them per phase; a warning with a remedy says when an evaluation phase is the run's
+    peak or would not fit. ``trainer.validate``/``test``/``predict`` after a fit add their figures to the
+    latest epoch and write the report again. A ``generate`` call's KV cache inside ``validation_step`` is
+    not modelled.
 
     Args:
         measure_every_n_steps: run the tensor tracker on the first step and every this many steps
@@ -89,6 +107,9 @@ class MemoryPlanCallback(Callback):
         ValueError: ``tolerance`` < 0, ``min_headroom`` outside [0, 1), ``measure_every_n_steps`` < 1,
             an unknown ``units``, ``seq_len``/``max_seq_len``/``memory_budget`` not a positive int.
         TypeError: ``model_spec``/``train_spec``/``plan`` of the wrong type.
+        ValueError: at ``setup``, a second ``MemoryPlanCallback`` in the Trainer (one per Trainer: two would
+            write the same report files and metrics; two of this class already stop at ``Trainer(...)`` with
+            Lightning's duplicate ``state_key`` error).
 
     Example::
 
@@ -137,6 +158,7 @@ class MemoryPlanCallback(Callback):
         self.print_report = options.print_report
         # Run state (persisted by state_dict): the report so far, steps seen, warnings already given.
         self._session = MemorySession(options, owner="MemoryPlanCallback")
+        self._saves = CheckpointSaves(self._session, gather_objects)
         # Shared with the copies a spawning launcher pickles into its processes (callbacks.handoff).
         self._handoff_token = uuid.uuid4().hex
         self._spawned = False  # the fit runs in processes a spawning launcher started (callbacks.handoff)
@@ -187,6 +209,7 @@ class MemoryPlanCallback(Callback):
     # ------------------------------------------------------------------------------------ set-up
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._check_single(trainer)
         if stage != "fit":
             return
         self._report_dirs = None  # rank 0's report folders, resolved at the first write
@@ -195,6 +218,28 @@ class MemoryPlanCallback(Callback):
         # never from on_exception (where the other ranks would not join the collective).
         self._log_dir = trainer.log_dir or trainer.default_root_dir
         self._session.begin_fit(trainer.strategy.root_device, trainer.global_rank)
+        # No hook spans a checkpoint save (the state dict is built before on_save_checkpoint, written after it):
+        # the trainer's save_checkpoint is wrapped on the instance (monitoring/checkpoint.py), for every
+        # later save of this trainer (ModelCheckpoint's and the user's); restore_save(trainer,
+        # "save_checkpoint") takes it away.
+        measured_save(trainer, "save_checkpoint", self._saves,
+                      lambda: (self._run(trainer, trainer.lightning_module), trainer.current_epoch, trainer.global_step),
+                      after=lambda: self._write_files(trainer))
+
+    def _check_single(self, trainer: Trainer) -> None:
+        """Refuse a second ``MemoryPlanCallback`` in the Trainer (docs/callback.md, "One callback per Trainer").
+        Two of the same class already stop at ``Trainer(...)`` (Lightning's duplicate ``state_key``); this
+        catches a subclass beside the class, or one appended to ``trainer.callbacks`` later."""
+        mine = [cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, MemoryPlanCallback)]
+        if len(mine) > 1:
+            raise ValueError(
+                f"callbacks=[...] holds {len(mine)} MemoryPlanCallback instances "
+                f"({', '.join(type(cb).__name__ for cb in mine)}); use one MemoryPlanCallback per Trainer. Two would "
+                "write the same memory_report.* files in the same log folders, log the same memplan/* metrics, run "
+                "their tensor trackers inside each other on the measured steps and both wrap trainer.save_checkpoint. "
+                "One callback already estimates and measures every rank; give it the options you need (units=, "
+                "memory_budget=, measure_every_n_steps=, ...)"
+            )
 
     # ------------------------------------------------------------------------------------ per step
     @override
@@ -239,6 +284,79 @@ class MemoryPlanCallback(Callback):
         if should_log and self._session.rank == 0:
             emit.log_metrics(trainer, emit.merge_window(window, self.units), step=step)
 
+    # ------------------------------------------------------------------------------------ evaluation steps
+    def _eval_start(self, phase: str, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        if trainer.sanity_checking:  # before the first training batch: nothing to compare with, not measured
+            return
+        self._session.start_eval_step(phase, self._run(trainer, pl_module), batch, trainer.current_epoch)
+
+    def _eval_end(self, phase: str, trainer: Trainer) -> None:
+        """One set of ``memplan/<phase>/...`` metrics per evaluation run (its largest values); outside
+        ``trainer.fit`` (``validate``/``test``/``predict`` after it) the run's figures join the latest
+        epoch of the report, which is written again."""
+        session = self._session
+        window = session.take_eval_window(phase)
+        fitting = trainer.state.fn == "fit"
+        epoch = None if fitting else session.end_eval_run()
+        if session.rank != 0:
+            return
+        step = emit.lightning_step(trainer)
+        if window:
+            emit.log_metrics(trainer, emit.merge_window(window, self.units), step=step)
+        if epoch is not None:
+            self._write_files(trainer)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_start("val", trainer, pl_module, batch)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._session.end_eval_step("val", trainer.current_epoch)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_end("val", trainer)
+
+    @override
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_start("test", trainer, pl_module, batch)
+
+    @override
+    def on_test_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._session.end_eval_step("test", trainer.current_epoch)
+
+    @override
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_end("test", trainer)
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_start("predict", trainer, pl_module, batch)
+
+    @override
+    def on_predict_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._session.end_eval_step("predict", trainer.current_epoch)
+
+    @override
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_end("predict", trainer)
+
     # ------------------------------------------------------------------------------------ epoch end
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -265,7 +383,23 @@ class MemoryPlanCallback(Callback):
             return None
         if self._report_dirs is None:
             self._report_dirs = report_dirs(trainer, self._log_dir)
+            self._say_where(trainer, self._report_dirs)
         return self._session.write(self._report_dirs)
+
+    @staticmethod
+    def _say_where(trainer: Trainer, dirs: list[str]) -> None:
+        """One line (rank 0, at the first write) naming the folders the report goes to; without a logger it is
+        the Trainer's ``default_root_dir`` (the working folder unless one was given), which another run may
+        share: its epochs are then added as a new run of the same file, never in place of this one's."""
+        where = ", ".join(dirs)
+        if not trainer.loggers:
+            rank_zero_info(
+                f"MemoryPlanCallback: no logger (logger=False), so memory_report.json/.md/.html/.png go to the "
+                f"Trainer's default_root_dir {where}; a run already reported there is kept (this fit's epochs are "
+                "added as a new run). Pass Trainer(default_root_dir=...) or a logger for a folder of the run's own"
+            )
+        else:
+            rank_zero_info(f"MemoryPlanCallback: memory_report.json/.md/.html/.png go to {where}")
 
     # ------------------------------------------------------------------------------------ failures
     @override

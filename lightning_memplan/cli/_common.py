@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 from typing import Any
 
 from lightning_memplan.model.specs import (
@@ -24,9 +25,11 @@ from lightning_memplan.validation import read_json_file
 __all__ = [
     "add_model_arguments",
     "add_train_arguments",
+    "budget_arg",
     "finite_float",
     "int_at_least",
     "model_from_args",
+    "parse_bytes",
     "train_from_args",
 ]
 
@@ -56,6 +59,33 @@ def finite_float(text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return value
+
+
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"70GiB"``, ``"75 GB"``, ``"7.5e10"`` (bytes) or a bare number below 4096 read as GiB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise ValueError(f"--memory-budget={text!r} is not a size; use e.g. 70GiB, 75GB or a byte count")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if value == float("inf"):
+        raise ValueError(f"--memory-budget={text!r} exceeds the float range; use e.g. 70GiB")
+    if unit:
+        if unit not in _UNITS:
+            raise ValueError(f"--memory-budget={text!r}: unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, GB")
+        return int(value * _UNITS[unit])
+    return int(value * 2**30) if value < 4096 else int(value)
+
+
+def budget_arg(text: str) -> int:
+    """``--memory-budget``'s argparse type: :func:`parse_bytes`, its message shown by argparse (the range,
+    >= 1 byte, is checked by ``plan`` and ``largest_fit``)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

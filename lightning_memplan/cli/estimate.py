@@ -7,6 +7,21 @@ Example::
 
 Prints a table of every component at the peak (and each phase's total); with ``--pp`` > 1 one
 column per pipeline stage. ``--json`` prints the same numbers (integer bytes) for machines.
+
+``--framework deepspeed`` estimates DeepSpeed's ZeRO engine (``--zero`` its stage, DeepSpeed's default
+bucket sizes); ``--offload optimizer|params`` its ZeRO-Offload, with the host memory printed beside the
+device memory (``params`` needs ``--zero 3``)::
+
+    lightning-memplan estimate --model llama-7b --seq-len 2048 --dp 8 --zero 3 \\
+        --framework deepspeed --offload optimizer
+
+``--max-micro-batch`` / ``--max-seq-len`` also print the largest micro-batch (at ``--seq-len``) or
+sequence length (at ``--micro-batch``) that fits ``--memory-budget`` (or ``--hardware``'s memory less
+``--headroom``) with the planner's fit test, and the phase and component that bind it
+(:func:`lightning_memplan.planning.fit.largest_fit`); ``--json`` adds them under ``"largest_fit"``::
+
+    lightning-memplan estimate --model llama3-8b --seq-len 8192 --dp 8 --zero 3 \\
+        --max-micro-batch --hardware h100-80gb
 """
 
 from __future__ import annotations
@@ -14,14 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from lightning_memplan.cli._common import (
     add_model_arguments,
     add_train_arguments,
+    budget_arg,
+    finite_float,
     int_at_least,
     model_from_args,
     train_from_args,
 )
+from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS
+from lightning_memplan.model.specs import FRAMEWORK_NAMES
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,9 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--microbatches", type=int_at_least(1), default=None, help="m per step (default: pp)")
     group.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     group.add_argument("--virtual-stages", type=int_at_least(1), default=1)
+    group = parser.add_argument_group("training stack")
+    group.add_argument("--framework", default="torch", choices=list(FRAMEWORK_NAMES),
+                       help="the stack the step runs on: torch (memplan_auto, FSDP2), megatron, llama3, or "
+                       "deepspeed (DeepSpeed's ZeRO engine; --zero is its stage)")
+    group.add_argument("--offload", default="none", choices=list(DEEPSPEED_OFFLOADS),
+                       help="DeepSpeed ZeRO-Offload (--framework deepspeed): optimizer (master weights, optimizer "
+                       "states and fp32 gradients in host memory; --zero >= 1) or params (also the 16-bit "
+                       "parameters; --zero 3). Host memory is printed beside device memory")
     parser.add_argument("--rank", type=int_at_least(0), default=None, help="one global rank instead of every stage")
     parser.add_argument("--units", default="GiB", choices=["B", "KiB", "MiB", "GiB", "GB"])
     parser.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
+    fit = parser.add_argument_group("largest fit")
+    fit.add_argument("--max-micro-batch", action="store_true",
+                     help="also print the largest micro-batch (at --seq-len) that fits, and what binds it")
+    fit.add_argument("--max-seq-len", action="store_true",
+                     help="also print the largest sequence length (at --micro-batch) that fits, and what binds it")
+    fit.add_argument("--hardware", default=None,
+                     help="the device for --max-*: a preset such as h100-80gb (default: --memory-budget, else detect)")
+    fit.add_argument("--memory-budget", type=budget_arg, default=None,
+                     help="per-device budget for --max-* (e.g. 70GiB); replaces the device memory less --headroom")
+    fit.add_argument("--headroom", type=finite_float, default=0.1, help="fraction of device memory kept free")
+    fit.add_argument("--expandable-segments", action="store_true",
+                     help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_memplan.model.result import COMPONENTS, PHASES
 
     model = model_from_args(args)
-    train = train_from_args(args)
+    train = train_from_args(args, framework=args.framework, offload=args.offload)
     plan = ParallelPlan(
         args.dp, args.tp, args.pp, args.cp,
         sp=args.sp, zero=args.zero,
@@ -61,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         per_stage = plan.dp * plan.cp * plan.tp
         estimates = [estimate_memory(model, train, plan, rank=stage * per_stage) for stage in range(plan.pp)]
     worst = max(estimates, key=lambda e: e.total)
+    fits = _largest_fits(args, model, train, plan)
     if args.json:
         payload = {
             "model": model.to_dict(),
@@ -71,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             "worst_rank": worst.rank,
             "estimates": [e.to_dict() for e in estimates],
         }
+        if fits:
+            payload["largest_fit"] = {axis: found.to_dict() for axis, found in fits.items()}
         print(json.dumps(payload, indent=1))
         return 0
     from rich.console import Console
@@ -95,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("peak phase", *(e.peak_phase for e in estimates))
     for phase in PHASES:
         table.add_row(f"{phase} peak", *(format_bytes(e.phase_total(phase), args.units) for e in estimates))
+    if any(e.host for e in estimates):  # ZeRO-Offload: what lives in host memory, not in the device total
+        table.add_section()
+        table.add_row("[bold]host memory[/bold]", *(f"[bold]{format_bytes(e.host, args.units)}[/bold]" for e in estimates))
+        for part in ("params", "grads", "optimizer", "master", "buffers"):
+            table.add_row(f"host {part}", *(format_bytes(e.details.get(f"host_{part}", 0), args.units) for e in estimates))
     console = Console(file=sys.stdout, width=max(100, 28 + 24 * len(estimates)))
     console.print(title)
     console.print(table)
@@ -103,4 +151,29 @@ def run(args: argparse.Namespace) -> int:
         f"{worst.peak_phase} peak; largest component: {worst.largest_component()}; estimate: {worst.source}"
         + (" (traced from the Hugging Face class)" if worst.source == "hf_trace" else "")
     )
+    if worst.host:
+        console.print(
+            f"host memory (offload={train.offload}): {format_bytes(worst.host, args.units)} per rank, "
+            f"{format_bytes(worst.host * plan.world_size, args.units)} over the {plan.world_size} ranks"
+        )
+    for found in fits.values():
+        console.print(found.describe())
     return 0
+
+
+def _largest_fits(args: argparse.Namespace, model: Any, train: Any, plan: Any) -> dict[str, Any]:
+    """``{"micro_batch": LargestFit, "seq_len": LargestFit}`` for the ``--max-*`` flags given."""
+    axes = [axis for axis, on in (("micro_batch", args.max_micro_batch), ("seq_len", args.max_seq_len)) if on]
+    if not axes:
+        return {}
+    from lightning_memplan.hardware import HardwareSpec
+    from lightning_memplan.planning.fit import largest_fit
+
+    hardware = None
+    if args.hardware is not None:
+        hardware = HardwareSpec.preset(args.hardware)
+    elif args.memory_budget is None:
+        hardware = HardwareSpec.detect()
+    return {axis: largest_fit(model, train, plan, axis=axis, memory_budget=args.memory_budget, hardware=hardware,
+                              headroom=args.headroom, expandable_segments=args.expandable_segments)
+            for axis in axes}

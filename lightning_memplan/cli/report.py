@@ -1,6 +1,8 @@
 """``lightning-memplan report PATH``: render a saved ``memory_report.json`` again.
 
-PATH is the JSON file or the log directory holding it. Prints the rich table of the latest epoch (or
+PATH is the JSON file or the log directory holding it. Sizes are in ``--units`` (default ``auto``: the
+units the report was written with, else chosen from its peaks: see
+:func:`~lightning_memplan.report.render.report_units`). Prints the rich table of the latest epoch (or
 ``--epoch N``), or the whole report as Markdown (``--markdown``) or JSON (``--json``); ``--png OUT``
 redraws the chart; ``--html OUT`` writes the self-contained HTML report (with the plan map when
 memplan_auto's ``memplan_plan.json`` lies beside the JSON).
@@ -26,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("path", help="memory_report.json, or the log directory that holds it")
     parser.add_argument("--epoch", type=int_at_least(0), default=None, help="epoch to show (default: the latest)")
-    parser.add_argument("--units", default="GiB", choices=list(UNITS), help="display unit (default GiB)")
+    parser.add_argument(
+        "--units", default="auto", choices=["auto", *UNITS],
+        help="display unit (default auto: the units the report was written with, else the largest binary unit in "
+             "which the largest peak reads at least 1)",
+    )
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="print the whole report as Markdown")
     fmt.add_argument("--json", action="store_true", help="print the (validated) report as JSON")
@@ -42,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     from lightning_memplan.report.escape import terminal_text
     from lightning_memplan.report.io import load_report
     from lightning_memplan.report.plot import matplotlib_available, render_png
-    from lightning_memplan.report.render import render_markdown, render_rich
+    from lightning_memplan.report.render import render_markdown, render_rich, report_units
 
     report = load_report(args.path)
+    args.units = report_units(report, args.units)  # "auto": the report's own units (or its magnitudes)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     elif args.markdown:

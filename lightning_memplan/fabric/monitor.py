@@ -15,12 +15,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning_memplan.fabric.collectives import broadcast_json, gather_json
+from lightning_memplan.model.eval_estimate import EVAL_PHASES
 from lightning_memplan.monitoring import emit
 from lightning_memplan.monitoring.artifacts import log_report_files
+from lightning_memplan.monitoring.checkpoint import CheckpointSaves, measured_save, restore_save
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.session import MemorySession, RunContext
 from lightning_memplan.report.records import EpochReport, MemoryReport, StepRecord
-from lightning_memplan.validation import check_bool, check_int, keyword_options
+from lightning_memplan.validation import check_bool, check_choice, check_int, keyword_options
 
 __all__ = ["MemoryMonitor"]
 
@@ -107,7 +109,8 @@ class MemoryMonitor:
     **Logged metrics**: the callback's (``memplan/estimated_peak``, ``memplan/measured_peak``, ...,
     ``memplan/epoch/...``; see its docstring), through ``fabric.log_dict`` on rank 0, one value per
     optimizer step at the count of optimizer steps before it, every ``log_every_n_steps`` optimizer steps
-    and on every tracked step.
+    and on every tracked step; ``memplan/val/...`` (``test``, ``predict``) once per epoch for the
+    :meth:`eval_step` blocks.
 
     Args:
         fabric: the launched :class:`lightning.fabric.Fabric`.
@@ -193,6 +196,15 @@ class MemoryMonitor:
         self._epoch_started = False
         self._optimizer_steps = 0  # optimizer steps before the step under way (the step metrics log at)
         self.files: Any = None  # the last epoch's WrittenFiles on rank 0
+        # fabric.save has no hook: it is wrapped on this Fabric instance and measured like the Trainer's saves
+        # (monitoring/checkpoint.py); close() gives the Fabric its own method back.
+        self._saves = CheckpointSaves(self._session, lambda obj: gather_json(self._fabric, obj))
+        measured_save(fabric, "save", self._saves, lambda: (self._run, self._epoch, self._optimizer_steps),
+                      after=lambda: self._session.write([self.log_dir]))
+
+    def close(self) -> None:
+        """Stop measuring ``fabric.save`` (the Fabric instance gets its own method back)."""
+        restore_save(self._fabric, "save")
 
     def _default_dir(self) -> str:
         loggers = self._fabric.loggers
@@ -235,6 +247,33 @@ class MemoryMonitor:
         record = session.end_step(self._epoch)
         if record is not None and stepped:
             self._log_window()
+
+    @contextmanager
+    def eval_step(self, batch: Any, *, phase: str = "val") -> Iterator[None]:
+        """One evaluation step of ``phase`` (``"val"``, ``"test"`` or ``"predict"``): the no-grad forward
+        (and loss) runs inside; run it under ``torch.no_grad()`` or ``torch.inference_mode()`` as usual.
+        Estimated for the batch's shape with what the loop left alive (gradients, optimizer states) and
+        measured like a training step; the figures join the epoch's report (``EpochReport.phases``) and
+        :meth:`end_epoch` logs ``memplan/<phase>/...`` (e.g. ``memplan/val/measured_peak``). Steps before the
+        first training step are not measured (the estimate needs the training run). A failure to measure
+        is a warning; an exception inside the block writes the incident report, then propagates.
+
+        Raises:
+            ValueError: an unknown ``phase``.
+            RuntimeError: entered inside another step.
+        """
+        phase = check_choice("phase", phase, EVAL_PHASES, hint="the loop the step belongs to, e.g. phase='val'")
+        session = self._session
+        if session.in_step:
+            raise RuntimeError("MemoryMonitor.eval_step() was entered inside another step; close the first `with` block")
+        session.start_eval_step(phase, self._run, batch, self._epoch)
+        try:
+            yield
+        except BaseException as exc:
+            if session.in_step:
+                self._incident(exc)
+            raise
+        session.end_eval_step(phase, self._epoch)
 
     def _hook_phases(self) -> Callable[[], None]:
         """Mark backward (``fabric.backward``, wrapped on this Fabric object for the block) and the
@@ -293,6 +332,10 @@ class MemoryMonitor:
             raise RuntimeError("MemoryMonitor.end_epoch() was called inside a step; call it after the `with` block")
         if session.fit.window:  # micro-batches after the last optimizer step
             self._log_window()
+        for phase in EVAL_PHASES:  # one set of memplan/<phase>/... metrics per epoch
+            window = session.take_eval_window(phase)
+            if window and self.rank == 0:
+                self._fabric.log_dict(emit.merge_window(window, self.options.units), step=max(0, self._optimizer_steps - 1))
         epoch = session.end_epoch(self._epoch, gather=lambda obj: gather_json(self._fabric, obj))
         self._epoch += 1
         self._epoch_started = False

@@ -131,6 +131,9 @@ def cuda_device(device: int | None = None) -> LocalDevice | None:
 
     if not torch.cuda.is_available():
         return None
+    count = torch.cuda.device_count()
+    if device is not None and device >= count:  # torch would raise an AssertionError/RuntimeError
+        raise ValueError(f"device={device!r} is not a visible CUDA device; use an index in [0, {count - 1}] or None")
     index = torch.cuda.current_device() if device is None else device
     props = torch.cuda.get_device_properties(index)
     _, total = torch.cuda.mem_get_info(index)
@@ -139,5 +142,5 @@ def cuda_device(device: int | None = None) -> LocalDevice | None:
     domain, pci_bus, pci_dev = (getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
     if domain is not None and pci_bus is not None and pci_dev is not None:
         bus = f"{domain:08x}:{pci_bus:02x}:{pci_dev:02x}.0"
-    return LocalDevice(name=props.name, index=index, total_memory=int(total), count=torch.cuda.device_count(),
+    return LocalDevice(name=props.name, index=index, total_memory=int(total), count=count,
                        pci_bus_id=bus)

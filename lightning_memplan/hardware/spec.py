@@ -17,7 +17,14 @@ from lightning_memplan.hardware.presets import (
     lookup_chip,
     match_device_name,
 )
-from lightning_memplan.validation import MAX_WORLD_SIZE, check_bool, check_int, check_mapping, check_number
+from lightning_memplan.validation import (
+    MAX_WORLD_SIZE,
+    check_bool,
+    check_int,
+    check_mapping,
+    check_number,
+    check_optional_int,
+)
 
 __all__ = ["MAX_GPUS_PER_NODE", "HardwareSpec", "detect_hardware", "known_presets"]
 
@@ -194,7 +201,13 @@ class HardwareSpec:
             ``gpus_per_node`` is ``torch.cuda.device_count()``, with speeds from the table (matched by
             device name; an unknown chip gets a warning and the marked fallback) and the intra-node
             bandwidth from NVML when available. Without CUDA, the CPU host (speeds unknown).
+
+        Raises:
+            TypeError / ValueError: ``num_nodes`` not a positive int; ``device`` not ``None`` or an int >= 0
+                (checked with or without CUDA), or not a visible device index.
         """
+        device = check_optional_int("device", device, minimum=0,
+                                    hint="a CUDA device index, e.g. 0, or None for the current device")
         local = _device.cuda_device(device)
         if local is None:
             name, memory = _device.host_description()

@@ -33,6 +33,7 @@ from lightning_memplan.loss.vocab_parallel import (
     shard_from_process_group,
     split_sizes,
 )
+from lightning_memplan.validation import check_bool
 
 __all__ = ["TORCH_BACKEND_DEVICES", "linear_cross_entropy", "loss_with_options"]
 
@@ -101,6 +102,8 @@ def linear_cross_entropy(
         the last position dropped), or ``(loss, metrics)`` when ``return_metrics=True``. Under
         vocab parallelism the loss is the global one, identical on every rank.
     """
+    # a bool, never a truthy string or number: it decides the return type
+    return_metrics = check_bool("return_metrics", return_metrics, hint="True also returns LossMetrics")
     options = LossOptions(
         ignore_index=ignore_index,
         reduction=reduction,

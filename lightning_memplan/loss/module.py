@@ -16,6 +16,7 @@ from torch import nn
 from lightning_memplan.loss.functional import loss_with_options
 from lightning_memplan.loss.metrics import LossMetrics
 from lightning_memplan.loss.options import LossOptions
+from lightning_memplan.validation import check_bool
 
 __all__ = ["LinearCrossEntropy"]
 
@@ -77,8 +78,7 @@ class LinearCrossEntropy(nn.Module):
         if bad:
             allowed = sorted(f.name for f in dataclasses.fields(LossOptions))
             raise TypeError(f"LinearCrossEntropy got unknown options {sorted(bad)}; allowed: {allowed}")
-        if not isinstance(return_metrics, bool):
-            raise TypeError(f"return_metrics={return_metrics!r} must be a bool")
+        return_metrics = check_bool("return_metrics", return_metrics, hint="True makes forward return (loss, LossMetrics)")
         object.__setattr__(self, "_options", LossOptions(**options))
         self.process_group = process_group
         self.return_metrics = return_metrics

@@ -26,7 +26,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from lightning_memplan.model import checkpointing, frameworks, pipeline_timeline, terms
+from lightning_memplan.model import checkpointing, deepspeed, experts, frameworks, pipeline_timeline, terms
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
@@ -68,6 +68,14 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
                 f"n_layers={model.n_layers}; every stage needs a block, use virtual_stages <= "
                 f"{units // plan.pp}"
             )
+    if train.framework == "deepspeed":
+        _check_deepspeed(train, plan)
+    if train.framework == "fsdp1" and (plan.pp > 1 or plan.cp > 1 or plan.tp > 1 or plan.zero == 1):
+        raise ValueError(
+            f"framework='fsdp1' models FSDP1 over data parallelism (zero 0, 2 or 3; got zero={plan.zero}, "
+            f"tp={plan.tp}, pp={plan.pp}, cp={plan.cp}): Lightning's FSDPStrategy shards over data-parallel "
+            "ranks only; use ParallelPlan(dp=..., zero=3|2|0), or framework='torch' for FSDP2 layouts"
+        )
     if train.seq_len % plan.cp:
         raise ValueError(
             f"cp={plan.cp} does not divide seq_len={train.seq_len}; context parallelism splits the "
@@ -84,6 +92,28 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
         raise ValueError(
             f"sp=True splits the sequence over tp={plan.tp}, but seq_len={train.seq_len} (per cp rank "
             f"{train.seq_len // plan.cp}) is not divisible by it; pad seq_len or set sp=False"
+        )
+
+
+def _check_deepspeed(train: TrainSpec, plan: ParallelPlan) -> None:
+    """The layouts ``framework="deepspeed"`` models: ZeRO over data parallelism (with tensor parallelism
+    beside it), no pipeline or context parallelism; offload needs the ZeRO stages DeepSpeed accepts it
+    with (``docs/_pages/config-json.md``: ``offload_optimizer`` "Valid for ZeRO stage 1, 2, 3",
+    ``offload_param`` "Valid only with stage 3")."""
+    if plan.pp > 1 or plan.cp > 1:
+        raise ValueError(
+            f"framework='deepspeed' models ZeRO over data parallelism (got pp={plan.pp}, cp={plan.cp}): DeepSpeed's "
+            "pipeline engine and sequence parallelism are not modelled; use pp=1 and cp=1, or framework='torch'"
+        )
+    if train.offload == "params" and plan.zero < 3:
+        raise ValueError(
+            f"offload='params' needs zero=3 (got zero={plan.zero}): DeepSpeed offloads parameters only under "
+            "ZeRO stage 3 (offload_param); use ParallelPlan(..., zero=3), or offload='optimizer' for stages 1-2"
+        )
+    if train.offload == "optimizer" and plan.zero < 1:
+        raise ValueError(
+            "offload='optimizer' needs zero>=1 (got zero=0): DeepSpeed's offload_optimizer is part of ZeRO "
+            "stages 1, 2 and 3; use ParallelPlan(..., zero=1) or higher, or offload='none'"
         )
 
 
@@ -136,17 +166,36 @@ def _local_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> 
     return _local_params_of(model, plan.tp, plan.pp > 1, layout)
 
 
+def _block_kinds(model: ModelSpec, n_layers: int) -> tuple[tuple[int, bool | None], ...]:
+    """``(blocks, moe)`` per block kind among ``n_layers`` blocks of the stack: one kind for a dense
+    model; for an MoE stack its MoE and dense blocks, a stage taking its share of MoE blocks
+    (``round(L_moe * n / L)``: exact for the whole stack)."""
+    if not experts.is_moe(model):
+        return ((n_layers, None),)
+    n_moe = round(experts.moe_layer_count(model) * n_layers / model.n_layers)
+    return ((n_moe, True), (n_layers - n_moe, False))
+
+
+def _blocks_matmul_local(model: ModelSpec, t: int, n_layers: int) -> int:
+    """Matmul weights of ``n_layers`` blocks on one tensor-parallel rank (experts split by t)."""
+    return sum(n * math.ceil(terms.layer_matmul_param_count(model, moe=moe) / t) for n, moe in _block_kinds(model, n_layers))
+
+
 @functools.lru_cache(maxsize=4096)  # keyed by what the count depends on, not by the whole plan
 def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLayout) -> tuple[int, int, int]:
     h, v = model.hidden, model.vocab_size
     norm = terms.norm_param_count(model)
-    layer_matmul = terms.layer_matmul_param_count(model)
-    layer_other = terms.layer_param_count(model) - layer_matmul
     norms = 2 * norm
-    per_layer = math.ceil(layer_matmul / t) + math.ceil((layer_other - norms) / t) + norms
-    params = layout.n_layers * per_layer
-    matmul = layout.n_layers * math.ceil(layer_matmul / t)
+    params = matmul = 0
+    for n_blocks, moe in _block_kinds(model, layout.n_layers):
+        layer_matmul = terms.layer_matmul_param_count(model, moe=moe)
+        layer_other = terms.layer_param_count(model, moe=moe) - layer_matmul
+        per_layer = math.ceil(layer_matmul / t) + math.ceil((layer_other - norms) / t) + norms
+        params += n_blocks * per_layer
+        matmul += n_blocks * math.ceil(layer_matmul / t)
     largest = max(h * model.ffn, h * model.n_heads * model.dim_head) // t
+    if experts.is_moe(model):  # transformers 5.3 keeps each block's experts as one [E, 2 f_e, h] gate_up_proj
+        largest = max(largest, model.n_experts * 2 * model.expert_ffn * h // t)
     if layout.has_embedding:
         params += math.ceil(terms.embedding_param_count(model) / t)
         largest = max(largest, math.ceil(v * h / t))
@@ -160,6 +209,23 @@ def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLay
         scale = model.n_params / terms.param_count(model)
         params, matmul, largest = round(params * scale), round(matmul * scale), round(largest * scale)
     return params, matmul, largest
+
+
+def _fsdp_units(model: ModelSpec, plan: ParallelPlan, layout: StageLayout, local: int) -> tuple[int, int]:
+    """(parameters of the largest FSDP block unit, parameters of the root unit: embedding, final norm,
+    lm_head) on one rank before sharding. One block is all-gathered at a time (plus the prefetched
+    next one); for an MoE stack the largest block is an MoE block, every expert gathered (no expert
+    parallelism yet). With an explicit ``n_params`` the block is rescaled as ``local`` is, so the root is
+    what the stage holds besides its blocks, never the rest of a rescaled count (issue 25: a dense
+    reading of Mixtral rescaled to 46.7B put 222 GiB in the root)."""
+    unit = math.ceil(terms.layer_param_count(model) / plan.tp)
+    if not experts.is_moe(model) and model.n_params is None:
+        return unit, local - layout.n_layers * unit
+    blocks = _local_params_of(model, plan.tp, plan.pp > 1,
+                              dataclasses.replace(layout, has_embedding=False, has_head=False))[0]
+    if model.n_params is not None:  # _local_params_of rescaled the blocks already
+        unit = round(unit * model.n_params / terms.param_count(model))
+    return unit, max(0, local - blocks)
 
 
 def _chunk_shares(
@@ -248,7 +314,7 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         # Casts inside a non-reentrant ``checkpoint`` region are not kept in autocast's cache (measured on
         # torch 2.13 with the tracker: the blocks' 16-bit weight copies are gone after the forward);
         # only the head's copy remains.
-        matmul -= layout.n_layers * math.ceil(terms.layer_matmul_param_count(model) / t)
+        matmul -= _blocks_matmul_local(model, t, layout.n_layers)
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
     eager_bwd_ws = 0
     if train.attention == "eager" and train.recompute == "none":
@@ -406,6 +472,14 @@ def _estimate_stage(
     # over-estimated by the other ranks' shards, +2.9 %.
     params = math.ceil(states["params"] / shard) if plan.zero >= 2 else states["params"]
     grads = math.ceil(states["grads"] / shard) if plan.zero >= 2 else states["grads"]
+    # FSDP1 (framework="fsdp1"): one FlatParameter per unit (the L blocks and the root), each padded to a
+    # multiple of the shard group, so a rank keeps ceil(n_unit / d) of every unit (terms.fsdp1_shard_numel)
+    flat = frameworks.framework_facts(train.framework).fsdp_flat_params
+    if flat and plan.zero >= 2 and shard > 1 and local:
+        unit_n, root_n = _fsdp_units(model, plan, layout, local)
+        kept = terms.fsdp1_rank_flat_numel([unit_n] * layout.n_layers + [root_n], shard)
+        params = math.ceil(states["params"] * kept / local)
+        grads = math.ceil(states["grads"] * kept / local)
     # FSDP2 (ZeRO-2/3, or replication without DDP buckets) inside a pipeline stage: the schedule runs
     # every micro-batch's backward with ``set_requires_gradient_sync(False)`` and
     # ``set_reshard_after_backward(False)`` (torch 2.13 ``torch/distributed/pipelining/stage.py``,
@@ -426,6 +500,10 @@ def _estimate_stage(
     master = math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"]
     opt_local = math.ceil(local_for_optimizer / shard) if plan.zero >= 1 else local_for_optimizer
     opt_ws = terms.optimizer_workspace_bytes(train, opt_local, largest)
+    if train.framework == "deepspeed":
+        return _deepspeed_stage(model, train, plan, layout, rank, calibration,
+                                local=local, trainable=local_for_optimizer, largest=largest,
+                                opt_ws=0 if train.offload != "none" else opt_ws)
 
     # Communication buffers.
     b, s = train.micro_batch, train.seq_len // plan.cp
@@ -434,7 +512,7 @@ def _estimate_stage(
     comm_bwd_start = None  # the loss's backward, before any block's: as comm_bwd unless set below
     comm_bwd_end = None  # the end of the backward: as comm_bwd unless set below
     gathered = pb.compute if pb.autocast_copy else pb.param  # all-gather dtype of FSDP units
-    if shard > 1 and plan.zero <= 1 and plan.grad_buckets:
+    if shard > 1 and plan.zero <= 1 and plan.grad_buckets and not flat:
         comm_static = terms.ddp_bucket_bytes(states["grads"])
     elif shard > 1 and plan.zero == 2:
         # SHARD_GRAD_OP keeps every unit unsharded (in the 16-bit compute dtype under mixed
@@ -445,15 +523,27 @@ def _estimate_stage(
         # stores it in ``comm_ctx.all_gather_state``) [PT fully_shard]; the last block's is still
         # alive at the loss. Measured on 2 gloo ranks (tests/distributed/test_strategy_budget.py):
         # without it -5.5 %, exactly one block's parameters short.
-        comm_fwd += math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
+        if flat:
+            # FSDP1 gathers straight into each unit's unsharded flat parameter and keeps nothing else
+            # (``FlatParamHandle._all_gather_flat_param``); its reduce-scatter needs the unit's unsharded
+            # flat gradient (``_runtime_utils._reduce_grad``), as the per-block gradient of the backward
+            # below. Measured on 2 gloo ranks (tests/distributed/test_fsdp1.py): FSDP2's extra block here
+            # over-estimated SHARD_GRAD_OP by +5.3 %, one block's parameters.
+            comm_bwd += math.ceil(terms.layer_param_count(model) / plan.tp) * pb.grad
+        else:
+            comm_fwd += math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
         if per_mb_grads:  # the block whose gradient waits for its reduce-scatter
             comm_bwd += math.ceil(terms.layer_param_count(model) / plan.tp) * pb.grad
+    elif shard > 1 and plan.zero == 0 and flat:
+        # FSDP1 NO_SHARD computes on the flat parameter itself and all-reduces its flat gradient in place
+        # (torch 2.13 ``_runtime_utils._reduce_grad_no_shard``): no unsharded copy, no bucket.
+        pass
     elif shard > 1 and (plan.zero == 3 or (plan.zero == 0 and not plan.grad_buckets)):
         # ZeRO-3, and replication without DDP buckets: FSDP2 over a replicate mesh (shard size 1) still
         # copies each unit into its unsharded buffer for its forward and backward
         # (``FSDPParamGroup.wait_for_unshard``, world size 1 branch) [PT fully_shard].
-        unit = math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
-        root = (local - layout.n_layers * math.ceil(terms.layer_param_count(model) / plan.tp)) * gathered
+        unit_params, root_params = _fsdp_units(model, plan, layout, local)
+        unit, root = unit_params * gathered, root_params * gathered
         # forward: the root unit (embedding/head) and, under ZeRO-3, the last block's flat all-gather
         # output, kept until the next unit's copy-out (``comm_ctx.all_gather_state``); a replicate mesh's
         # shard group has size 1 and keeps none (torch 2.13 ``_fsdp_param_group.py``,
@@ -605,6 +695,67 @@ def _estimate_stage(
     )
 
 
+def _deepspeed_stage(
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan,
+    layout: StageLayout,
+    rank: int,
+    calibration: Calibration | None,
+    *,
+    local: int,
+    trainable: int,
+    largest: int,
+    opt_ws: int,
+) -> MemoryEstimate:
+    """One rank under DeepSpeed's ZeRO engine (``TrainSpec(framework="deepspeed")``, pp = cp = 1): the
+    model states, reduce buckets, gathered stage-3 parameters and host bytes of
+    :func:`lightning_memplan.model.deepspeed.zero_layout`, beside the activation, attention and logits
+    terms every framework shares (DeepSpeed runs the module's own kernels). The on-device optimizer's
+    temporaries (``opt_ws``, 0 with offload: the step runs on the CPU) come with the step's gradient
+    conversion."""
+    config = train.zero_config or frameworks.ZeroConfig()
+    persistent = deepspeed.persistent_param_count(model, config, plan.tp) if plan.zero == 3 else 0
+    zl = deepspeed.zero_layout(train, stage=plan.zero, d=plan.dp, local=local, trainable=trainable,
+                               largest=largest, persistent=persistent)
+    dynamic = _dynamic(model, train, plan, layout)
+    source = "analytic"
+    if calibration is not None:
+        dynamic = _calibrated_dynamic(model, train, plan, layout, calibration, dynamic)
+        source = "calibrated"
+    pb = terms.precision_bytes(train)
+    tp_buffer = train.micro_batch * train.seq_len * model.hidden * pb.compute if plan.tp > 1 else 0
+    points: dict[str, dict[str, int]] = {}
+    for key in deepspeed.POINTS:
+        comm = zl.comm[key] + (tp_buffer if key != "optimizer" else 0)
+        points[key] = {"params": zl.params, "optimizer": zl.optimizer, "master": zl.master,
+                       "grads": zl.grads[key], "comm": comm, **dynamic[key]}
+    if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
+        points["optimizer"]["workspace"] += opt_ws
+    points["optimizer"]["workspace"] += zl.workspace
+    by_phase = {
+        "forward": points["forward"],
+        "backward": max((points[k] for k in points if k.startswith("backward")), key=lambda c: sum(c.values())),
+        "optimizer": points["optimizer"],
+    }
+    by_phase = {p: {c: int(by_phase[p].get(c, 0)) for c in COMPONENTS} for p in PHASES}
+    peak_phase = max(PHASES, key=lambda p: sum(by_phase[p].values()))
+    details = {
+        "local_params": local,
+        "autocast_weight_copies": 0,
+        "optimizer_workspace": opt_ws,
+        "layers_on_stage": layout.n_layers,
+        "zero_stage": plan.zero,
+        "zero_model_states_peak": zl.model_states_peak,
+        "zero_fp32_grad_partition": zl.fp32_grad_partition,
+        "zero_gathered_largest": zl.gathered_largest,
+        "zero_persistent_params": persistent,
+        **{f"host_{part}": value for part, value in zl.host.items()},
+    }
+    return MemoryEstimate(**by_phase[peak_phase], peak_phase=peak_phase, rank=rank, stage=layout.stage,
+                          by_phase=by_phase, details=details, source=source, host=sum(zl.host.values()))
+
+
 def estimate_memory(
     model: ModelSpec,
     train: TrainSpec,
@@ -640,8 +791,8 @@ def estimate_memory(
         raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
     if calibration is not None and not isinstance(calibration, Calibration):
         raise TypeError(f"calibration={calibration!r} must be a Calibration from trace.calibrate()")
-    check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
-                       hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
+    rank = check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
+                              hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
     check_compatible(model, train, plan)
     source = model.calibration_source
     if calibration is None and source is not None and source.available():

@@ -25,13 +25,58 @@ that a published row is checked against the facts of the stack it ran on:
   input_weight=1, output_weight=1)``, ``torchtitan/distributed/pipeline_parallel.py`` at
   ``1ce7f761d76bc408c9e6f32e2bbd2cf9f2ac25ae``, implements the same rule); and context parallelism that
   all-gathers K and V, "exposed in the critical path", where torch's ring overlaps the attention.
+- ``"deepspeed"``: DeepSpeed's ZeRO engine as Lightning's ``DeepSpeedStrategy`` runs it (Rajbhandari et al.
+  2019, arXiv 1910.02054, [R20]; ZeRO-Offload, Ren et al. 2021, arXiv 2101.06840). Its kernels are
+  torch's (no sequence-parallel shards, no fused SwiGLU, blocks only); what differs is where the model
+  states live, which :class:`ZeroConfig` describes and ``lightning_memplan.model.deepspeed`` counts:
+  16-bit precisions cast the model to 16 bit (no autocast copies) and keep an fp32 master copy and fp32
+  optimizer states in the ZeRO optimizer; stages 1/2 keep every 16-bit parameter on every rank in one
+  flat buffer; stage 3 partitions them and gathers each module's for its forward and backward. Sources
+  (DeepSpeed at commit ``edaa7221267243c7be7fb49c5d5f5c4fb97b4641``, Apache-2.0, facts only):
+  ``deepspeed/runtime/zero/config.py`` (``DeepSpeedZeroConfig``: the defaults below),
+  ``deepspeed/runtime/zero/offload_config.py`` (``pin_memory`` defaults to True),
+  ``deepspeed/runtime/zero/stage_1_and_2.py``, ``deepspeed/runtime/zero/stage3.py``,
+  ``deepspeed/runtime/zero/partitioned_param_coordinator.py`` and ``docs/_pages/config-json.md``
+  ("offload_param ... Valid only with stage 3", "offload_optimizer ... Valid for ZeRO stage 1, 2, 3").
+- ``"fsdp1"``: torch's kernels with FSDP1, ``FullyShardedDataParallel`` as Lightning's ``FSDPStrategy`` runs it
+  (``ParallelPlan.zero`` from its ``ShardingStrategy``: FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2,
+  NO_SHARD 0 without DDP buckets). Sources, torch 2.13 ``torch/distributed/fsdp/``: ``_flat_param.py``
+  (``FlatParamHandle._init_flat_param_and_metadata``: one ``FlatParameter`` per wrapped unit, each
+  original parameter aligned to 16 bytes under ``use_orig_params`` (``_get_aligned_numel``) and the whole
+  padded to a multiple of the world size "to avoid a copy for the post-backward reduce-scatter";
+  ``_get_shard``: each rank keeps ``padded / d``; ``_all_gather_flat_param``: the gather writes into the
+  unit's ``_full_param_padded``, the unsharded flat parameter, freed by ``_free_unsharded_flat_param``),
+  ``_runtime_utils.py`` (``_post_forward_reshard``: FULL_SHARD frees a unit after its forward except the
+  root's, "with the intention that they are immediately used for backward"; SHARD_GRAD_OP keeps every
+  unit; ``_should_free_in_backward``; ``_prefetch_handle`` with ``BackwardPrefetch.BACKWARD_PRE``, the
+  default: the next unit is gathered before the current unit's backward; ``_reduce_grad``: the unsharded
+  flat gradient is reduce-scattered into a new sharded gradient, for HYBRID_SHARD then all-reduced in
+  place across the replicas; ``_reduce_grad_no_shard``: NO_SHARD all-reduces the flat gradient in
+  place), ``_limiter_utils.py`` (``_FreeEventQueue``: ``limit_all_gathers`` lets at most two freed
+  units' all-gathers run ahead, so with ``forward_prefetch`` at most two units beyond the one computing;
+  without prefetch one unit is gathered at a time) and ``fully_sharded_data_parallel.py`` (``CPUOffload``:
+  sharded parameters and gradients in host memory, the optimizer step on the CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["FRAMEWORKS", "FrameworkFacts", "framework_facts", "pipeline_units", "rank_block_counts", "stage_block_counts"]
+from lightning_memplan.validation import check_bool, check_int
+
+__all__ = [
+    "DEEPSPEED_OFFLOADS",
+    "FRAMEWORKS",
+    "FrameworkFacts",
+    "ZeroConfig",
+    "framework_facts",
+    "pipeline_units",
+    "rank_block_counts",
+    "stage_block_counts",
+    "zero_settings_from_deepspeed_config",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +94,11 @@ class FrameworkFacts:
         cp_all_gather: context parallelism all-gathers K and V before the attention, on the critical path
             (Llama 3: "the all-gather communication latency is exposed"), instead of a ring that overlaps
             the blockwise attention (torch's ``context_parallel``).
+        fsdp_flat_params: data parallelism is FSDP1 (``FullyShardedDataParallel``): one ``FlatParameter``
+            per unit, padded to a multiple of the shard group, all-gathered straight into the unit's
+            unsharded flat buffer (no copy-out, nothing kept from the previous unit), the root unit kept
+            unsharded from its forward to its backward, ``NO_SHARD`` computing on the flat parameter itself
+            (``False``: FSDP2's per-parameter sharding, ``lightning_memplan.model.estimate``).
     """
 
     sp_saves_shard: bool
@@ -56,6 +106,7 @@ class FrameworkFacts:
     grads_per_microbatch: bool
     embedding_head_weight: int
     cp_all_gather: bool = False
+    fsdp_flat_params: bool = False
 
 
 FRAMEWORKS: dict[str, FrameworkFacts] = {
@@ -63,6 +114,10 @@ FRAMEWORKS: dict[str, FrameworkFacts] = {
     "megatron": FrameworkFacts(sp_saves_shard=True, fused_swiglu=True, grads_per_microbatch=False, embedding_head_weight=0),
     "llama3": FrameworkFacts(sp_saves_shard=True, fused_swiglu=True, grads_per_microbatch=True, embedding_head_weight=1,
                              cp_all_gather=True),
+    "deepspeed": FrameworkFacts(sp_saves_shard=False, fused_swiglu=False, grads_per_microbatch=False,
+                                embedding_head_weight=0),
+    "fsdp1": FrameworkFacts(sp_saves_shard=False, fused_swiglu=False, grads_per_microbatch=False,
+                            embedding_head_weight=0, fsdp_flat_params=True),
 }
 
 
@@ -101,3 +156,170 @@ def rank_block_counts(n_layers: int, p: int, v: int = 1, framework: str = "torch
     stage_indices`)."""
     counts = stage_block_counts(n_layers, p * v, framework)
     return [sum(counts[r + k * p] for k in range(v)) for r in range(p)]
+
+
+#: ``TrainSpec.offload`` values: where DeepSpeed keeps what ZeRO-Offload moves to the host. ``"optimizer"``
+#: is ``zero_optimization.offload_optimizer.device="cpu"`` (fp32 master weights, optimizer states and fp32
+#: gradients on the host, the step on the CPU; ZeRO stage 1, 2 or 3); ``"params"`` adds
+#: ``offload_param.device="cpu"`` (the 16-bit parameter partitions on the host; ZeRO-3 only, so it implies
+#: ``"optimizer"`` here).
+DEEPSPEED_OFFLOADS = ("none", "optimizer", "params")
+
+_E8 = 100_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """DeepSpeed's ``zero_optimization`` settings that size memory, in elements, with DeepSpeed's defaults
+    (``deepspeed/runtime/zero/config.py``, ``DeepSpeedZeroConfig``, at commit
+    ``edaa7221267243c7be7fb49c5d5f5c4fb97b4641``). Lightning's ``DeepSpeedStrategy(...)`` without a
+    ``config`` writes its own: ``reduce_bucket_size=allgather_bucket_size=2e8``, ``overlap_comm=True``,
+    ``sub_group_size=1e12``, offload ``pin_memory=False``; :func:`zero_settings_from_deepspeed_config`
+    reads whatever the strategy holds.
+
+    Attributes:
+        reduce_bucket_size: elements per gradient reduce bucket (``5e8``). Stages 1/2 allocate one 16-bit
+            bucket of this size (two with ``overlap_comm``) for each backward (``stage_1_and_2.py``,
+            ``setup_buckets``); stage 3 one for the whole run (``stage3.py``, the IPG buffer).
+        allgather_bucket_size: elements per all-gather of the updated parameters after a stage 1/2 step
+            (``5e8``); read for completeness, 0 bytes: ``all_gather_into_tensor`` writes straight into the
+            flat 16-bit parameter buffer (``deepspeed/runtime/utils.py``, ``all_gather_dp_groups``).
+        contiguous_gradients: copy each reduced gradient into one contiguous partition buffer (``True``);
+            the reduce buckets exist only with it.
+        overlap_comm: overlap the reduction with the backward (``None``: DeepSpeed's rule, True for stage 3
+            only; ``overlap_comm_valid``). Stages 1/2 then keep two reduce buckets.
+        prefetch_bucket_size: ``stage3_prefetch_bucket_size``, elements ZeRO-3 gathers ahead of use
+            (``5e7``; ``partitioned_param_coordinator.py``, ``fetch_sub_module``).
+        max_live_parameters: ``stage3_max_live_parameters``, the most gathered elements the prefetch may
+            bring the total to (``1e9``).
+        max_reuse_distance: ``stage3_max_reuse_distance``, a gathered parameter whose next use comes within
+            this many elements of other parameters is kept (``1e9``; ``__params_to_release``): at the loss
+            the last ``max_reuse_distance / 2`` elements of the forward are still gathered.
+        param_persistence_threshold: ``stage3_param_persistence_threshold``, tensors of at most this many
+            elements are never partitioned (``1e5``; ``partition_parameters.py``, ``ds_persist``).
+        sub_group_size: elements of the fp32 partition the ZeRO-3 step converts at a time (``1e9``).
+        pin_memory: offloaded host buffers are page-locked (``offload_config.py`` default ``True``;
+            Lightning's default config passes ``False``). The host bytes are the same either way.
+    """
+
+    reduce_bucket_size: int = 5 * _E8
+    allgather_bucket_size: int = 5 * _E8
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
+    prefetch_bucket_size: int = _E8 // 2
+    max_live_parameters: int = 10 * _E8
+    max_reuse_distance: int = 10 * _E8
+    param_persistence_threshold: int = 100_000
+    sub_group_size: int = 10 * _E8
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.name in ("contiguous_gradients", "pin_memory"):
+                checked: Any = check_bool(f"ZeroConfig.{spec.name}", value)
+            elif spec.name == "overlap_comm":
+                checked = None if value is None else check_bool("ZeroConfig.overlap_comm", value)
+            else:
+                checked = check_int(f"ZeroConfig.{spec.name}", value, minimum=0, maximum=2**62,
+                                    hint="a number of elements, e.g. 500000000 (DeepSpeed's 5e8)")
+            object.__setattr__(self, spec.name, checked)
+
+    def overlaps(self, stage: int) -> bool:
+        """Whether the reduction overlaps the backward at ``stage`` (DeepSpeed's default: stage 3 only)."""
+        return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ZeroConfig:
+        known = {spec.name for spec in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise TypeError(f"ZeroConfig got unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**dict(data))
+
+
+#: DeepSpeed config keys (``zero_optimization``) read into :class:`ZeroConfig`: ``(field, key, alias)``.
+_ZERO_KEYS = (
+    ("reduce_bucket_size", "reduce_bucket_size", None),
+    ("allgather_bucket_size", "allgather_bucket_size", None),
+    ("contiguous_gradients", "contiguous_gradients", None),
+    ("overlap_comm", "overlap_comm", None),
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+    ("max_live_parameters", "stage3_max_live_parameters", "max_live_parameters"),
+    ("max_reuse_distance", "stage3_max_reuse_distance", "max_reuse_distance"),
+    ("param_persistence_threshold", "stage3_param_persistence_threshold", "param_persistence_threshold"),
+    ("sub_group_size", "sub_group_size", None),
+)
+
+
+def _config_value(name: str, value: Any, *, flag: bool) -> Any:
+    """A DeepSpeed config value as an int (``5e8`` written as a float in JSON is 500000000) or a bool."""
+    if flag:
+        return check_bool(f"zero_optimization.{name}", value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return check_int(f"zero_optimization.{name}", value, minimum=0, maximum=2**62,
+                     hint="a number of elements, e.g. 5e8")
+
+
+def _offload_device(section: Any, name: str) -> str:
+    if section is None or section is False:
+        return "none"
+    if section is True:  # the deprecated boolean form
+        return "cpu"
+    if not isinstance(section, Mapping):
+        raise TypeError(f"zero_optimization.{name}={section!r} must be a mapping such as {{'device': 'cpu'}}")
+    device = str(section.get("device", "none") or "none").lower()
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero_optimization.{name}.device={device!r} must be 'none', 'cpu' or 'nvme'")
+    return device
+
+
+def zero_settings_from_deepspeed_config(config: Mapping[str, Any] | None) -> tuple[int, str, ZeroConfig]:
+    """``(stage, offload, ZeroConfig)`` from a DeepSpeed config dict (``DeepSpeedStrategy.config``).
+
+    Reads ``zero_optimization``: ``stage``, the bucket and stage-3 sizes of :class:`ZeroConfig` (DeepSpeed's
+    names, ``stage3_`` prefixed or not; ``"auto"`` means DeepSpeed's default), ``offload_optimizer.device``
+    / ``offload_param.device`` (and the deprecated ``cpu_offload`` / ``cpu_offload_param`` booleans) and
+    their ``pin_memory``. ``"nvme"`` offload is read as ``"cpu"``: the host figure is then an upper bound
+    (DeepSpeed keeps only swap buffers in host memory).
+
+    Raises:
+        TypeError, ValueError: a value DeepSpeed would refuse, or an ``offload_param`` without
+            ``offload_optimizer`` (not modelled; the message says what to pass instead).
+    """
+    zero = (config or {}).get("zero_optimization") if isinstance(config, Mapping) else None
+    if zero is None or zero is False:
+        return 0, "none", ZeroConfig()
+    if zero is True:
+        zero = {}
+    if not isinstance(zero, Mapping):
+        raise TypeError(f"zero_optimization={zero!r} must be a mapping (DeepSpeed's config section)")
+    stage = check_int("zero_optimization.stage", zero.get("stage", 0), minimum=0, maximum=3,
+                      hint="DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
+    values: dict[str, Any] = {}
+    for field_name, key, alias in _ZERO_KEYS:
+        raw = zero.get(key, zero.get(alias) if alias else None)
+        if raw is None or raw == "auto":
+            continue
+        values[field_name] = _config_value(key, raw, flag=field_name in ("contiguous_gradients", "overlap_comm"))
+    optimizer_device = _offload_device(zero.get("offload_optimizer"), "offload_optimizer")
+    param_device = _offload_device(zero.get("offload_param"), "offload_param")
+    if optimizer_device == "none" and zero.get("cpu_offload") is True:
+        optimizer_device = "cpu"
+    if param_device == "none" and zero.get("cpu_offload_param") is True:
+        param_device = "cpu"
+    if param_device != "none" and optimizer_device == "none":
+        raise ValueError(
+            "zero_optimization.offload_param without offload_optimizer is not modelled (TrainSpec.offload='params' "
+            "offloads both); add offload_optimizer={'device': 'cpu'} or pass an explicit TrainSpec"
+        )
+    offload = "params" if param_device != "none" else "optimizer" if optimizer_device != "none" else "none"
+    for name in ("offload_param", "offload_optimizer"):
+        section = zero.get(name)
+        if isinstance(section, Mapping) and "pin_memory" in section and section.get("device", "none") != "none":
+            values["pin_memory"] = check_bool(f"zero_optimization.{name}.pin_memory", section["pin_memory"])
+    return stage, offload, ZeroConfig(**values)

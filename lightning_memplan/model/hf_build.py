@@ -24,11 +24,16 @@ import inspect
 import json
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "VOLATILE_KEYS",
+    "LayerPlan",
     "build_reduced",
+    "build_stack",
+    "full_model",
+    "layer_plan",
     "canonical_config_json",
     "input_fn_for",
     "model_class",
@@ -66,24 +71,36 @@ def _depth_of(cfg: Mapping[str, Any]) -> tuple[str, int]:
     )
 
 
-def _reduced_config(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
-    """``cfg`` with ``depth`` blocks: the depth keys set and every per-layer list truncated alike."""
-    key, full = _depth_of(cfg)
-    out = dict(cfg)
+def non_uniform_reason(cfg: Mapping[str, Any]) -> str | None:
+    """Why a depth-1/depth-2 trace cannot be scaled to ``cfg``'s full depth (its blocks are not all
+    alike: DeepSeek's ``first_k_dense_replace``, Qwen's ``decoder_sparse_step``/``mlp_only_layers``),
+    or ``None``. ``ModelSpec.from_hf_config`` then uses the analytic terms where they count each block
+    kind (the mixture-of-experts families of ``model/hf_experts.py``)."""
     model_type = cfg.get("model_type")
     for name in _NON_UNIFORM:
         value = cfg.get(name)
         if value not in (None, 0, 1, [], ()):
-            raise ValueError(
+            return (
                 f"{model_type!r} config has {name}={value!r}: its layers are not all alike, so a depth-1/depth-2 "
                 "trace cannot be scaled to the full depth; trace the model itself with trace_memory(model, "
                 "batch_shape=(b, s)) or pass ModelSpec(..., n_params=...)"
             )
     if cfg.get("decoder_sparse_step") not in (None, 1):
-        raise ValueError(
+        return (
             f"{model_type!r} config has decoder_sparse_step={cfg['decoder_sparse_step']!r} (experts only every "
             "k-th layer): not uniform; trace the model itself with trace_memory(model, batch_shape=(b, s))"
         )
+    return None
+
+
+def _reduced_config(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
+    """``cfg`` with ``depth`` blocks: the depth keys set and every per-layer list truncated alike."""
+    key, full = _depth_of(cfg)
+    out = dict(cfg)
+    model_type = cfg.get("model_type")
+    reason = non_uniform_reason(cfg)
+    if reason is not None:
+        raise ValueError(reason)
     decoder = [k for k in _DECODER_LAYER_KEYS if isinstance(cfg.get(k), int)]
     for k in decoder:
         if cfg[k] != full:
@@ -169,15 +186,20 @@ def build_reduced(cfg: Mapping[str, Any], depth: int, *, attention: str, recompu
         ValueError: non-uniform blocks, an unknown architecture, an attention kernel the class lacks,
             or ``recompute="full"`` on a class without gradient checkpointing.
     """
+    model = _build(_config_object(_reduced_config(cfg, depth)), attention)
+    _enable_recompute(model, recompute)
+    return model
+
+
+def _build(config: Any, attention: str) -> Any:
     import torch
 
-    config = _config_object(_reduced_config(cfg, depth))
     cls = model_class(config)
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": attention}
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = cls._from_config(config, **kwargs)
+            return cls._from_config(config, **kwargs)
         except (ValueError, ImportError) as exc:
             if attention != "sdpa":
                 raise ValueError(
@@ -185,15 +207,183 @@ def build_reduced(cfg: Mapping[str, Any], depth: int, *, attention: str, recompu
                     "use attention='sdpa'"
                 ) from exc
             kwargs["attn_implementation"] = "eager"  # the model has no SDPA path: HF runs it eager
-            model = cls._from_config(config, **kwargs)
+            return cls._from_config(config, **kwargs)
+
+
+def _enable_recompute(model: Any, recompute: str) -> None:
     if recompute == "full":
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(
-                f"{cls.__name__} does not support gradient_checkpointing_enable(), so recompute='full' is not "
-                "how it trains; use recompute='none' or wrap its blocks and trace the model with trace_memory"
+                f"{type(model).__name__} does not support gradient_checkpointing_enable(), so recompute='full' is "
+                "not how it trains; use recompute='none' or wrap its blocks and trace the model with trace_memory"
             )
         model.gradient_checkpointing_enable()
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The blocks of a config's full-depth model, grouped by kind (read from the model the config builds).
+
+    Attributes:
+        path: dotted name of the ``nn.ModuleList`` holding the blocks (``"model.layers"``); ``None`` when
+            the model has no single list of ``L`` blocks (an encoder-decoder): then every block counts alike.
+        kinds: the kind of each block (``0`` = the first block's kind, numbered in order of appearance).
+        labels: a short description of each kind (its class and what tells it apart), for messages.
+        n_params: the parameters of the full-depth model, counted exactly.
+    """
+
+    path: str | None
+    kinds: tuple[int, ...]
+    labels: tuple[str, ...]
+    n_params: int
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the blocks are of more than one kind."""
+        return len(self.labels) > 1
+
+    def counts(self) -> tuple[int, ...]:
+        """How many blocks of each kind the config has."""
+        return tuple(self.kinds.count(k) for k in range(len(self.labels)))
+
+    def first(self, kind: int) -> int:
+        """The index of the first block of ``kind``."""
+        return self.kinds.index(kind)
+
+
+# Attributes of a block that never tell two kinds apart (its position, the module's mode).
+_POSITIONAL_ATTRS = ("layer_idx", "layer_id", "layer_number", "training", "idx")
+
+
+def _block_signature(block: Any) -> tuple[Any, ...]:
+    """What a block is made of: every submodule's class and parameter shapes, and the plain attributes
+    (``attention_type``, ``is_sliding``, ``sliding_window``, ``use_rope``, ``is_moe_layer`` ...) that
+    decide what its forward does; not its position."""
+    parts: list[Any] = []
+    for name, module in block.named_modules():
+        attrs = tuple(sorted(
+            (k, v) for k, v in vars(module).items()
+            if not k.startswith("_") and k not in _POSITIONAL_ATTRS and isinstance(v, (bool, int, float, str, type(None)))
+        ))
+        shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
+        parts.append((name, type(module).__name__, shapes, attrs))
+    return tuple(parts)
+
+
+def _label(block: Any) -> str:
+    sig = {k: v for k, v in vars(block).items() if k in ("attention_type", "layer_type", "is_moe_layer", "is_sliding")}
+    children = ",".join(type(m).__name__ for _, m in block.named_children())
+    return f"{type(block).__name__}({children})" + (f"{sig}" if sig else "")
+
+
+def _block_list(model: Any, n_layers: int) -> tuple[str | None, Any]:
+    import torch
+
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers and n_layers > 0]
+    if len(lists) != 1:
+        return None, None
+    return lists[0]
+
+
+def full_model(cfg: Mapping[str, Any], *, attention: str) -> Any:
+    """The config's model class at its full depth on the meta device (fp32): nothing is allocated, so a
+    671B-parameter config costs what a tiny one does apart from the Python objects of its blocks."""
+    return _build(_config_object(cfg), attention)
+
+
+def layer_plan(model: Any, cfg: Mapping[str, Any]) -> LayerPlan:
+    """The :class:`LayerPlan` of a full-depth ``model`` built from ``cfg`` (:func:`full_model`)."""
+    _, n_layers = _depth_of(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    path, blocks = _block_list(model, n_layers)
+    if path is None:
+        return LayerPlan(path=None, kinds=(0,) * n_layers, labels=("block",), n_params=n_params)
+    seen: dict[tuple[Any, ...], int] = {}
+    kinds, labels = [], []
+    for block in blocks:
+        sig = _block_signature(block)
+        if sig not in seen:
+            seen[sig] = len(seen)
+            labels.append(_label(block))
+        kinds.append(seen[sig])
+    return LayerPlan(path=path, kinds=tuple(kinds), labels=tuple(labels), n_params=n_params)
+
+
+def _set_positions(block: Any, index: int) -> None:
+    for module in block.modules():
+        if isinstance(getattr(module, "layer_idx", None), int):
+            module.layer_idx = index
+
+
+def build_stack(cfg: Mapping[str, Any], full: Any, plan: LayerPlan, blocks: tuple[int, ...], *, attention: str,
+                recompute: str) -> Any:
+    """A copy of the config's model whose blocks are copies of the full model's blocks ``blocks`` (indices,
+    repeats allowed), on the meta device: the embedding, head and every other module as in the config.
+
+    The copy is the config's class built at ``len(blocks)`` blocks; its blocks are then replaced by deep
+    copies (meta tensors: nothing allocated) of the chosen full-depth blocks, with their positions
+    renumbered, and every per-block list of its config (``layer_types``, ``no_rope_layers`` ...) is taken
+    at the chosen indices, so model-level code that reads them sees the chosen blocks.
+    """
+    import copy
+
+    assert plan.path is not None
+    _, n_layers = _depth_of(cfg)
+    reduced = dict(cfg)
+    for name in _NON_UNIFORM:  # the blocks are replaced: the pattern keys only shape the placeholder copy
+        reduced.pop(name, None)
+    reduced.pop("decoder_sparse_step", None)
+    config = _config_object(_reduced_config(_placeholder(reduced, full.config, blocks), len(blocks)))
+    full_config = full.config
+    for conf, full_conf in _config_pairs(config, full_config):
+        for key, value in vars(full_conf).items():
+            if isinstance(value, list) and len(value) == n_layers and not key.startswith("_") and key != "architectures":
+                setattr(conf, key, [value[i] for i in blocks])
+    model = _build(config, attention)
+    target = model.get_submodule(plan.path)
+    source = full.get_submodule(plan.path)
+    for j, i in enumerate(blocks):
+        block = copy.deepcopy(source[i])
+        _set_positions(block, j)
+        target[j] = block
+    _enable_recompute(model, recompute)
     return model
+
+
+def _config_pairs(config: Any, full_config: Any) -> list[tuple[Any, Any]]:
+    """The config and its text sub-config (a multimodal wrapper's), paired with the full model's."""
+    pairs = [(config, full_config)]
+    for attr in ("text_config",):
+        sub, full_sub = getattr(config, attr, None), getattr(full_config, attr, None)
+        if sub is not None and full_sub is not None:
+            pairs.append((sub, full_sub))
+    return pairs
+
+
+def _placeholder(cfg: dict[str, Any], full_config: Any, blocks: tuple[int, ...]) -> dict[str, Any]:
+    """A config whose reduced copy has the chosen blocks' layout where model-level code reads it from
+    pattern keys rather than from the blocks: Jamba builds its (training) state cache from
+    ``layers_block_type``, a property of ``attn_layer_period``/``offset`` (and the experts of
+    ``expert_layer_period``/``offset``), so they are set to give the chosen blocks' kinds at 1-2 blocks."""
+    if cfg.get("model_type") != "jamba":
+        return cfg
+
+    def period(flags: list[bool]) -> tuple[int, int]:
+        on = [j for j, flag in enumerate(flags) if flag]
+        if len(on) == len(flags):
+            return 1, 0
+        if not on:
+            return len(flags) + 1, len(flags)
+        return 2, on[0]  # one of two blocks
+
+    attn = [full_config.layers_block_type[i] == "attention" for i in blocks]
+    moe = [full_config.layers_num_experts[i] > 1 for i in blocks]
+    (ap, ao), (ep, eo) = period(attn), period(moe)
+    # use_cache=False: its hybrid cache needs an attention block (a 1-block Mamba copy has none); the cache's
+    # states are [b, 2h, d_state] zeros per block, which the real step's mixers allocate anyway without it
+    return {**cfg, "attn_layer_period": ap, "attn_layer_offset": ao, "expert_layer_period": ep,
+            "expert_layer_offset": eo, "use_cache": False}
 
 
 def input_fn_for(model: Any, cfg: Mapping[str, Any]) -> tuple[Callable[[int, int], dict[str, Any]], bool]:

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memplan.model.hf_build import canonical_config_json
+from lightning_memplan.model.hf_build import canonical_config_json, non_uniform_reason
+from lightning_memplan.model.hf_experts import MOE_FAMILIES, TEXT_DEFAULTS, hf_expert_fields
 from lightning_memplan.model.litgpt_spec import litgpt_fields
 from lightning_memplan.validation import check_bool, check_int, check_number
 
@@ -38,7 +39,8 @@ _FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 # Families whose MLP has three matrices (gate, up, down): SwiGLU (Llama, Mistral, Qwen2) and
 # GeGLU (Gemma) have the same shapes and memory, so both map to ffn_kind="swiglu".
-_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2")
+_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2",
+          "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4_text", "llama4", "gpt_oss")
 _LAYERNORM = ("gpt2", "gpt_neox", "gptj", "opt", "phi", "bloom", "falcon", "gpt_bigcode", "starcoder2")
 _LEARNED_POS = ("gpt2", "opt", "gpt_bigcode")
 _TIED_BY_DEFAULT = ("gpt2", "gemma", "gemma2", "gemma3_text", "opt", "gpt_bigcode", "bloom")
@@ -80,19 +82,39 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 def _analytic_gap(cfg: Mapping[str, Any], vision: bool) -> str | None:
     """Why the hand-written decoder terms cannot describe this architecture (``None``: they can).
 
-    Mixture-of-experts (expert parameters and routed activations), encoder-decoder (T5's decoder and
+    Mixture-of-experts of a family :mod:`~lightning_memplan.model.hf_experts` does not read (expert
+    parameters and routed activations; Mixtral, Qwen2/3-MoE, DeepSeek-V3, Llama-4 and GPT-OSS are read),
+    encoder-decoder (T5's decoder and
     cross-attention) and vision (patches, no vocabulary) configs would come out silently wrong from the
     analytic terms, so ``ModelSpec.from_hf_config`` raises for them unless a coefficient source traces
     the real class.
     """
     experts = _first(cfg, _EXPERT_KEYS)
-    if isinstance(experts, int) and experts > 1:
+    known = str(cfg.get("model_type") or "").lower() in MOE_FAMILIES  # read by model/hf_experts.py
+    if isinstance(experts, int) and experts > 1 and not known:
         return f"a mixture-of-experts model ({experts} experts)"
     if cfg.get("is_encoder_decoder"):
         return "an encoder-decoder model"
     if vision:
         return "a vision model (image patches, no vocabulary)"
+    if _is_state_space(cfg):
+        return "a state-space (Mamba) model: its mixer layers have no attention terms"
     return None
+
+
+#: Model types whose blocks are (or include) selective state-space mixers (transformers' configuration_mamba,
+#: configuration_mamba2, configuration_falcon_mamba, configuration_jamba, configuration_bamba,
+#: configuration_zamba/zamba2, configuration_falcon_h1, configuration_nemotron_h).
+_STATE_SPACE_TYPES = frozenset(
+    {"mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h"}
+)
+
+
+def _is_state_space(cfg: Mapping[str, Any]) -> bool:
+    """A Mamba-style config: a known state-space family, or the SSM state width Mamba configs carry."""
+    if str(cfg.get("model_type") or "").lower() in _STATE_SPACE_TYPES:
+        return True
+    return any(cfg.get(key) is not None for key in ("state_size", "mamba_d_state", "ssm_state_size"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +126,15 @@ class ConfigReading:
         model_type: the config's ``model_type`` (lower case; ``""`` when absent).
         analytic_gap: why the analytic terms cannot model it (mixture-of-experts, encoder-decoder,
             vision), or ``None``; such a spec needs a traced coefficient source.
+        mixed_stack: why a depth-1/depth-2 trace cannot be scaled to this config's depth (its blocks
+            differ, e.g. DeepSeek-V3's first dense blocks), or ``None``
+            (:func:`~lightning_memplan.model.hf_build.non_uniform_reason`).
     """
 
     fields: dict[str, Any]
     model_type: str
     analytic_gap: str | None
+    mixed_stack: str | None = None
 
 
 # Families whose q/k/v projections carry biases but o_proj and the MLP do not (transformers
@@ -124,8 +150,12 @@ _FULL_QK_NORM = ("olmo2",)
 
 
 def _extra_layer_params(model_type: str, hidden: int, n_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Per-block parameters beyond the linears and two norms: extra norms and q/k norms (RMSNorm weights)."""
+    """Per-block parameters beyond the linears and two norms: extra norms and q/k norms (RMSNorm weights),
+    and GPT-OSS's attention sinks, one learned logit per head (``modeling_gpt_oss.py``
+    ``GptOssAttention.sinks``). Llama-4's q/k norms are L2 norms without weights (``Llama4TextL2Norm``)."""
     extra = 2 * hidden if model_type in _FOUR_NORMS else 0
+    if model_type == "gpt_oss":
+        extra += n_heads
     if model_type in _HEAD_QK_NORM:
         extra += 2 * head_dim
     elif model_type in _FULL_QK_NORM:
@@ -150,6 +180,8 @@ def hf_config_fields(config: Any) -> ConfigReading:
     top_level = dict(cfg)
     if isinstance(cfg.get("text_config"), Mapping) and _first(cfg, _LAYERS) is None:
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    # a published config may leave fields to its class's defaults (Gemma-3's text_config has no vocab_size)
+    cfg = {**TEXT_DEFAULTS.get(str(cfg.get("model_type") or "").lower(), {}), **cfg}
     vision = cfg.get("vocab_size") is None and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
     if vision:
         # ViT-style: no vocabulary; the classifier's labels stand in for V, the patches for positions
@@ -158,6 +190,10 @@ def hf_config_fields(config: Any) -> ConfigReading:
                                               hint="the classifier's labels (a vision config's vocabulary)")}
     required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
     values = {key: _first(cfg, names) for key, names in required.items()}
+    if values["n_heads"] is None and _is_state_space(cfg):
+        # an attention-free SSM (Mamba v1) has no heads: one stands in for the spec's shape checks; its
+        # memory comes from the traced class (analytic_gap below refuses the analytic terms for it)
+        values["n_heads"] = 1
     missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
     if missing:
         raise ValueError(
@@ -218,7 +254,11 @@ def hf_config_fields(config: Any) -> ConfigReading:
         # the traced path builds the real class from it (tracking/hf_trace.py); not for a nested text_config
         hf_config=canonical_config_json(top_level) if _first(top_level, _LAYERS) is not None else None,
     )
-    return ConfigReading(fields=fields, model_type=model_type, analytic_gap=_analytic_gap(cfg, vision))
+    n_layers = fields["n_layers"]
+    assert isinstance(n_layers, int)  # checked by whole() above
+    fields.update(hf_expert_fields(cfg, model_type, whole, n_layers))  # MoE / MLA families; {} for the others
+    return ConfigReading(fields=fields, model_type=model_type, analytic_gap=_analytic_gap(cfg, vision),
+                         mixed_stack=non_uniform_reason(cfg))
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -229,6 +269,7 @@ def _count_params(module: Any) -> int:
 def _out_features(layer: Any) -> int | None:
     import torch.nn as nn
 
+    layer = getattr(layer, "_fsdp_wrapped_module", layer)  # a Linear wrapped as its own FSDP1 unit
     if isinstance(layer, nn.Linear):
         return layer.out_features
     weight = getattr(layer, "weight", None)

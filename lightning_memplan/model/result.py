@@ -53,6 +53,11 @@ class MemoryEstimate:
             (dynamic terms fitted from a traced step), ``"hf_trace"`` (config-only, traced from the
             real Hugging Face class: ``tracking/hf_trace.py``), ``"traced"`` (:func:`trace_memory`) or
             ``"measured"``.
+        host: bytes this rank keeps in *host* (CPU) memory for the step: what DeepSpeed's ZeRO-Offload
+            moves there (``TrainSpec(framework="deepspeed", offload=...)``: fp32 master weights, optimizer
+            states, gradient partitions, 16-bit parameter partitions and their staging buffers; the parts
+            are ``details["host_params"]``, ``"host_grads"``, ``"host_optimizer"``, ``"host_master"``,
+            ``"host_buffers"``). Not part of :attr:`total`, which is device memory. 0 without offload.
     """
 
     params: int = 0
@@ -71,9 +76,10 @@ class MemoryEstimate:
     by_phase: Mapping[str, Mapping[str, int]] = field(default_factory=dict, kw_only=True)
     details: Mapping[str, int] = field(default_factory=dict, kw_only=True)
     source: str = field(default="analytic", kw_only=True)
+    host: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in COMPONENTS:
+        for name in (*COMPONENTS, "host"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"MemoryEstimate.{name}={value!r} must be an int number of bytes")
@@ -108,7 +114,9 @@ class MemoryEstimate:
         return max(comps, key=lambda name: comps[name])
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """Plain JSON; ``"host"`` only when there are host bytes (so estimates without offload keep the
+        keys they always had)."""
+        out = {
             **self.components(),
             "total": self.total,
             "peak_phase": self.peak_phase,
@@ -118,6 +126,9 @@ class MemoryEstimate:
             "details": dict(self.details),
             "source": self.source,
         }
+        if self.host:
+            out["host"] = self.host
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryEstimate:
@@ -130,6 +141,7 @@ class MemoryEstimate:
             by_phase={p: {k: int(v) for k, v in c.items()} for p, c in data.get("by_phase", {}).items()},
             details={k: int(v) for k, v in data.get("details", {}).items()},
             source=data.get("source", "analytic"),
+            host=int(data.get("host", 0)),
         )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.model import presets, readers
+from lightning_memplan.model.experts import check_expert_fields
+from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS, ZeroConfig
 from lightning_memplan.model.lora import lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
 from lightning_memplan.model.traced import CoefficientSource, coefficient_source
@@ -56,7 +58,7 @@ LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel", "loss_paralle
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DEVICES = ("cuda", "cpu")
 #: Training stacks whose kernel and schedule facts the estimate knows (``lightning_memplan.model.frameworks``).
-FRAMEWORK_NAMES = ("torch", "megatron", "llama3")
+FRAMEWORK_NAMES = ("torch", "megatron", "llama3", "deepspeed", "fsdp1")
 
 # Lightning accepts a few aliases for the same precision plugin; normalise to the canonical string.
 _PRECISION_ALIASES = {
@@ -138,6 +140,28 @@ class ModelSpec:
         qkv_bias: only the q/k/v projections carry biases (Qwen2); ``bias=True`` means every linear.
         extra_layer_params: parameters per block beyond the linears, their biases and two norms (Gemma-2's
             four norms per block, OLMo-2's and Qwen3's q/k norms); the config reader counts them.
+        n_experts: E, routed experts per MoE block (Mixtral 8, DeepSeek-V3 256); 0 (default) is a dense
+            model and every expert field below keeps its default. See ``lightning_memplan.model.experts``.
+        experts_per_token: k, the router's top-k (Mixtral 2, DeepSeek-V3 8); required with ``n_experts``.
+        expert_ffn_hidden: f_e, inner width of one routed expert; ``None`` means ``ffn`` (Mixtral). Dense
+            blocks of an MoE stack use ``ffn_hidden`` (DeepSeek-V3 18432 dense, 2048 per expert).
+        n_shared_experts: experts every token goes through besides its k routed ones (DeepSeek-V3 1,
+            Qwen2-MoE and Llama-4 1, Mixtral 0).
+        shared_expert_ffn_hidden: inner width of one shared expert; ``None`` means ``expert_ffn_hidden``.
+        shared_expert_gate: the shared expert's output is scaled by a sigmoid gate, an ``[1, h]`` linear
+            (Qwen2-MoE ``shared_expert_gate``).
+        first_dense_layers: the first blocks are dense (DeepSeek-V3 ``first_k_dense_replace=3``).
+        moe_layer_step: block i is MoE when ``(i + 1) % step == 0`` (Llama-4-Maverick
+            ``interleave_moe_layer_step=2``, Qwen ``decoder_sparse_step``); 1: every block.
+        dense_layers: explicit block indices that are dense (Qwen ``mlp_only_layers``), as a tuple.
+            The router is an ``[E, h]`` linear (with a bias when ``bias=True``, as GPT-OSS's; its routed
+            experts then carry biases too). Tensor parallelism splits each expert's width by t; expert
+            parallelism is not modelled yet (a later ``ParallelPlan(ep=...)``).
+        q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
+            attention (DeepSeek-V2/V3; set ``kv_lora_rank`` to turn it on): queries through a
+            ``q_lora_rank`` bottleneck (``None``: one ``[a*(d_nope+d_rope), h]`` projection), keys and
+            values through a ``kv_lora_rank`` latent plus a shared ``d_rope`` key; q/k heads are
+            ``d_nope + d_rope`` wide (``head_dim`` is that when given), value heads ``v_head_dim``.
         calibration_source: where :func:`estimate_memory` takes traced coefficients from
             (:class:`~lightning_memplan.model.traced.CoefficientSource`, data handed over: the model
             layer runs no tracer). Whoever builds the spec chooses it: :meth:`from_hf_config`,
@@ -167,6 +191,20 @@ class ModelSpec:
     n_trainable_params: int | None = field(default=None, kw_only=True)
     qkv_bias: bool = field(default=False, kw_only=True)
     extra_layer_params: int = field(default=0, kw_only=True)
+    n_experts: int = field(default=0, kw_only=True)
+    experts_per_token: int | None = field(default=None, kw_only=True)
+    expert_ffn_hidden: int | None = field(default=None, kw_only=True)
+    n_shared_experts: int = field(default=0, kw_only=True)
+    shared_expert_ffn_hidden: int | None = field(default=None, kw_only=True)
+    shared_expert_gate: bool = field(default=False, kw_only=True)
+    first_dense_layers: int = field(default=0, kw_only=True)
+    moe_layer_step: int = field(default=1, kw_only=True)
+    dense_layers: tuple[int, ...] = field(default=(), kw_only=True)
+    q_lora_rank: int | None = field(default=None, kw_only=True)
+    kv_lora_rank: int | None = field(default=None, kw_only=True)
+    qk_nope_head_dim: int | None = field(default=None, kw_only=True)
+    qk_rope_head_dim: int | None = field(default=None, kw_only=True)
+    v_head_dim: int | None = field(default=None, kw_only=True)
     calibration_source: CoefficientSource | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
@@ -188,7 +226,7 @@ class ModelSpec:
                 )
         if self.head_dim is not None:
             _keep(self, "head_dim", _check_int("head_dim", self.head_dim))
-        elif self.hidden % self.n_heads:
+        elif self.hidden % self.n_heads and self.kv_lora_rank is None:  # MLA: dim_head is d_nope + d_rope
             raise ValueError(
                 f"n_heads={self.n_heads!r} does not divide hidden={self.hidden!r}; pass head_dim= "
                 f"explicitly or use n_heads {divisor_hint(self.hidden)}"
@@ -209,6 +247,8 @@ class ModelSpec:
             hint="parameters per block beyond the linears and two norms (0 for most models)"))
         for name in ("bias", "tied_embeddings", "qkv_fused", "qkv_bias"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
+        for name, value in check_expert_fields(self).items():  # MoE / MLA (model/experts.py); dense: nothing
+            _keep(self, name, value)
         if self.n_params is not None:
             _keep(self, "n_params", _check_int("n_params", self.n_params, hint="the total number of parameters"))
         if self.n_trainable_params is not None:
@@ -252,8 +292,12 @@ class ModelSpec:
 
     @property
     def dim_head(self) -> int:
-        """Per-head width."""
-        return self.head_dim if self.head_dim is not None else self.hidden // self.n_heads
+        """Per-head width (of queries and keys: ``qk_nope_head_dim + qk_rope_head_dim`` under MLA)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.kv_lora_rank is not None and self.qk_nope_head_dim is not None and self.qk_rope_head_dim is not None:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.hidden // self.n_heads
 
     @property
     def ffn(self) -> int:
@@ -264,6 +308,16 @@ class ModelSpec:
             # Llama (Touvron et al. 2023, model.py FeedForward): 2/3 * 4h rounded up to a multiple of 256.
             return 256 * math.ceil(int(2 * 4 * self.hidden / 3) / 256)
         return 4 * self.hidden
+
+    @property
+    def expert_ffn(self) -> int:
+        """f_e: inner width of one routed expert (``expert_ffn_hidden``, else ``ffn``)."""
+        return self.expert_ffn_hidden if self.expert_ffn_hidden is not None else self.ffn
+
+    @property
+    def shared_expert_ffn(self) -> int:
+        """f_s: inner width of one shared expert (``shared_expert_ffn_hidden``, else :attr:`expert_ffn`)."""
+        return self.shared_expert_ffn_hidden if self.shared_expert_ffn_hidden is not None else self.expert_ffn
 
     @property
     def num_params(self) -> int:
@@ -329,6 +383,8 @@ class ModelSpec:
             )
         if reading.fields.get("hf_config") is None:
             source = None  # nothing to trace (a nested text_config): the analytic terms
+        elif reading.mixed_stack is not None and reading.analytic_gap is None:
+            source = None  # blocks that differ (DeepSeek-V3's first dense ones): the analytic terms count each kind
         return cls(**reading.fields, calibration_source=source)
 
     @classmethod
@@ -357,7 +413,9 @@ class ModelSpec:
         """The fields as JSON-ready values (``calibration_source`` left out: it is code, not data)."""
         from dataclasses import fields
 
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibration_source"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibration_source"}
+        out["dense_layers"] = list(self.dense_layers)  # JSON has lists; from_dict takes it back as a tuple
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, calibration: Any = "auto") -> ModelSpec:
@@ -426,8 +484,19 @@ class TrainSpec:
             runs: DTensor TP/SP, torch.distributed.pipelining, FSDP2), ``"megatron"`` (Megatron-LM's
             kernels: sequence-parallel linears save their 1/t shard) or ``"llama3"`` (Llama 3's stack,
             arXiv 2407.21783 section 3.3.2: Megatron-style SP, FSDP reduce-scattering every
-            micro-batch's gradients, first and last pipeline stage one block lighter); see
-            ``lightning_memplan.model.frameworks``.
+            micro-batch's gradients, first and last pipeline stage one block lighter) or ``"deepspeed"``
+            (DeepSpeed's ZeRO engine, ``ParallelPlan.zero`` its stage: 16-bit parameters and gradients,
+            fp32 master weights and optimizer states, its buckets; ``lightning_memplan.model.deepspeed``)
+            or ``"fsdp1"`` (torch's kernels under FSDP1, Lightning's ``FSDPStrategy``: one padded
+            ``FlatParameter`` per unit); see ``lightning_memplan.model.frameworks``.
+        offload: DeepSpeed's ZeRO-Offload (``framework="deepspeed"`` only): ``"none"``, ``"optimizer"``
+            (``offload_optimizer.device="cpu"``: fp32 master weights, optimizer states and fp32 gradients
+            in host memory, the step on the CPU; ZeRO stage >= 1) or ``"params"`` (also
+            ``offload_param``: the 16-bit parameter partitions in host memory; ZeRO-3 only). The host
+            bytes are :attr:`MemoryEstimate.host`, not part of the device total.
+        zero_config: DeepSpeed's bucket and stage-3 sizes (:class:`~lightning_memplan.model.frameworks.
+            ZeroConfig`; a mapping of its fields is accepted); ``None`` means DeepSpeed's defaults.
+            ``framework="deepspeed"`` only.
     """
 
     micro_batch: int
@@ -450,6 +519,8 @@ class TrainSpec:
     device: str = "cuda"
     framework: str = "torch"
     norm_impl: str = "native"
+    offload: str = "none"
+    zero_config: ZeroConfig | None = None
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
@@ -477,6 +548,30 @@ class TrainSpec:
             ))
         for name in ("master_weights", "grads_alive_in_forward"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
+        self._check_deepspeed()
+
+    def _check_deepspeed(self) -> None:
+        """``offload`` and ``zero_config`` describe DeepSpeed's engine: refused for any other framework."""
+        _keep(self, "offload", _check_choice("offload", self.offload, DEEPSPEED_OFFLOADS))
+        config = self.zero_config
+        if config is not None and not isinstance(config, ZeroConfig):
+            if not isinstance(config, dict):
+                raise TypeError(
+                    f"zero_config={config!r} must be a ZeroConfig (lightning_memplan.model.frameworks) or a dict "
+                    "of its fields, or None for DeepSpeed's defaults"
+                )
+            _keep(self, "zero_config", ZeroConfig.from_dict(config))
+        if self.framework != "deepspeed":
+            if self.offload != "none":
+                raise ValueError(
+                    f"offload={self.offload!r} needs framework='deepspeed' (got framework={self.framework!r}): "
+                    "ZeRO-Offload is modelled for DeepSpeed's engine; pass framework='deepspeed' or offload='none'"
+                )
+            if self.zero_config is not None:
+                raise ValueError(
+                    f"zero_config is DeepSpeed's (got framework={self.framework!r}); pass framework='deepspeed' "
+                    "or zero_config=None"
+                )
 
     @property
     def tokens(self) -> int:

@@ -24,7 +24,10 @@ import functools
 import math
 from dataclasses import dataclass
 
+from lightning_memplan.model.experts import is_moe, uses_mla
 from lightning_memplan.model.param_counts import (
+    active_layer_matmul_param_count,
+    blocks_param_count,
     embedding_param_count,
     head_param_count,
     layer_matmul_param_count,
@@ -35,6 +38,9 @@ from lightning_memplan.model.param_counts import (
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
 __all__ = [
+    "fsdp1_padded_numel",
+    "fsdp1_rank_flat_numel",
+    "fsdp1_shard_numel",
     "ADAM_STATE_COUNT",
     "BF16_BYTES",
     "FP32_BYTES",
@@ -46,7 +52,9 @@ __all__ = [
     "AUTO_MIN_CHUNKS",
     "VOCAB_SHARDED_LOSSES",
     "CHUNK_ROW_MULTIPLE",
+    "active_layer_matmul_param_count",
     "auto_loss_chunk_tokens",
+    "blocks_param_count",
     "autocast_copy_bytes",
     "loss_chunk_row_bytes",
     "loss_gemm_bytes",
@@ -136,9 +144,25 @@ def precision_bytes(train: TrainSpec) -> PrecisionBytes:
       activations all in 16 bit.
     - ``master_weights=True``: an fp32 master copy of 16-bit params with fp32 optimizer states, the
       Megatron/DeepSpeed layout behind the textbook 16N = 2 + 2 + 4 + 8 [S004].
+    - ``framework="deepspeed"`` with any 16-bit precision: DeepSpeed's fp16/bf16 engine casts the module
+      to 16 bit (no autocast, so no weight copies; activations and the residual stream in 16 bit) and its
+      ZeRO optimizer keeps fp32 master weights and fp32 states, whatever ``master_weights`` says: the
+      2 + 2 + 12 bytes of [R20] section 3.1 (``deepspeed/runtime/zero/stage_1_and_2.py``,
+      ``single_partition_of_fp32_groups``; ``lightning_memplan.model.deepspeed``).
     """
     mixed = train.precision in ("16-mixed", "bf16-mixed")
     true16 = train.precision in ("16-true", "bf16-true")
+    if train.framework == "deepspeed" and (mixed or true16):
+        return PrecisionBytes(
+            param=train.param_bytes or BF16_BYTES,
+            grad=train.grad_bytes or (train.param_bytes or BF16_BYTES),
+            master=train.master_bytes or FP32_BYTES,
+            state=FP32_BYTES,
+            compute=train.activation_bytes or BF16_BYTES,
+            residual=train.activation_bytes or BF16_BYTES,
+            autocast_copy=0,
+            logits=train.activation_bytes or BF16_BYTES,
+        )
     param = BF16_BYTES if true16 else FP32_BYTES
     master = FP32_BYTES if (train.master_weights and param < FP32_BYTES) else 0
     state = FP32_BYTES if master else param
@@ -368,7 +392,32 @@ def layer_activation_bytes(
     swiglu_saved = 3 if facts.fused_swiglu else 4
     mlp = (swiglu_saved if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
     masks = 2 * tokens * h * MASK_BYTES // norm_split if model.dropout > 0 else 0
+    if is_moe(model) or uses_mla(model):
+        return norms + masks + _moe_mla_layer_bytes(model, train, tokens, t, attn_in_copies, mlp_in_copies, mlp,
+                                                    qkv + attn_out, swiglu_saved, facts.sp_saves_shard and sp)
     return norms + matmul_inputs + qkv + attn_out + mlp + masks
+
+
+def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int, attn_in_copies: int,
+                         mlp_in_copies: int, dense_mlp: int, attention: int, swiglu_saved: int, shard_inputs: bool) -> int:
+    """The matmul-input, attention and MLP part of :func:`layer_activation_bytes` for a stack with
+    mixture-of-experts blocks (``model/moe_terms.py``: each token through its k routed experts and the
+    shared ones; the mean over the stack's dense and MoE blocks) or multi-head latent attention (its
+    latents and head widths)."""
+    from lightning_memplan.model import moe_terms
+
+    pb = precision_bytes(train)
+    h, c = model.hidden, pb.compute
+    split = t if shard_inputs else 1
+    mla = moe_terms.mla_attention_saved_bytes(model, tokens, c, t=t)
+    if mla is not None:  # two input projections (q_a_proj, kv_a_proj_with_mqa), not three
+        attention = mla + (tokens * (model.n_heads // t) * SDPA_LSE_BYTES if train.attention == "sdpa" else 0)
+        attn_in_copies = min(attn_in_copies, 2)
+    attn_inputs = attn_in_copies * tokens * h * c // split
+    dense = mlp_in_copies * tokens * h * c // split + dense_mlp
+    moe = moe_terms.moe_mlp_saved_bytes(model, tokens, c, t=t, cast=bool(pb.autocast_copy),
+                                        swiglu_saved=swiglu_saved) if is_moe(model) else dense
+    return attn_inputs + attention + moe_terms.mean_mlp_saved_bytes(model, dense, moe)
 
 
 def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
@@ -641,6 +690,29 @@ def fsdp_post_forward_shard_bytes(unit_bytes: int, units: int, reshard_to: int, 
     if reshard_to >= shard or reshard_to <= 1:
         return 0
     return units * math.ceil(unit_bytes / reshard_to)
+
+
+def fsdp1_padded_numel(numel: int, shard: int) -> int:
+    """Elements of one FSDP1 unit's unsharded ``FlatParameter``, ``ceil(n / d) * d``: the unit's parameters
+    padded to a multiple of the d ranks it is sharded over, "to avoid a copy for the post-backward
+    reduce-scatter" [PT torch/distributed/fsdp/_flat_param.py, ``FlatParamHandle.
+    _init_flat_param_and_metadata``; ``_get_padded_unsharded_numel``]. Under ``use_orig_params`` each
+    original parameter is first aligned to 16 bytes (``_get_aligned_numel``); a ``ModelSpec`` does not list
+    parameter sizes, so that alignment (under 4 elements per fp32 parameter) is not counted."""
+    return math.ceil(numel / shard) * shard if shard > 1 else numel
+
+
+def fsdp1_shard_numel(numel: int, shard: int) -> int:
+    """Elements of one FSDP1 unit each rank keeps, ``ceil(n / d)``: its chunk of the padded flat parameter
+    (the last rank's chunk ends in the padding) [PT _flat_param.py, ``FlatParamHandle._get_shard``]. Its
+    sharded gradient has the same size (``_reduce_grad``'s reduce-scatter output)."""
+    return fsdp1_padded_numel(numel, shard) // shard if shard > 1 else numel
+
+
+def fsdp1_rank_flat_numel(unit_numels: list[int], shard: int) -> int:
+    """Elements of all of a rank's FSDP1 flat shards, ``sum_u ceil(n_u / d)`` over its units (the L blocks
+    and the root): what its sharded parameters and gradients hold, padding included."""
+    return sum(fsdp1_shard_numel(n, shard) for n in unit_numels)
 
 
 def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param: int) -> int:

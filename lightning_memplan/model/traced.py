@@ -118,6 +118,14 @@ class DepthTraces:
     n_params_two: int
     vision_tokens: int | None = None
     norm_impl: str = "native"
+    #: Blocks of more than one kind: ``(count, calibration of [first block, first block of the kind],
+    #: its parameter count)`` per kind, the first kind's copy being ``two``; empty when all are alike.
+    kinds: tuple[tuple[int, Calibration, int], ...] = ()
+    #: What the fit was made on and checked at (``None``: an entry of an older tracer, used everywhere as
+    #: before): ``fitted`` shapes, held-out ``probe`` shape and its relative ``probe_error``, the probe
+    #: ``tolerance``, the config's step ``steps`` (windows, chunks), and ``seq_len`` for an entry traced
+    #: at one sequence length.
+    form: Mapping[str, Any] | None = None
     #: This process's answers derived from the entry (:meth:`full_depth`, and the device scaling of
     #: :func:`traced_estimate`), keyed by what they depend on: a planner asks for the same ones under
     #: hundreds of plans. Read-only for callers; it goes with the entry when a cache drops it.
@@ -128,6 +136,11 @@ class DepthTraces:
         """Parse a traced entry (``trace_depths``'s JSON; ``KeyError``/``TypeError``/``ValueError`` if malformed)."""
         one, two = (data["depths"][str(d)] for d in TRACED_DEPTHS)
         tokens = one.get("vision_tokens")
+        kinds: list[tuple[int, Calibration, int]] = []
+        for kind in data.get("kinds") or ():
+            stack = two if kind["stack"] == "2" else data["stacks"][kind["stack"]]
+            kinds.append((int(kind["count"]), Calibration.from_dict(stack["calibration"]), int(stack["n_params"])))
+        form = data.get("form")
         return cls(
             class_name=str(data["class"]),
             one=Calibration.from_dict(one["calibration"]),
@@ -136,15 +149,58 @@ class DepthTraces:
             n_params_two=int(two["n_params"]),
             vision_tokens=int(tokens) if tokens else None,
             norm_impl=str(data["norm_impl"]),
+            kinds=tuple(kinds),
+            form=dict(form) if isinstance(form, Mapping) else None,
         )
 
     def n_params(self, n_layers: int) -> int:
-        """Parameters of the full-depth model: ``P(1) + (L - 1) * (P(2) - P(1))``."""
+        """Parameters of the full-depth model: ``P(1) + (L - 1) * (P(2) - P(1))``; blocks of several kinds:
+        ``P(1) - (P(2) - P(1)) + sum_k n_k * (P([first, k]) - P(1))`` (each kind as often as the config has it)."""
+        if self.kinds:
+            fixed = self.n_params_one - (self.n_params_two - self.n_params_one)
+            return fixed + sum(n * (p - self.n_params_one) for n, _, p in self.kinds)
         return self.n_params_one + (n_layers - 1) * (self.n_params_two - self.n_params_one)
+
+    def untrusted_at(self, micro_batch: int, seq_len: int) -> str | None:
+        """Why the fitted coefficients may not be used at ``(b, s)`` (``None``: they may).
+
+        - an entry traced at one sequence length answers for that length only;
+        - at a fitted shape the fit is exact;
+        - when the held-out probe trace disagreed with the fit by more than the tolerance, the per-token
+          bytes are not of the fitted form (chunk padding, a window crossed between traced shapes), so
+          only the fitted shapes are answered;
+        - a step of the config (sliding window, attention chunk, SSM chunk) at or past every checked
+          length and below ``s`` may change the bytes per token where nothing was traced.
+        """
+        form = self.form
+        if form is None or self.vision_tokens:
+            return None
+        if form.get("seq_len") is not None:
+            return None if seq_len == form["seq_len"] else f"this entry was traced at s={form['seq_len']} only"
+        fitted = [tuple(x) for x in form.get("fitted") or ()]
+        if (micro_batch, seq_len) in fitted:
+            return None
+        error, tolerance = form.get("probe_error"), float(form.get("tolerance") or 0.0)
+        probe = form.get("probe")
+        if error is None or float(error) > tolerance:
+            return (f"the held-out trace at (b, s)={tuple(probe or ())} differs from the fit at {fitted} by "
+                    f"{float(error or 0.0):.2%} (> {tolerance:.2%}): the bytes per token are not of the fitted form")
+        checked = max([s for _, s in fitted] + ([int(probe[1])] if probe else []))
+        if form.get("quadratic") and seq_len > checked:
+            # a b*s^2 term fitted at s <= checked is not extrapolated: its small-s error grows with s^2
+            return f"s={seq_len} is beyond the traced s<={checked} of a fit with a b*s^2 term"
+        steps = [int(x) for x in form.get("steps") or () if checked <= int(x) < seq_len]
+        if steps:
+            return f"s={seq_len} is past the config's step at s={steps[0]} (window/chunk), beyond the traced s<={checked}"
+        return None
 
     def full_depth(self, n_layers: int, b: int, s: int) -> dict[str, dict[str, int]]:
         """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)`` (a vision model's ``s``
-        is its image's token count whatever is passed). Memoised: the caller must not modify it."""
+        is its image's token count whatever is passed). Memoised: the caller must not modify it.
+
+        Blocks all alike: ``bytes(1) + (L - 1) * (bytes(2) - bytes(1))``. Blocks of several kinds: the
+        fixed part ``bytes(1) - (bytes(2) - bytes(1))`` plus, per kind, its count times its block's bytes
+        ``bytes([first, k]) - bytes(1)``."""
         if self.vision_tokens:
             s = self.vision_tokens  # the image fixes the sequence: only b scales
         hit = self.memo.get(("full_depth", n_layers, b, s))
@@ -155,7 +211,11 @@ class DepthTraces:
             by_phase[phase] = {}
             for comp in COMPONENTS:
                 v1, v2 = self.one.bytes_for(phase, comp, b, s), self.two.bytes_for(phase, comp, b, s)
-                by_phase[phase][comp] = max(0, v1 + (n_layers - 1) * (v2 - v1))
+                if self.kinds:
+                    total = v1 - (v2 - v1) + sum(n * (cal.bytes_for(phase, comp, b, s) - v1) for n, cal, _ in self.kinds)
+                else:
+                    total = v1 + (n_layers - 1) * (v2 - v1)
+                by_phase[phase][comp] = max(0, total)
         if len(self.memo) < 8192:
             self.memo[("full_depth", n_layers, b, s)] = by_phase
         return by_phase

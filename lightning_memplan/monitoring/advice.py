@@ -15,10 +15,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.report.records import StepRecord
+from lightning_memplan.report.records import RankSummary, StepRecord
 from lightning_memplan.report.render import format_bytes
 
-__all__ = ["REMEDIES", "culprit", "forecast_message", "headroom_message", "mismatch_message", "remedy"]
+__all__ = [
+    "REMEDIES",
+    "culprit",
+    "eval_phase_message",
+    "eval_remedy",
+    "forecast_message",
+    "headroom_message",
+    "mismatch_message",
+    "remedy",
+]
 
 _MODEL_STATES = ("params", "grads", "optimizer", "master")
 
@@ -225,3 +234,64 @@ def forecast_message(
         f"{format_bytes(capacity, units)} is usable, so it would run out of memory; the largest component would "
         f"be {comp}: {remedy(comp, plan, train)}"
     )
+
+
+#: How the report names the evaluation phases in prose.
+_PHASE_NAMES = {"val": "validation", "test": "test", "predict": "predict"}
+#: Hooks where the user frees what the training step left before the evaluation phase runs.
+_PHASE_HOOKS = {"val": "on_validation_start", "test": "on_test_start", "predict": "on_predict_start"}
+
+
+def eval_remedy(record: StepRecord, loss: str | None) -> str:
+    """The cheapest change that lowers an evaluation step's peak, by the component that dominates it
+    (no-grad steps save nothing, so the batch-dependent part is one block's working set or the logits)."""
+    comps = record.measured_components or record.estimated_components or {}
+    comp = _largest({c: v for c, v in comps.items() if c != "params"}) or "activations"
+    b, name = record.micro_batch, _PHASE_NAMES.get(record.phase, record.phase)
+    smaller = f"lower the {name} batch size (the {name} dataloader's batch_size, now {b}): the step's transient bytes scale with b x s"
+    if comp == "logits":
+        chunked = loss in ("chunked", "vocab_parallel")
+        return (smaller if chunked else
+                "compute the evaluation loss in chunks (lightning_memplan.LinearCrossEntropy / linear_cross_entropy: "
+                f"the [b, s, V] logits are never materialised), or {smaller}")
+    if comp in ("grads", "optimizer"):
+        hook = _PHASE_HOOKS.get(record.phase, "on_validation_start")
+        return (
+            f"the training run's {comp} are alive during the {name} steps; free the gradients before them "
+            f"(optimizer.zero_grad(set_to_none=True) in {hook}, as Lightning's on_validation_model_zero_grad does unless "
+            f"validation interrupts gradient accumulation), or {smaller}"
+        )
+    return f"{smaller}; run the step under torch.inference_mode() / torch.no_grad() if it builds a graph"
+
+
+def eval_phase_message(
+    record: StepRecord, train: RankSummary | None, *, min_headroom: float, units: str = "GiB", loss: str | None = None
+) -> str | None:
+    """Warning text when an evaluation step (``record.phase`` != ``"train"``) would not fit the capacity
+    (its estimate or measurement above it, or headroom under ``min_headroom``) or peaks above the training
+    steps of the epoch so far (``train``: measured against measured, else estimated against estimated)."""
+    name = _PHASE_NAMES.get(record.phase, record.phase)
+    shape = f"batch {record.micro_batch} x {record.seq_len}"
+    peak = record.measured_peak if record.measured_peak is not None else record.estimated_peak
+    capacity = record.device_memory
+    if peak is not None and capacity:
+        short = record.headroom is not None and record.headroom < min_headroom * capacity
+        if peak > capacity or (record.estimated_peak or 0) > capacity or short:
+            return (
+                f"the {name} step ({shape}) peaks at {format_bytes(peak, units)} (estimated "
+                f"{format_bytes(record.estimated_peak, units)}) on rank {record.rank}, which does not fit "
+                f"{format_bytes(capacity, units)} with min_headroom={min_headroom:.0%}: {eval_remedy(record, loss)}"
+            )
+    if train is None:
+        return None
+    pairs = ((record.measured_peak, train.measured_peak, "measured"), (record.estimated_peak, train.estimated_peak, "estimated"))
+    for mine, theirs, kind in pairs:
+        if mine is not None and theirs is not None:
+            if mine <= theirs:
+                return None
+            return (
+                f"the {name} step is the run's memory peak: {kind} {format_bytes(mine, units)} ({shape}) on rank "
+                f"{record.rank}, above the training step's {format_bytes(theirs, units)}; plan the device for it: "
+                f"{eval_remedy(record, loss)}"
+            )
+    return None

@@ -22,6 +22,7 @@ __all__ = [
     "log_metrics",
     "log_report_text",
     "merge_window",
+    "phase_prefix",
     "step_metrics",
     "unit_key",
 ]
@@ -47,10 +48,16 @@ def _put(metrics: dict[str, float], key: str, value: int | None, units: str) -> 
         metrics[view] = value / UNITS[units]
 
 
+def phase_prefix(phase: str) -> str:
+    """``memplan`` for training steps, ``memplan/val`` (``/test``, ``/predict``) for evaluation steps."""
+    return PREFIX if phase == "train" else f"{PREFIX}/{phase}"
+
+
 def step_metrics(record: StepRecord, units: str) -> dict[str, float]:
-    """The per-step metrics of one :class:`StepRecord` (keys documented on the callback)."""
+    """The per-step metrics of one :class:`StepRecord` (keys documented on the callback); an evaluation
+    step's keys sit under its phase (``memplan/val/estimated_peak``, ...)."""
     m: dict[str, float] = {}
-    p = PREFIX
+    p = phase_prefix(record.phase)
     _put(m, f"{p}/estimated_peak", record.estimated_peak, units)
     _put(m, f"{p}/measured_peak", record.measured_peak, units)
     _put(m, f"{p}/reserved", record.reserved, units)
@@ -125,7 +132,7 @@ def merge_window(window: list[StepRecord], units: str) -> dict[str, float]:
     compared = [r for r in window if r.ratio is not None and not r.warmup]
     if compared:
         best = max(compared, key=lambda r: r.measured_peak or 0)
-        merged[f"{PREFIX}/measured_to_estimated"] = best.ratio  # type: ignore[assignment]
+        merged[f"{phase_prefix(best.phase)}/measured_to_estimated"] = best.ratio  # type: ignore[assignment]
     return merged
 
 

@@ -24,8 +24,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.monitoring.advice import forecast_message, headroom_message, mismatch_message
+from lightning_memplan.monitoring.advice import (
+    eval_phase_message,
+    forecast_message,
+    headroom_message,
+    mismatch_message,
+)
 from lightning_memplan.monitoring.calibration import describe_run, run_calibration
+from lightning_memplan.monitoring.eval_steps import EvalState
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.step_record import build_incident, build_step_record
@@ -33,6 +39,7 @@ from lightning_memplan.parallel.infer import (
     InferenceError,
     _unwrap,
     batch_shape,
+    fsdp1_notes,
     infer_model_spec,
     infer_plan,
     infer_train_spec,
@@ -114,6 +121,7 @@ class _FitState:
     window: list[StepRecord] = field(default_factory=list)  # micro-batches of the optimizer step under way
     epoch_warnings: list[str] = field(default_factory=list)
     epoch_warning_steps: list[int] = field(default_factory=list)  # the step each warning was raised at
+    evals: EvalState = field(default_factory=EvalState)  # validation / test / predict steps (eval_steps.py)
 
 
 class MemorySession:
@@ -133,6 +141,8 @@ class MemorySession:
         self.max_shape_seen = (0, 0)
         self.rank = 0
         self.fit = _FitState()
+        # Every rank's records of the checkpoint saves of the epoch under way (monitoring/checkpoint.py).
+        self.pending_checkpoints: list[Any] = []
 
     # ------------------------------------------------------------------------------------ set-up
     def begin_fit(self, device: torch.device, rank: int) -> None:
@@ -203,6 +213,8 @@ class MemorySession:
                 plan, how = ParallelPlan(dp=run.world_size), f"assumed dp={run.world_size}"
                 self.note(f"{exc}; assumed ParallelPlan(dp={run.world_size}) meanwhile")
         fit.plan = plan
+        for text in fsdp1_notes(run.strategy, run.module):  # what the model approximates for FSDP1
+            self.note(text)
         fit.est_rank = self.rank if self.rank < plan.world_size else None
         if fit.est_rank is None:
             self.note(
@@ -226,6 +238,7 @@ class MemorySession:
                 f"estimate of activations is unreliable; pass {self.owner}(model_spec=...) {fix}"
             )
         run_info = describe_run(run, spec, fit.train, plan, how, source, self.backend, fit.compiled)
+        run_info["units"] = opts.units  # what `lightning-memplan report` re-renders in by default
         self.report = replace(self.report, run=run_info)
 
     # ------------------------------------------------------------------------------------ estimates
@@ -286,15 +299,115 @@ class MemorySession:
             "warmup": not fit.stepped,
         }
         if tracked:
-            optimizers = [_unwrap(o) for o in run.optimizers]
-            if fit.compiled:
-                if fit.probe.kind == "cpu":
-                    fit.meter = AllocationMeter("cpu")
-                    fit.meter.start(run.module, optimizers, batch)
-            else:
-                self._start_tracker(run, optimizers, shape)
+            self._start_measuring(run, batch, shape)
         fit.frames_at_start = dynamo_frames()
         fit.probe.start_step()
+
+    def _start_measuring(self, run: RunContext, batch: Any, shape: tuple[int, int] | None) -> None:
+        """The tensor tracker (or a compiled CPU step's allocation meter) for a tracked step."""
+        fit = self.fit
+        optimizers = [_unwrap(o) for o in run.optimizers]
+        if fit.compiled:
+            if fit.probe is not None and fit.probe.kind == "cpu":
+                fit.meter = AllocationMeter("cpu")
+                fit.meter.start(run.module, optimizers, batch)
+        else:
+            self._start_tracker(run, optimizers, shape)
+
+    # ------------------------------------------------------------------------------------ evaluation steps
+    def start_eval_step(self, phase: str, run: RunContext, batch: Any, epoch: int) -> None:
+        """Before a validation / test / predict step (``phase``): estimate it
+        (:func:`~lightning_memplan.model.eval_estimate.estimate_eval_memory` for the eval batch's shape and
+        what the training run left alive) and start the probe and, on a tracked step, the tensor tracker.
+        Nothing before the first training batch (the estimate needs the training run's specs) and nothing
+        inside a training step; a failure is a warning and the step runs unmeasured."""
+        fit = self.fit
+        if fit.probe is None or not fit.initialised or fit.current is not None:
+            return
+        try:
+            shape = batch_shape(batch, seq_len=self.options.seq_len)
+        except InferenceError as exc:
+            shape = None
+            self.note(f"the {phase} batch's shape is unknown ({exc}); its steps are measured, not estimated")
+        est = None
+        if shape is not None and fit.spec is not None and fit.train is not None and fit.plan is not None:
+            try:
+                b = stage_micro_batch(fit.plan, shape[0])
+                est = fit.evals.estimate(fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module,
+                                         run.optimizers)
+            except (ValueError, TypeError) as exc:
+                self.note(f"the memory model cannot estimate the {phase} batch {shape[0]} x {shape[1]}: {exc}")
+        tracked = fit.evals.should_track(phase, fit.tracking_enabled, self.options.measure_every_n_steps)
+        fit.current = {
+            "step": fit.evals.seen.get(phase, 0), "epoch": epoch, "shape": shape, "estimate": est,
+            "tracked": tracked, "warmup": False, "phase": phase,
+        }
+        try:
+            if tracked:
+                self._start_measuring(run, batch, shape)
+            fit.probe.start_step()
+        except Exception as exc:  # noqa: BLE001 - monitoring never stops the user's evaluation
+            self._abandon_eval(phase, exc)
+
+    def end_eval_step(self, phase: str, epoch: int) -> StepRecord | None:
+        """After an evaluation step: its record (added to the phase's accumulator and to the evaluation run
+        under way), checked for the phase warnings; ``None`` when the step was not measured."""
+        fit = self.fit
+        if fit.probe is None or fit.current is None or fit.current.get("phase") != phase:
+            return None
+        try:
+            reading = fit.probe.end_step()
+            metered = self._stop_meter(reading)
+            record = self._record(reading, self._stop_tracker(), metered)
+        except Exception as exc:  # noqa: BLE001 - monitoring never stops the user's evaluation
+            self._abandon_eval(phase, exc)
+            return None
+        fit.current = None
+        fit.evals.add(record, epoch=epoch, rank=self.rank, backend=self.backend)
+        self.check_eval(record)
+        return record
+
+    def _abandon_eval(self, phase: str, exc: BaseException) -> None:
+        fit = self.fit
+        fit.current = None
+        for stop in (self._stop_tracker, lambda: fit.meter.close() if fit.meter is not None else None):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001,S110 - already reporting a failure
+                pass
+        fit.meter = None
+        self.warn_once(f"eval_failed:{phase}", f"the {phase} step could not be measured ({type(exc).__name__}: "
+                       f"{exc}); the run goes on without that measurement")
+
+    def end_eval_run(self, gather: Callable[[Any], list[Any]] = gather_objects) -> EpochReport | None:
+        """After ``trainer.validate``/``test``/``predict`` outside a fit (a collective: every rank calls it):
+        the evaluation figures join the latest epoch of the report; ``None`` when there is none to join
+        (no epoch finished, or nothing measured)."""
+        gathered = gather(self.fit.evals.take_summaries())
+        phases: dict[str, tuple[RankSummary, ...]] = {}
+        for evals in gathered:
+            for phase, summary in evals.items():
+                phases[phase] = (*phases.get(phase, ()), RankSummary.from_dict(summary))
+        latest = self.report.latest
+        if not phases or latest is None:
+            return None
+        merged = replace(latest, phases={**latest.phases, **{p: tuple(sorted(rs, key=lambda r: r.rank))
+                                                               for p, rs in phases.items()}})
+        self.report = replace(self.report, epochs=tuple(merged if e.key == latest.key else e for e in self.report.epochs))
+        return merged
+
+    def take_eval_window(self, phase: str) -> list[StepRecord]:
+        """The records of the ``phase`` run just finished (one set of metrics per evaluation run)."""
+        return self.fit.evals.take_window(phase)
+
+    def check_eval(self, record: StepRecord) -> None:
+        """Warn (once per phase) when the evaluation step is the run's peak or would not fit."""
+        opts = self.options
+        train = self.acc.summary() if self.acc is not None and self.acc.steps else None
+        text = eval_phase_message(record, train, min_headroom=opts.min_headroom, units=opts.units,
+                                  loss=self.fit.train.loss if self.fit.train is not None else None)
+        if text:
+            self.warn_once(f"eval:{record.phase}", text)
 
     def _start_tracker(self, run: RunContext, optimizers: list[Any], shape: tuple[int, int] | None) -> None:
         seq = shape[1] if shape is not None and shape[1] > 1 else None
@@ -453,10 +566,18 @@ class MemorySession:
         into the epoch's report, which joins :attr:`report`."""
         fit = self.fit
         acc = self.acc or RankAccumulator(rank=self.rank, epoch=epoch, backend=self.backend)
-        gathered = gather((acc.summary().to_dict(), list(fit.epoch_warnings), list(fit.epoch_warning_steps)))
-        ranks = tuple(sorted((RankSummary.from_dict(s) for s, _, _ in gathered), key=lambda r: r.rank))
+        gathered = gather((acc.summary().to_dict(), list(fit.epoch_warnings), list(fit.epoch_warning_steps),
+                           fit.evals.take_summaries(), self.report.current_run_id))
+        # every rank files the epoch under rank 0's run id (the one rank 0 writes)
+        self.report = replace(self.report, current_run_id=gathered[0][4] or self.report.current_run_id)
+        ranks = tuple(sorted((RankSummary.from_dict(s) for s, *_ in gathered), key=lambda r: r.rank))
+        phases: dict[str, tuple[RankSummary, ...]] = {}
+        for _, _, _, evals, _ in gathered:
+            for phase, summary in evals.items():
+                phases[phase] = (*phases.get(phase, ()), RankSummary.from_dict(summary))
+        phases = {p: tuple(sorted(rs, key=lambda r: r.rank)) for p, rs in phases.items()}
         first_at: dict[str, int] = {}  # each warning, in order of appearance, at the first step any rank raised it
-        for _, ws, steps in gathered:
+        for _, ws, steps, _, _ in gathered:
             for text, at in zip(ws, steps, strict=True):
                 first_at[text] = min(at, first_at.get(text, at))
         warnings = list(first_at)
@@ -464,9 +585,12 @@ class MemorySession:
             if text not in fit.epoch_warnings:
                 self.warn_once(f"peer:{text[:80]}", text)
         report = EpochReport(
-            epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings), warning_steps=tuple(first_at[t] for t in warnings)
+            epoch=acc.epoch, ranks=ranks, warnings=tuple(warnings), warning_steps=tuple(first_at[t] for t in warnings),
+            phases=phases, checkpoints=tuple(self.pending_checkpoints),
         )
+        self.pending_checkpoints = []
         self.report = self.report.with_epoch(report)
+        report = next(e for e in self.report.epochs if e.key == (self.report.current_run, report.epoch))  # its run, run id
         self.acc = None
         fit.epoch_warnings = []
         fit.epoch_warning_steps = []

@@ -67,6 +67,7 @@ def build_step_record(
         estimated_components=est.components() if est is not None else None,
         estimated_phase_peaks={p: est.phase_total(p) for p in PHASES if p in est.by_phase} if est is not None else None,
         estimated_peak_phase=est.peak_phase if est is not None else None,
+        estimated_host=est.host if est is not None and est.host else None,  # DeepSpeed offload: host bytes
         measured_peak=measured_peak,
         measured_components=components,
         measured_phase_peaks=phase_peaks,
@@ -79,6 +80,7 @@ def build_step_record(
         estimated_by_phase={p: dict(c) for p, c in est.by_phase.items()} if est is not None else None,
         timeline=tracker_report.timeline if tracker_report is not None else None,
         measurement=measurement,
+        phase=str(current.get("phase", "train")),
     )
 
 

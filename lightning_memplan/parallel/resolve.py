@@ -25,6 +25,7 @@ from lightning_memplan.parallel.layouts import TransformerLayout
 from lightning_memplan.parallel.mesh import build_device_mesh
 from lightning_memplan.parallel.record import explain
 from lightning_memplan.parallel.stall import RankRendezvous
+from lightning_memplan.validation import check_number, check_optional_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,17 +65,16 @@ class PlanningOptions:
     headroom: float = 0.1
 
     def __post_init__(self) -> None:
-        budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise ValueError(f"memory_budget={budget!r} must be a positive number of bytes, e.g. 8 * 2**30")
+        # checked values stored back plain (np.int64 -> int, a 0-d tensor -> its item)
+        object.__setattr__(self, "memory_budget", check_optional_int(
+            "memory_budget", self.memory_budget, hint="a positive number of bytes, e.g. 8 * 2**30, or None"))
         if self.plan is not None and not isinstance(self.plan, ParallelPlan):
             raise TypeError(f"plan={self.plan!r} must be a lightning_memplan.ParallelPlan, e.g. ParallelPlan(dp=2, zero=3)")
         if self.train is not None and not isinstance(self.train, TrainSpec):
             raise TypeError(f"train={self.train!r} must be a lightning_memplan.TrainSpec")
-        headroom = self.headroom
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= float(headroom) < 1.0:
-            raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.1")
-        object.__setattr__(self, "headroom", float(headroom))
+        object.__setattr__(self, "headroom", check_number(
+            "headroom", self.headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
+            hint="a fraction in [0, 1), e.g. 0.1"))
 
 
 def resolve(

@@ -15,6 +15,7 @@ from lightning_memplan.planning.decision import (
     Rejection,
     Suggestion,
 )
+from lightning_memplan.planning.fit import LargestFit, largest_fit, max_micro_batch, max_seq_len
 from lightning_memplan.planning.planner import CHANGE_COST, CHANGE_PENALTY, SIMPLICITY_MARGIN, plan
 from lightning_memplan.planning.space import ALLOW_NAMES, Allow
 from lightning_memplan.planning.timing import (
@@ -36,6 +37,7 @@ __all__ = [
     "SIMPLICITY_MARGIN",
     "CUDA_CONTEXT_BYTES",
     "Candidate",
+    "LargestFit",
     "Layout",
     "NCCL_BYTES_PER_GROUP",
     "PlanDecision",
@@ -48,6 +50,9 @@ __all__ = [
     "bubble_fraction",
     "bubble_overhead",
     "device_need",
+    "largest_fit",
+    "max_micro_batch",
+    "max_seq_len",
     "memory_budget",
     "plan",
     "predict_step_time",

@@ -87,11 +87,15 @@ def process_groups(plan: ParallelPlan) -> int:
     return groups + (1 if plan.dp > 1 and plan.cp > 1 else 0)
 
 
-def memory_budget(hardware: HardwareSpec, plan: ParallelPlan, *, headroom: float, explicit: int | None = None) -> Budget:
-    """The budget for ``plan`` on ``hardware`` (see the module docstring); ``explicit`` overrides it."""
+def memory_budget(hardware: HardwareSpec | None, plan: ParallelPlan, *, headroom: float,
+                  explicit: int | None = None) -> Budget:
+    """The budget for ``plan`` on ``hardware`` (see the module docstring); ``explicit`` overrides it
+    (then ``hardware`` may be ``None``: the device size is only shown, taken as the budget itself)."""
     if explicit is not None:
-        return Budget(device=hardware.memory_bytes, headroom=0, cuda_context=0, nccl=0, budget=int(explicit),
-                      explicit=True)
+        device = hardware.memory_bytes if hardware is not None else int(explicit)
+        return Budget(device=device, headroom=0, cuda_context=0, nccl=0, budget=int(explicit), explicit=True)
+    if hardware is None:
+        raise ValueError("hardware=None needs an explicit memory budget; pass memory_budget= (bytes) or a HardwareSpec")
     from lightning_memplan.planning.timing import is_cpu_host
 
     device = hardware.memory_bytes
@@ -102,17 +106,18 @@ def memory_budget(hardware: HardwareSpec, plan: ParallelPlan, *, headroom: float
     return Budget(device=device, headroom=head, cuda_context=context, nccl=nccl, budget=device - head - context - nccl)
 
 
-def caching_allocator_applies(hardware: HardwareSpec, train: TrainSpec) -> bool:
+def caching_allocator_applies(hardware: HardwareSpec | None, train: TrainSpec) -> bool:
     """Whether PyTorch's CUDA caching allocator holds the step's tensors: a ``"cuda"`` step on a host
-    that is not :func:`~lightning_memplan.planning.timing.is_cpu_host`."""
+    that is not :func:`~lightning_memplan.planning.timing.is_cpu_host` (``hardware=None``: the step's
+    ``train.device`` alone decides)."""
     from lightning_memplan.planning.timing import is_cpu_host
 
-    return train.device == "cuda" and not is_cpu_host(hardware)
+    return train.device == "cuda" and (hardware is None or not is_cpu_host(hardware))
 
 
 def device_need(
-    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, estimate: MemoryEstimate, hardware: HardwareSpec, *,
-    expandable_segments: bool = False,
+    model: ModelSpec, train: TrainSpec, plan: ParallelPlan, estimate: MemoryEstimate, hardware: HardwareSpec | None,
+    *, expandable_segments: bool = False,
 ) -> ReservedEstimate:
     """What ``plan`` needs of the device's memory, its ``.reserved`` compared with :func:`memory_budget`:
     on CUDA the caching allocator's modelled peak reserved bytes of ``estimate``

@@ -14,6 +14,7 @@ from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget, need_text
 from lightning_memplan.planning.timing import StepTime
+from lightning_memplan.validation import check_int
 
 __all__ = ["Candidate", "PlanDecision", "PlanDoesNotFitError", "Rejection", "Suggestion", "train_changes"]
 
@@ -288,10 +289,16 @@ class PlanDecision:
         """Render the decision: ``"text"``, ``"markdown"`` or ``"rich"`` (a rich table rendered to text).
 
         Args:
-            top: alternatives listed. max_rejected: rejection reasons listed per kind.
+            top: alternatives listed. max_rejected: rejection reasons listed per kind (ints >= 0).
+
+        Raises:
+            TypeError / ValueError: ``top`` or ``max_rejected`` not an int >= 0; an unknown ``format``.
         """
         from lightning_memplan.planning.explain import render
 
+        top = check_int("top", top, minimum=0, hint="alternatives listed, e.g. top=5")
+        max_rejected = check_int("max_rejected", max_rejected, minimum=0,
+                                 hint="rejection reasons listed per kind, e.g. max_rejected=12")
         return render(self, format=format, top=top, max_rejected=max_rejected)
 
     def __rich__(self) -> Any:

@@ -52,8 +52,10 @@ def param_scale(model: ModelSpec) -> float:
 def layer_matmul_flops_per_token(model: ModelSpec) -> float:
     """Forward + backward FLOPs of one block's linear layers per token: ``6 * P_layer`` [K20, N21].
 
-    ``P_layer`` = matmul weights of one block (q, k, v, o, and the 2 or 3 MLP matrices)."""
-    fwd = FLOPS_PER_MAC * terms.layer_matmul_param_count(model) * param_scale(model)
+    ``P_layer`` = matmul weights of one block (q, k, v, o, and the 2 or 3 MLP matrices); for a
+    mixture-of-experts stack the weights a token goes through (router, its k routed experts, the
+    shared ones), averaged over the stack's blocks (``param_counts.active_layer_matmul_param_count``)."""
+    fwd = FLOPS_PER_MAC * terms.active_layer_matmul_param_count(model) * param_scale(model)
     return fwd * (1 + BACKWARD_TO_FORWARD)
 
 

@@ -144,8 +144,8 @@ def plan(
         chosen, fits, shortfall = candidates[0], True, 0
     else:
         chosen = found["closest"]
-        if chosen is None:  # every layout was rejected before any memory check (cannot happen with layouts)
-            raise ValueError("no layout could be evaluated; relax allow=")
+        if chosen is None:  # every layout was rejected before any memory check
+            raise ValueError(_nothing_evaluated(found["rejected"], allow))
         fits, shortfall = False, chosen.reserved_bytes - chosen.budget.budget
         from lightning_memplan.planning.suggest import suggest
 
@@ -164,6 +164,21 @@ def plan(
         hardware=hardware, global_batch=global_batch, headroom=float(headroom), stats=stats, notes=tuple(notes),
         expandable_segments=expandable_segments,
     )
+
+
+def _nothing_evaluated(rejected: Any, allow: Any) -> str:
+    """Why no layout reached a memory check: the most common rejection (a rule of the memory model that
+    holds for every layout, e.g. a spec it cannot estimate, is named as such), and ``allow=`` only when
+    one was given (issue 25: DeepSeek-V3 answered "relax allow=" with nothing given)."""
+    from collections import Counter
+
+    reasons = Counter(r.reason for r in rejected)
+    if not reasons:
+        return "no layout could be evaluated (the search space is empty); relax allow=" if allow is not None else (
+            "no layout could be evaluated (the search space is empty)")
+    reason, count = reasons.most_common(1)[0]
+    text = f"no layout could be evaluated: {count} of {len(rejected)} layouts were rejected with: {reason}"
+    return text + ("; or relax allow=" if allow is not None else "")
 
 
 def _notes(search: _Search, hardware: HardwareSpec) -> list[str]:

@@ -307,7 +307,7 @@ class StepTimeModel:
         self.e_attn = E.gemm_efficiency(hardware, s, model.dim_head) if self.eager else E.attention_efficiency(hardware, s)
         self.attn_share = 1.0 if self.eager else CAUSAL_KERNEL_SHARE
         scale = F.param_scale(model)
-        self.layer_p = terms.layer_param_count(model) * scale
+        self.layer_p = terms.blocks_param_count(model) / model.n_layers * scale  # mean block (MoE stacks differ)
         self.emb_p = terms.embedding_param_count(model) * scale
         self.head_p = terms.head_param_count(model) * scale
         self.tied_extra = model.vocab_size * model.hidden * scale if model.tied_embeddings else 0.0

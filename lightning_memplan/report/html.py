@@ -15,9 +15,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.report.checkpoints import CHECKPOINT_HEADERS, checkpoint_rows
 from lightning_memplan.report.escape import html_text as escape
 from lightning_memplan.report.records import EpochReport, MemoryReport
-from lightning_memplan.report.render import _RANK_HEADERS, UNITS, _component_rows, _rank_row, format_bytes
+from lightning_memplan.report.render import (
+    _PHASE_HEADERS,
+    _RANK_HEADERS,
+    CHECKPOINTS_CAPTION,
+    PHASES_CAPTION,
+    UNITS,
+    _component_rows,
+    _rank_row,
+    format_bytes,
+    phase_rows,
+)
 from lightning_memplan.report.svg import Chart
 from lightning_memplan.report.views import (
     COMPONENT_COLORS,
@@ -335,7 +346,45 @@ def _ranks_section(report: MemoryReport) -> str:
 
 
 # ------------------------------------------------------------------------------------ plan map
+#: What the plan map says instead of step times where the hardware has no time model (a CPU host).
+_UNTIMED_NOTE = ("Step time is not modelled on this hardware (a CPU host has no accelerator speed figures), so the map "
+                 "plots predicted peak memory only (no step time, throughput or utilisation figure), and the planner ranked "
+                 "the layouts that fit by fewest changes.")
+
+
+def _plan_memory_svg(view: PlanView) -> str:
+    """The plan map without a time axis (:attr:`PlanView.timed` false): every layout's predicted peak, in order
+    of peak, against the budget."""
+    order = sorted(range(len(view.points)), key=lambda i: view.points[i].peak)
+    peaks = [p.peak for p in view.points] + ([view.budget] if view.budget else [])
+    hi, lo = max(peaks), min(peaks)
+    log_y = hi / max(lo, 1) > _LOG_RATIO
+    unit = auto_unit(hi)
+    scale = UNITS[unit]
+    n = len(order)
+    ch = Chart(_WIDTH, 430, (-0.5, n - 0.5), (lo / 1.5, hi * 1.5) if log_y else (0, hi * 1.15), log_y=log_y,
+               title=view.title + " (memory only)", margins=(72, 16, 44, 44))
+    if view.budget:
+        ch.hline(view.budget, stroke=_CAP, label=f"budget {_fmt(view.budget, unit)}", label_at="start")
+    colors = {"chosen": "#2f9e44", "fits": _EST, "rejected": _GREY}
+    for x, i in enumerate(order):
+        p = view.points[i]
+        hover = f"{p.status}: {p.label}: peak {_fmt(p.peak, unit)}; {p.reason}"
+        ch.marker(x, p.peak, fill=colors[p.status], r=9 if p.status == "chosen" else 5,
+                  shape="diamond" if p.status == "chosen" else "circle", title=hover)
+        if p.status == "chosen":
+            ch.text(ch.x(x), ch.y(p.peak) - 14, "chosen: " + p.label.split(" | ")[0], size=11, weight="bold",
+                    color="#2b8a3e", anchor="middle")
+    ch.legend([("chosen", "#2f9e44"), ("fits", _EST), ("rejected (hover: reason)", _GREY), ("budget", _CAP)], y=ch.top - 16)
+    ch.axes(x_label="layouts in order of predicted peak (step time not modelled here)",
+            y_label=f"predicted peak per device ({unit}{', log' if log_y else ''})",
+            y_format=lambda v: f"{v / scale:.3g}", y_scale=scale, x_ticks=[], x_format=lambda v: "")
+    return ch.svg()
+
+
 def _plan_svg(view: PlanView) -> str:
+    if view.points and not view.timed:
+        return _plan_memory_svg(view)
     timed = [p for p in view.points if p.step_s is not None]
     peaks = [p.peak for p in view.points] + ([view.budget] if view.budget else [])
     if not peaks:
@@ -391,14 +440,23 @@ def _plan_svg(view: PlanView) -> str:
 def _plan_section(decision: Mapping[str, Any]) -> str:
     view = plan_view(decision)
     unit = auto_unit(max([p.peak for p in view.points] + [1]))
-    out = ['<section id="plan"><h2>Plan map</h2>',
-           '<p class="note">Every layout the planner evaluated: predicted peak memory per device against predicted step '
-           "time. Fitting candidates in blue, the chosen one in green, layouts rejected for memory in grey (hover for "
-           "the reason); the fastest plan of each well-known layout (FSDP only, FSDP x TP, TP x PP x DP, ...) is "
-           "labelled.</p>", _plan_svg(view)]
-    rows = [[p.status, p.label, p.family, _fmt(p.peak, unit), f"{p.step_s:.4g}" if p.step_s is not None else "-", p.reason]
-            for p in view.points]
-    out.append(_table(["status", "layout", "family", "peak", "step (s)", "detail"], rows, caption="Evaluated layouts"))
+    if view.timed:
+        intro = ('<p class="note">Every layout the planner evaluated: predicted peak memory per device against predicted '
+                 "step time. Fitting candidates in blue, the chosen one in green, layouts rejected for memory in grey "
+                 "(hover for the reason); the fastest plan of each well-known layout (FSDP only, FSDP x TP, TP x PP x "
+                 "DP, ...) is labelled.</p>")
+    else:
+        intro = (f'<p class="note">{escape(_UNTIMED_NOTE)} Fitting candidates in blue, the chosen one in green, layouts '
+                 "rejected for memory in grey (hover for the reason).</p>")
+    out = ['<section id="plan"><h2>Plan map</h2>', intro, _plan_svg(view)]
+    if view.timed:
+        rows = [[p.status, p.label, p.family, _fmt(p.peak, unit), f"{p.step_s:.4g}" if p.step_s is not None else "-",
+                 p.reason] for p in view.points]
+        headers = ["status", "layout", "family", "peak", "step (s)", "detail"]
+    else:
+        rows = [[p.status, p.label, p.family, _fmt(p.peak, unit), p.reason] for p in view.points]
+        headers = ["status", "layout", "family", "peak", "detail"]
+    out.append(_table(headers, rows, caption="Evaluated layouts"))
     if view.unplotted:
         out.append(_table(["layout", "kind", "reason"], [list(u) for u in view.unplotted],
                           caption="Rejected before any memory estimate"))
@@ -416,6 +474,11 @@ def _tables_section(report: MemoryReport, units: str) -> str:
         for r in epoch.ranks:
             headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
         out.append(_table(headers, _component_rows(epoch, units), caption="Components at the peak"))
+        if epoch.phases:
+            out.append(_table(_PHASE_HEADERS, phase_rows(epoch, units), caption=PHASES_CAPTION))
+        if epoch.checkpoints:
+            rows = checkpoint_rows(epoch.checkpoints, lambda v: format_bytes(v, units, suffix=False))
+            out.append(_table(CHECKPOINT_HEADERS, rows, caption=CHECKPOINTS_CAPTION))
         for w in epoch.warnings:
             out.append(f'<p class="warn">warning: {escape(w)}</p>')
     out.append("</section>")
@@ -442,6 +505,34 @@ def _incidents_section(report: MemoryReport, units: str) -> str:
     return "\n".join(out)
 
 
+def _peak_facts(report: MemoryReport, units: str) -> list[str]:
+    """The header's figures: the run's peak, estimated and measured (the worst rank over every epoch, training
+    and evaluation steps), and the smallest headroom to the capacity / budget; escaped ``<li>`` items."""
+    rows = [(e, phase, r) for e in report.epochs for phase, rs in (("training", e.ranks), *e.phases.items()) for r in rs]
+
+    def where(e: EpochReport, phase: str, rank: int) -> str:
+        return f"rank {rank}, {e.label}" + ("" if phase == "training" else f", {phase} step")
+
+    def worst(name: str) -> str:
+        present = [(getattr(r, name), e, phase, r.rank) for e, phase, r in rows if getattr(r, name) is not None]
+        if not present:
+            return "-"
+        value, e, phase, rank = max(present, key=lambda t: t[0])
+        return f"{format_bytes(value, units)} ({where(e, phase, rank)})"
+
+    out = [f"<li><b>peak (worst rank):</b> estimated {escape(worst('estimated_peak'))}; "
+           f"measured {escape(worst('measured_peak'))}</li>"]
+    room = [(r.headroom, r.device_memory, e, phase, r.rank) for e, phase, r in rows if r.headroom is not None]
+    if room:
+        headroom, capacity, e, phase, rank = min(room, key=lambda t: t[0])
+        of = f" of {format_bytes(capacity, units)} capacity / budget" if capacity else ""
+        out.append(f"<li><b>headroom (smallest):</b> {escape(format_bytes(headroom, units) + of)} "
+                   f"({escape(where(e, phase, rank))})</li>")
+    else:
+        out.append("<li><b>headroom (smallest):</b> - (no capacity known)</li>")
+    return out
+
+
 def render_html(report: MemoryReport, *, units: str = "GiB", decision: Mapping[str, Any] | None = None) -> str:
     """The whole report as one self-contained HTML page (``decision``: a ``PlanDecision.to_dict()``, e.g.
     the ``"decision"`` of memplan_auto's ``memplan_plan.json``, adds the plan map)."""
@@ -449,6 +540,7 @@ def render_html(report: MemoryReport, *, units: str = "GiB", decision: Mapping[s
     body = ["<h1>Memory report</h1>"]
     facts = [f"<li><b>{escape(k)}:</b> {escape(str(run[k]))}</li>"
              for k in ("model", "plan_description", "precision", "accelerator", "world_size", "estimate_source") if k in run]
+    facts += _peak_facts(report, units)
     facts += [f'<li class="note">note: {escape(n)}</li>' for n in report.notes]
     facts.append(f"<li><b>epochs:</b> {len(report.epochs)}; <b>incidents:</b> {len(report.incidents)}</li>")
     body.append("<ul>" + "".join(facts) + "</ul>")

@@ -10,15 +10,19 @@ and a resumed run can continue it.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
+from lightning_memplan.model.eval_estimate import EVAL_PHASES
 from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.checkpoints import CheckpointRecord
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
 __all__ = [
     "REPORT_FORMAT_VERSION",
+    "RUN_PHASES",
     "EpochReport",
     "Incident",
     "MemoryReport",
@@ -31,8 +35,12 @@ __all__ = [
 
 #: Bumped when a field changes meaning or is added; ``from_dict`` refuses newer formats and reads every
 #: older one (version 1 had no step timelines, per-phase estimate breakdowns nor per-step series; version 2
-#: had no ``run`` per epoch: each ``trainer.fit`` of one callback is a run of its own since version 3).
-REPORT_FORMAT_VERSION = 3
+#: had no ``run`` per epoch: each ``trainer.fit`` of one callback is a run of its own since version 3; version 3
+#: had no evaluation phases: ``EpochReport.phases`` and ``StepRecord.phase`` since version 4).
+REPORT_FORMAT_VERSION = 4
+#: Phases of a run a step record can belong to: the training step, then Lightning's evaluation loops
+#: (:data:`lightning_memplan.model.eval_estimate.EVAL_PHASES`).
+RUN_PHASES: tuple[str, ...] = ("train", *EVAL_PHASES)
 _T = TypeVar("_T")
 #: Byte counts and step indices are below 2**63 (a signed 64-bit integer, what the allocators report).
 _MAX_COUNT = 2**63
@@ -129,7 +137,7 @@ def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
         if key in kwargs:
             kwargs[key] = _required(key, kwargs[key])
     for key in ("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
-                "worst_step", "max_seq_len"):
+                "worst_step", "max_seq_len", "estimated_host"):
         if key in kwargs:
             kwargs[key] = _count(key, kwargs[key])
     if "headroom" in kwargs:
@@ -140,7 +148,16 @@ def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("estimated_peak_phase", "measurement"):
         if key in kwargs:
             kwargs[key] = _text(key, kwargs[key], optional=True)
+    if "phase" in kwargs:
+        kwargs["phase"] = _run_phase("phase", kwargs["phase"])
     return kwargs
+
+
+def _run_phase(name: str, value: Any) -> str:
+    """One of :data:`RUN_PHASES`, read from a report."""
+    if value not in RUN_PHASES:
+        raise ValueError(f"{name}={_shown(value)} must be one of {RUN_PHASES}")
+    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +196,10 @@ class StepRecord:
             ``"compiled:profiler"`` (a ``torch.compile`` step on the CPU: the profiler's allocator
             events, no dispatch mode), ``"rss"`` (untracked CPU step: only ``reserved``); ``None`` in
             older reports.
+        phase: the loop the step belongs to: ``"train"`` (the default, and every step of reports before
+            format version 4), ``"val"``, ``"test"`` or ``"predict"`` (a no-grad evaluation step: its
+            estimate is :func:`~lightning_memplan.model.eval_estimate.estimate_eval_memory`, its ``step``
+            counts that loop's batches).
     """
 
     step: int
@@ -202,6 +223,8 @@ class StepRecord:
     estimated_by_phase: dict[str, dict[str, int]] | None = None
     timeline: StepTimeline | None = None
     measurement: str | None = None
+    estimated_host: int | None = None
+    phase: str = "train"
 
     @property
     def ratio(self) -> float | None:
@@ -213,6 +236,10 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, timeline=None))
         data["timeline"] = self.timeline.to_dict() if self.timeline is not None else None
+        if data["estimated_host"] is None:  # only offloading runs have host bytes; other records keep their keys
+            del data["estimated_host"]
+        if data["phase"] == "train":  # training records keep the keys they always had
+            del data["phase"]
         return data
 
     @classmethod
@@ -269,6 +296,7 @@ class RankSummary:
     tracked: tuple[StepRecord, ...] = ()
     measured_to_estimated: float | None = None
     series: StepSeries | None = None
+    estimated_host: int | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -280,6 +308,8 @@ class RankSummary:
         data["shapes"] = [list(s) for s in self.shapes]
         data["tracked"] = [r.to_dict() for r in self.tracked]
         data["series"] = self.series.to_dict() if self.series is not None else None
+        if data["estimated_host"] is None:
+            del data["estimated_host"]
         return data
 
     @classmethod
@@ -394,6 +424,7 @@ class RankAccumulator:
             tracked=tuple(tracked),
             measured_to_estimated=self.worst_steady.ratio if self.worst_steady else None,
             series=self.series.series() if self.series.rows else None,
+            estimated_host=self.worst_est.estimated_host if self.worst_est else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -473,13 +504,25 @@ class EpochReport:
     shorter than ``warnings`` (reports of format version 1 have none), the pictures then place the
     warning at the start of the epoch. ``run`` counts the ``trainer.fit`` calls of one callback (0 for the
     first; a second fit appends run 1 instead of replacing run 0's epochs); set by
-    :meth:`MemoryReport.with_epoch`."""
+    :meth:`MemoryReport.with_epoch`, with ``run_id``, the fit's random id (``""`` in reports written before
+    run ids), by which :meth:`MemoryReport.merged_with` tells two fits that wrote one folder apart. ``phases`` holds the evaluation steps that ran during the epoch
+    (validation inside ``trainer.fit``; test / predict / validate runs after it), ``{phase: every rank's
+    summary}`` for the phases that ran (``"val"``, ``"test"``, ``"predict"``); empty in reports before
+    format version 4."""
 
     epoch: int
     ranks: tuple[RankSummary, ...]
     warnings: tuple[str, ...] = ()
     warning_steps: tuple[int, ...] = ()
     run: int = 0
+    run_id: str = ""
+    phases: Mapping[str, tuple[RankSummary, ...]] = field(default_factory=dict)
+    #: Every rank's record of each checkpoint save during (or, for the last epoch, after) the epoch.
+    checkpoints: tuple[CheckpointRecord, ...] = ()
+
+    def phase_spread(self, phase: str, name: str) -> Spread | None:
+        """:class:`Spread` of a :class:`RankSummary` field over the ranks' summaries of an evaluation phase."""
+        return Spread.of(getattr(r, name) for r in self.phases.get(phase, ()))
 
     @property
     def key(self) -> tuple[int, int]:
@@ -503,15 +546,27 @@ class EpochReport:
         return {
             "epoch": self.epoch,
             "run": self.run,
+            **({"run_id": self.run_id} if self.run_id else {}),
             "ranks": [r.to_dict() for r in self.ranks],
             "across_ranks": across,
             "warnings": list(self.warnings),
             "warning_steps": list(self.warning_steps),
+            **({"phases": {p: [r.to_dict() for r in rs] for p, rs in self.phases.items()}} if self.phases else {}),
+            **({"checkpoints": [c.to_dict() for c in self.checkpoints]} if self.checkpoints else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpochReport:
+        phases = data.get("phases") or {}
+        if not isinstance(phases, Mapping):
+            raise TypeError(f"phases={_shown(phases)} must be a JSON object of evaluation phases")
         return cls(
+            phases={
+                _run_phase("phases", p): tuple(
+                    _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
+                )
+                for p, rs in phases.items()
+            },
             epoch=_required("epoch", data["epoch"]),
             ranks=tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks")))),
             warnings=tuple(str(_text(f"warnings[{i}]", w)) for i, w in enumerate(_items("warnings", data.get("warnings")))),
@@ -520,6 +575,11 @@ class EpochReport:
                 for i, x in enumerate(_items("warning_steps", data.get("warning_steps")))
             ),
             run=_required("run", data.get("run", 0)),
+            run_id=str(_text("run_id", data.get("run_id", ""))),
+            checkpoints=tuple(
+                _at(f"checkpoints[{i}]", CheckpointRecord.from_dict, c)
+                for i, c in enumerate(_items("checkpoints", data.get("checkpoints")))
+            ),
         )
 
 
@@ -589,6 +649,7 @@ class MemoryReport:
         incidents: exceptions recorded by ``on_exception``.
         current_run: the run (``trainer.fit`` of the callback, counted from 0) that :meth:`with_epoch`
             adds to; :meth:`new_run` starts the next one.
+        current_run_id: the random id of that run (:meth:`new_run` makes one), given to its epochs.
     """
 
     run: dict[str, Any] = field(default_factory=dict)
@@ -596,20 +657,46 @@ class MemoryReport:
     epochs: tuple[EpochReport, ...] = ()
     incidents: tuple[Incident, ...] = ()
     current_run: int = 0
+    current_run_id: str = ""
 
     def with_epoch(self, epoch: EpochReport) -> MemoryReport:
         """A copy with ``epoch`` added to the current run (replacing an earlier entry for the same epoch
         number of that run: a resumed epoch)."""
-        epoch = replace(epoch, run=self.current_run)
+        epoch = replace(epoch, run=self.current_run, run_id=self.current_run_id)
         kept = [e for e in self.epochs if e.key != epoch.key]
         return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))
 
     def new_run(self) -> MemoryReport:
-        """A copy whose next epochs form a new run (a second ``trainer.fit`` of the same callback): the
-        earlier fit's epochs are kept, not replaced. Unchanged while the current run has no epoch yet."""
+        """A copy whose next epochs form a new run (a second ``trainer.fit`` of the same callback), with a fresh
+        random run id: the earlier fit's epochs are kept, not replaced. While the current run has no epoch yet
+        only a missing run id is made."""
         if not any(e.run >= self.current_run for e in self.epochs):
-            return self
-        return replace(self, current_run=max(e.run for e in self.epochs) + 1)
+            return self if self.current_run_id else replace(self, current_run_id=uuid.uuid4().hex)
+        return replace(self, current_run=max(e.run for e in self.epochs) + 1, current_run_id=uuid.uuid4().hex)
+
+    def _run_numbers(self, older: MemoryReport) -> dict[int, int]:
+        """``{run: run in the merged report}`` for this report's runs: a run ``older`` already holds (the same
+        run id, or both without one) keeps ``older``'s number; a different fit (another Trainer, another
+        process) whose number ``older`` already uses gets the next free one, so its epochs join the file
+        beside the earlier fit's instead of replacing them."""
+        old_id = {e.run: e.run_id for e in older.epochs}
+        by_id = {e.run_id: e.run for e in older.epochs if e.run_id}
+        ids = {e.run: e.run_id for e in self.epochs}
+        if self.current_run not in ids:
+            ids[self.current_run] = self.current_run_id
+        used, numbers = set(old_id), {}
+        for run in sorted(ids):
+            rid = ids[run]
+            if rid and rid in by_id:
+                numbers[run] = by_id[rid]
+            elif run not in used and run not in old_id:
+                numbers[run] = run
+            elif run in old_id and old_id[run] == rid:
+                numbers[run] = run
+            else:
+                numbers[run] = max(used | set(numbers.values())) + 1
+            used.add(numbers[run])
+        return numbers
 
     def with_incident(self, incident: Incident) -> MemoryReport:
         return replace(self, incidents=(*self.incidents, incident))
@@ -620,8 +707,10 @@ class MemoryReport:
         Used when writing over an existing ``memory_report.json``: epochs written earlier (by this run
         before a restart, or by another run in the same directory) are never lost.
         """
-        have = {e.key for e in self.epochs}
-        epochs = sorted([*self.epochs, *(e for e in older.epochs if e.key not in have)], key=lambda e: e.key)
+        numbers = self._run_numbers(older)
+        mine = [replace(e, run=numbers[e.run]) for e in self.epochs]
+        have = {e.key for e in mine}
+        epochs = sorted([*mine, *(e for e in older.epochs if e.key not in have)], key=lambda e: e.key)
         seen = {(i.rank, i.epoch, i.step, i.error) for i in self.incidents}
         incidents = (
             *(i for i in older.incidents if (i.rank, i.epoch, i.step, i.error) not in seen),
@@ -629,7 +718,8 @@ class MemoryReport:
         )
         notes = tuple(dict.fromkeys((*older.notes, *self.notes)))
         return replace(
-            self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents
+            self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents,
+            current_run=numbers[self.current_run],
         )
 
     @property
@@ -643,6 +733,7 @@ class MemoryReport:
             "phases": list(PHASES),
             "run": dict(self.run),
             "current_run": self.current_run,
+            **({"current_run_id": self.current_run_id} if self.current_run_id else {}),
             "notes": list(self.notes),
             "epochs": [e.to_dict() for e in self.epochs],
             "incidents": [i.to_dict() for i in self.incidents],
@@ -668,4 +759,5 @@ class MemoryReport:
                 _at(f"incidents[{i}]", Incident.from_dict, x) for i, x in enumerate(_items("incidents", data.get("incidents")))
             ),
             current_run=_required("current_run", data.get("current_run", max((e.run for e in epochs), default=0))),
+            current_run_id=str(_text("current_run_id", data.get("current_run_id", ""))),
         )

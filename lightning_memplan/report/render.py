@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.report.checkpoints import CHECKPOINT_HEADERS, checkpoint_rows
 from lightning_memplan.report.escape import (
     markdown_code,
     markdown_code_block,
@@ -21,7 +22,17 @@ from lightning_memplan.report.escape import (
 )
 from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary
 
-__all__ = ["UNITS", "check_units", "format_bytes", "render_markdown", "render_rich", "epoch_markdown"]
+__all__ = [
+    "PHASES_CAPTION",
+    "UNITS",
+    "check_units",
+    "epoch_markdown",
+    "format_bytes",
+    "phase_rows",
+    "render_markdown",
+    "render_rich",
+    "report_units",
+]
 
 #: Display units and their size in bytes (GiB = 2**30, GB = 10**9; docs/DESIGN.md).
 UNITS: dict[str, int] = {
@@ -42,6 +53,25 @@ def check_units(units: Any, *, argument: str = "units") -> str:
             f"{argument}={units!r} is not a known unit; use one of {', '.join(map(repr, UNITS))}"
         )
     return units
+
+
+def report_units(report: MemoryReport, units: str = "auto") -> str:
+    """The display unit for re-rendering ``report``: ``units`` itself unless it is ``"auto"``; then the unit
+    the report was written with (``report.run["units"]``, the callback's ``units``), else, for a report that
+    does not name one, the largest binary unit (B, KiB, MiB, GiB) in which the largest estimated or measured
+    peak reads at least 1 (a MiB-scale run reads in MiB, not as rows of 0.000 GiB)."""
+    if units != "auto":
+        return check_units(units)
+    stored = report.run.get("units")
+    if isinstance(stored, str) and stored in UNITS:
+        return stored
+    peaks = [v for e in report.epochs for r in (*e.ranks, *(x for rs in e.phases.values() for x in rs))
+             for v in (r.estimated_peak, r.measured_peak) if v]
+    largest = max(peaks, default=0)
+    for unit in ("GiB", "MiB", "KiB"):
+        if largest >= UNITS[unit]:
+            return unit
+    return "B" if peaks else "GiB"
 
 
 def format_bytes(value: int | None, units: str = "GiB", *, suffix: bool = True) -> str:
@@ -102,6 +132,19 @@ def _rank_row(r: RankSummary, units: str) -> list[str]:
     ]
 
 
+#: Headers of the evaluation steps' table: the phase, then a rank row.
+_PHASE_HEADERS = ("phase", *_RANK_HEADERS)
+#: Caption of that table in every medium.
+PHASES_CAPTION = "Validation, test and predict steps (no-grad forward)"
+#: Caption of the checkpoint-save table (Markdown, terminal, HTML).
+CHECKPOINTS_CAPTION = "Checkpoint saves (state dict built and written)"
+
+
+def phase_rows(epoch: EpochReport, units: str) -> list[list[str]]:
+    """One row per evaluation phase and rank (:attr:`EpochReport.phases`), columns :data:`_PHASE_HEADERS`."""
+    return [[phase, *_rank_row(r, units)] for phase, ranks in epoch.phases.items() for r in ranks]
+
+
 def _component_rows(epoch: EpochReport, units: str) -> list[list[str]]:
     rows = []
     for name in COMPONENTS:
@@ -115,6 +158,11 @@ def _component_rows(epoch: EpochReport, units: str) -> list[list[str]]:
         for r in epoch.ranks:
             row.append(format_bytes((r.estimated_phase_peaks or {}).get(phase), units, suffix=False))
             row.append(format_bytes((r.measured_phase_peaks or {}).get(phase), units, suffix=False))
+        rows.append(row)
+    if any(r.estimated_host for r in epoch.ranks):  # DeepSpeed offload: host memory beside device memory
+        row = ["host memory, offload"]
+        for r in epoch.ranks:
+            row += [format_bytes(r.estimated_host, units, suffix=False), "-"]  # the tracker measures the device
         rows.append(row)
     return rows
 
@@ -157,6 +205,21 @@ def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = 
     for row in _component_rows(chosen, units):
         comps.add_row(*(rich_text(c, newlines=False) for c in row))
     parts: list[Any] = [ranks, comps]
+    if chosen.phases:
+        evals = Table(title=f"{PHASES_CAPTION}, {units}")
+        for i in [0, *(k + 1 for k in keep)]:
+            header = _PHASE_HEADERS[i]
+            evals.add_column(_RICH_SHORT.get(header, header), justify="left" if header in ("phase", "largest", "b x s") else "right")
+        for row in phase_rows(chosen, units):
+            evals.add_row(*(rich_text(row[i], newlines=False) for i in [0, *(k + 1 for k in keep)]))
+        parts.append(evals)
+    if chosen.checkpoints:
+        saves = Table(title=f"{CHECKPOINTS_CAPTION}, {units}")
+        for header in CHECKPOINT_HEADERS:
+            saves.add_column(header, justify="left" if header in ("save", "mode", "measured by") else "right")
+        for row in checkpoint_rows(chosen.checkpoints, lambda v: format_bytes(v, units, suffix=False)):
+            saves.add_row(*(rich_text(c, newlines=False) for c in row))
+        parts.append(saves)
     across = _across_line(chosen, units)
     if across:
         parts.append(Text("across ranks: " + across))
@@ -204,6 +267,11 @@ def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
     for r in epoch.ranks:
         headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
     out += [_md_table(headers, _component_rows(epoch, units)), ""]
+    if epoch.phases:
+        out += [f"{PHASES_CAPTION}:", "", _md_table(list(_PHASE_HEADERS), phase_rows(epoch, units)), ""]
+    if epoch.checkpoints:
+        rows = checkpoint_rows(epoch.checkpoints, lambda v: format_bytes(v, units, suffix=False))
+        out += [f"{CHECKPOINTS_CAPTION}, {units}:", "", _md_table(list(CHECKPOINT_HEADERS), rows), ""]
     across = _across_line(epoch, units)
     if across:
         out += [f"Across ranks: {across}", ""]

@@ -242,12 +242,15 @@ class PlanPoint:
 @dataclass(frozen=True, kw_only=True)
 class PlanView:
     """Attributes: points; budget bytes (``None`` if unknown); unplotted: ``(layout, kind, reason)`` of
-    rejections without a predicted peak (shape rules, the global batch); title."""
+    rejections without a predicted peak (shape rules, the global batch); title; timed: whether the decision's
+    step times are modelled (``False`` on a CPU host, where the planner's times are only a ranking aid: every
+    point's ``step_s`` is then ``None`` and no view shows a step time, tokens/s or MFU)."""
 
     points: list[PlanPoint]
     budget: int | None
     unplotted: list[tuple[str, str, str]]
     title: str
+    timed: bool = True
 
 
 def _family(plan: Mapping[str, Any]) -> str:
@@ -301,21 +304,30 @@ def plan_view(decision: Mapping[str, Any]) -> PlanView:
     points: list[PlanPoint] = []
     chosen_label = _describe(decision)
     seen_chosen = False
+    # A CPU host has no time model (planning.timing.time_model_applies): its placeholder times rank the layouts
+    # by change cost only, so they are never drawn or printed (the console says the same: TIME_MODEL_OFF).
+    steps = [decision.get("step") or {}, *((c.get("step") or {}) for c in decision.get("candidates", ()))]
+    timed = all(bool(st.get("modelled", True)) for st in steps)
+
+    def step_s(step: Mapping[str, Any]) -> float | None:
+        return float(step.get("total_s", 0.0)) if timed else None
+
     for cand in decision.get("candidates", ()):
         step = cand.get("step", {})
         label = _describe(cand)
         is_chosen = not seen_chosen and label == chosen_label
         seen_chosen = seen_chosen or is_chosen
         points.append(PlanPoint(
-            label=label, peak=_peak_of(cand), step_s=float(step.get("total_s", 0.0)),
+            label=label, peak=_peak_of(cand), step_s=step_s(step),
             status="chosen" if is_chosen else "fits",
-            reason=f"tokens/s {float(step.get('tokens_per_s', 0.0)):,.0f}, MFU {float(step.get('mfu', 0.0)):.1%}",
+            reason=(f"tokens/s {float(step.get('tokens_per_s', 0.0)):,.0f}, MFU {float(step.get('mfu', 0.0)):.1%}"
+                    if timed else f"fits; change cost {float(cand.get('change_cost', 0.0) or 0.0):g}"),
             family=_family(cand.get("plan", {})),
         ))
     if not seen_chosen:
         step = decision.get("step", {})
         points.append(PlanPoint(
-            label=chosen_label, peak=_peak_of(decision), step_s=float(step.get("total_s", 0.0)), status="chosen",
+            label=chosen_label, peak=_peak_of(decision), step_s=step_s(step), status="chosen",
             reason="chosen" if decision.get("fits") else "closest plan (does not fit)",
             family=_family(decision.get("plan", {})),
         ))
@@ -332,7 +344,8 @@ def plan_view(decision: Mapping[str, Any]) -> PlanView:
     hw = decision.get("hardware") or {}
     world = (decision.get("stats") or {}).get("world_size") or int(hw.get("gpus_per_node", 1) or 1) * int(hw.get("num_nodes", 1) or 1)
     title = f"Plan map: {model} on {int(world)} x {hw.get('name', 'device')}"
-    return PlanView(points=points, budget=int(budget) if budget is not None else None, unplotted=unplotted, title=title)
+    return PlanView(points=points, budget=int(budget) if budget is not None else None, unplotted=unplotted, title=title,
+                    timed=timed)
 
 
 def labelled_families(points: list[PlanPoint]) -> dict[int, str]:

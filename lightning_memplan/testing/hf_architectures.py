@@ -22,7 +22,7 @@ import torch
 
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 
-__all__ = ["ARCHITECTURES", "Architecture", "build_model", "example_batch", "measure_step", "loss_of"]
+__all__ = ["ARCHITECTURES", "SHAPE_ARCHITECTURES", "Architecture", "build_model", "example_batch", "loss_of", "measure_step"]
 
 HIDDEN = 256
 LAYERS = 4
@@ -172,3 +172,88 @@ def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) 
         run_training_step(model, inputs, loss_of, opt, precision=emulation)
         del inputs
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+# --- Families of issue 25: mixed layer stacks, MLA, attention sinks, SSMs (tiny widths, fp32) ---------------------
+
+#: Width, blocks and vocabulary of :data:`SHAPE_ARCHITECTURES` (small enough for s=8192 real CPU steps).
+TINY_HIDDEN = 64
+TINY_VOCAB = 2048
+
+
+def _deepseek_v3(p: float) -> Any:
+    # MLA (v head size 16 != q/k head size 24) and first_k_dense_replace=1: one dense block, three MoE.
+    return _t("DeepseekV3Config")(
+        num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, vocab_size=TINY_VOCAB, attention_dropout=p, max_position_embeddings=16384,
+        architectures=["DeepseekV3ForCausalLM"])
+
+
+def _llama4(step: int) -> Callable[[float], Any]:
+    # Scout (step 1: every block MoE) or Maverick (step 2: MoE every second block); NoPE every 4th block,
+    # chunked attention (chunk 256) on the RoPE blocks.
+    def make(p: float) -> Any:
+        return _t("Llama4TextConfig")(
+            num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, intermediate_size=64, intermediate_size_mlp=128,
+            num_local_experts=4, num_experts_per_tok=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            vocab_size=TINY_VOCAB, interleave_moe_layer_step=step, attention_chunk_size=256, attention_dropout=p,
+            max_position_embeddings=16384, architectures=["Llama4ForCausalLM"])
+
+    return make
+
+
+def _gemma3(p: float) -> Any:
+    # Three sliding-window (256) blocks, then one global block.
+    return _t("Gemma3TextConfig")(
+        num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=TINY_VOCAB, sliding_window=256, attention_dropout=p,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=16384,
+        architectures=["Gemma3ForCausalLM"])
+
+
+def _gpt_oss(p: float) -> Any:
+    # Sliding (128) / full alternation, attention sinks (eager only), 4 experts with biases.
+    return _t("GptOssConfig")(
+        num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, intermediate_size=64, num_local_experts=4,
+        num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=TINY_VOCAB,
+        sliding_window=128, attention_dropout=p, max_position_embeddings=16384, architectures=["GptOssForCausalLM"])
+
+
+def _jamba(p: float) -> Any:
+    # Mamba blocks with one attention block (index 2) and experts on every second block (1, 3).
+    return _t("JambaConfig")(
+        num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        use_mamba_kernels=False, vocab_size=TINY_VOCAB, attention_dropout=p, architectures=["JambaForCausalLM"])
+
+
+def _mamba(p: float) -> Any:
+    return _t("MambaConfig")(num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, state_size=8, expand=2, conv_kernel=4,
+                             vocab_size=TINY_VOCAB, architectures=["MambaForCausalLM"])
+
+
+def _mamba2(p: float) -> Any:
+    # The sequence is padded to whole chunk_size (256) tokens.
+    return _t("Mamba2Config")(num_hidden_layers=LAYERS, hidden_size=TINY_HIDDEN, num_heads=8, head_dim=16, expand=2,
+                              n_groups=1, state_size=16, chunk_size=256, vocab_size=TINY_VOCAB,
+                              architectures=["Mamba2ForCausalLM"])
+
+
+#: The families of issue 25 at tiny width (4 blocks, width 64, V=2048), for the shape/layer-mix benchmark
+#: (``benchmarks/bench_hf_architectures.py --shapes``) and ``tests/unit/test_hf_shapes.py``.
+SHAPE_ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("deepseek_v3", _deepseek_v3, attentions=("sdpa",)),
+        Architecture("llama4_scout", _llama4(1), attentions=("sdpa",)),
+        Architecture("llama4_maverick", _llama4(2), attentions=("sdpa",)),
+        Architecture("gemma3", _gemma3, attentions=("sdpa",)),
+        Architecture("gpt_oss", _gpt_oss, attentions=("eager",)),
+        Architecture("jamba", _jamba, attentions=("sdpa",)),
+        Architecture("mamba", _mamba, attentions=("eager",)),
+        Architecture("mamba2", _mamba2, attentions=("eager",)),
+    )
+}

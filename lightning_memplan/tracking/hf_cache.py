@@ -52,6 +52,7 @@ _PRODUCERS = (
     "tracking/tracker.py",
     "tracking/report.py",
     "tracking/step.py",
+    "tracking/fake_fidelity.py",
 )
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 

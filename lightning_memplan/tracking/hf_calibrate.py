@@ -34,6 +34,10 @@ __all__ = [
     "TracedStep",
     "fake_cpu_grouped_mm",
     "primed_optimizer",
+    "PROBE_SHAPE",
+    "PROBE_TOLERANCE",
+    "length_steps",
+    "sdpa_keeps_scores",
     "trace_depths",
 ]
 
@@ -74,20 +78,70 @@ def fake_cpu_grouped_mm() -> Iterator[None]:
         fake_impls.op_implementations_checks.remove(entry)
 
 
-def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TracedStep) -> bool | None:
-    """Whether the traced step may hold ``b*s^2`` bytes (``None``: let :func:`calibrate` decide).
+def _head_dims(cfg: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """``(q/k head size, v head size)`` the config's attention runs with (MLA: ``qk_nope_head_dim +
+    qk_rope_head_dim`` and ``v_head_dim``); ``None`` where the config does not say."""
+    sub = cfg.get("text_config")
+    text: Mapping[str, Any] = sub if isinstance(sub, Mapping) else cfg
+    nope, rope, v = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim"), text.get("v_head_dim")
+    if isinstance(nope, int) and isinstance(rope, int):
+        return nope + rope, v if isinstance(v, int) else nope + rope
+    head = text.get("head_dim")
+    if not isinstance(head, int):
+        hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+        head = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    return head, v if isinstance(v, int) else head
 
-    A fused SDPA step without attention dropout saves no ``[s, s]`` tensor (only the output and its
-    log-sum-exp, linear in ``b*s``). Fitting a third, quadratic term there extrapolates the small
-    differences in *which* tensors are live at a phase's peak between the traced shapes (a few hundred
-    bytes per ``b*s^2``, of opposite sign in two components) into terabytes at long context, so the
-    two-term fit is forced. Eager attention and dropout keep the quadratic term.
+
+def sdpa_keeps_scores(cfg: Mapping[str, Any], *, device: str, precision: str) -> bool:
+    """Whether ``torch.nn.functional.scaled_dot_product_attention`` on ``device`` takes the math path for
+    this config's attention, which saves the ``[b, a, s, s]`` probabilities (quadratic in s); the fused
+    kernels save the output and its log-sum-exp only (linear in s).
+
+    The rule, from PyTorch's kernel selection (torch 2.x):
+
+    - **CPU** (``aten/src/ATen/native/transformers/sdp_utils_cpp.cpp``, ``use_flash_attention_cpp``): the
+      only fused kernel is flash attention, whose checks include ``check_for_dropout`` (no attention
+      dropout in training) and ``check_head_dim_size_cpp`` (the query, key and value head sizes all
+      equal); anything else runs ``_scaled_dot_product_attention_math``. So MLA (DeepSeek-V2/V3: q/k head
+      size ``qk_nope_head_dim + qk_rope_head_dim`` = 192, v head size 128) and any attention-dropout
+      training step keep the probabilities on the CPU.
+    - **CUDA** (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, ``select_sdp_backend``; priority
+      flash, memory-efficient, math, with cuDNN where enabled): flash needs fp16/bf16, equal q/k/v head
+      sizes (``check_head_dim_size_flash``) and no ``attn_mask``; the memory-efficient kernel takes fp32,
+      fp16 and bf16, an additive ``attn_mask`` and dropout, and a value head size that differs from the
+      query/key one (``check_head_dim_size_mem_efficient`` checks q == k and alignment only). So every
+      attention of the families traced here runs fused on CUDA: no ``[s, s]`` tensor is kept.
+    - Whatever PyTorch picks, transformers' eager attention (``attn_implementation="eager"``, and classes
+      that only have it: GPT-OSS's attention sinks concatenate a sink logit to the ``[s, s]`` scores,
+      ``eager_attention_forward`` of ``models/gpt_oss/modeling_gpt_oss.py``, ``_supports_sdpa = False``)
+      always keeps them; ``ALL_ATTENTION_FUNCTIONS`` in ``transformers/modeling_utils.py`` maps "sdpa" to
+      ``integrations/sdpa_attention.py::sdpa_attention_forward``, which passes ``is_causal=True`` and no
+      mask when the mask can be skipped (``masking_utils``), and a boolean ``[b, 1, s, s]`` mask otherwise
+      (sliding windows and chunked attention beyond their width: quadratic bytes, fitted separately by
+      tracing at the requested length, :func:`trace_depths`).
     """
-    if t0.attention != "sdpa":
+    drop = any(float(cfg.get(key) or 0.0) > 0.0 for key in _ATTENTION_DROPOUT_KEYS)
+    qk, v = _head_dims(cfg)
+    if device == "cuda":
+        return False
+    return drop or (qk is not None and v is not None and qk != v)
+
+
+def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TracedStep, attention_in_use: str) -> bool | None:
+    """Whether the traced step holds ``b*s^2`` bytes (``None``: let :func:`calibrate` decide from the
+    traced attention bytes, for eager attention).
+
+    A fused SDPA step saves no ``[s, s]`` tensor (only the output and its log-sum-exp, linear in
+    ``b*s``). Fitting a third, quadratic term there extrapolates the small differences in *which*
+    tensors are live at a phase's peak between the traced shapes (a few hundred bytes per ``b*s^2``, of
+    opposite sign in two components) into terabytes at long context, so the two-term fit is forced.
+    Where :func:`sdpa_keeps_scores` says SDPA takes the math path (MLA's unequal head sizes, dropout),
+    the three-term fit is forced; eager attention keeps the quadratic term.
+    """
+    if attention_in_use != "sdpa":
         return None
-    if any(float(cfg.get(key) or 0.0) > 0.0 for key in _ATTENTION_DROPOUT_KEYS):
-        return None
-    return False
+    return True if sdpa_keeps_scores(cfg, device=t0.device, precision=t0.precision) else False
 
 
 def primed_optimizer(name: str, impl: str | None) -> Any:
@@ -117,57 +171,168 @@ def primed_optimizer(name: str, impl: str | None) -> Any:
     return make
 
 
-def trace_depths(cfg: Mapping[str, Any], t0: TracedStep) -> dict[str, Any]:
-    """Calibrations and parameter counts of the depth-1 and depth-2 copies of ``cfg`` traced with ``t0``
-    (a JSON-ready cache entry).
+#: The held-out shape every fitted entry is checked at (a ``b = 1`` trace at twice the largest fitted length).
+PROBE_SHAPE = (1, 256)
+#: Largest relative difference, per traced copy and phase, between the fit and the probe trace for the
+#: fit to be used at shapes that were not traced.
+PROBE_TOLERANCE = 0.005
+# Config keys whose value is a sequence length at which the bytes per token change step-wise: sliding
+# windows and chunked attention (a boolean [b, 1, s, s] mask from there on under SDPA), SSM chunk padding
+# (Mamba2 pads the sequence to whole chunk_size tokens).
+_STEP_KEYS = ("sliding_window", "attention_chunk_size", "chunk_size", "window_size", "local_attention_window")
+
+
+def length_steps(cfg: Mapping[str, Any]) -> list[int]:
+    """The sequence lengths at which the config's per-token bytes may change step-wise (:data:`_STEP_KEYS`
+    at the top level or in ``text_config``), sorted."""
+    found: set[int] = set()
+    for conf in (cfg, cfg.get("text_config")):
+        if isinstance(conf, Mapping):
+            for key in _STEP_KEYS:
+                value = conf.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    found.add(value)
+    return sorted(found)
+
+
+def _stacks(cfg: Mapping[str, Any], t0: TracedStep) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Any]:
+    """``([(name, model, blocks)], plan)``: the copies to trace. Blocks all alike: the depth-1 and depth-2
+    copies ``"1"``, ``"2"``. Mixed: ``"1"`` = [first block], ``"2"`` = [first, first] and, for every other
+    kind ``k``, ``"k<k>"`` = [first block, first block of kind k] (model/hf_build.py ``build_stack``)."""
+    from lightning_memplan.model.hf_build import build_reduced, build_stack, full_model, layer_plan
+
+    try:
+        full = full_model(cfg, attention=t0.attention)
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError):
+        full = None
+    plan = layer_plan(full, cfg) if full is not None else None
+    if plan is None or not plan.mixed or plan.path is None:
+        copies = [(str(d), build_reduced(cfg, d, attention=t0.attention, recompute=t0.recompute), (0,) * d)
+                  for d in TRACED_DEPTHS]
+        return copies, plan
+    ref = plan.first(0)
+    stacks = [("1", (ref,)), ("2", (ref, ref))] + [(f"k{k}", (ref, plan.first(k))) for k in range(1, len(plan.labels))]
+    return [(name, build_stack(cfg, full, plan, blocks, attention=t0.attention, recompute=t0.recompute), blocks)
+            for name, blocks in stacks], plan
+
+
+def trace_depths(
+    cfg: Mapping[str, Any], t0: TracedStep, *, seq_len: int | None = None, micro_batch: int | None = None
+) -> dict[str, Any]:
+    """Calibrations and parameter counts of the traced copies of ``cfg`` (a JSON-ready cache entry).
+
+    ``seq_len=None``: fitted at :data:`TRACE_SHAPES` (and a third shape where attention is quadratic) and
+    checked at the held-out :data:`PROBE_SHAPE`; the entry's ``"form"`` records the fitted shapes, the
+    probe's largest relative error and the config's :func:`length_steps`, from which
+    :meth:`~lightning_memplan.model.traced.DepthTraces.untrusted_at` decides where the fit may be used.
+    ``seq_len=s``: traced at ``(1, s)`` and ``(2, s)`` (exact at ``s``, linear in ``b``); with
+    ``micro_batch=b`` (b > 2) at ``(1, s)`` and ``(b, s)``, exact at the requested shape (the bytes of a
+    model whose fit was not trusted need not be linear in ``b`` either: Mamba's sequential scan on the CPU
+    was 4.8% off at b=4 from a line through b=1 and b=2).
+
+    Blocks of more than one kind (model/hf_build.py ``layer_plan``) give one traced copy per kind
+    (``"kinds"``: each with the count the config has), so every kind is counted as often as it occurs.
 
     Raises:
         ValueError: the copy cannot be built, or its fake step fails (names the class and what to do).
     """
     from transformers.utils import logging as hf_logging
 
-    from lightning_memplan.model.hf_build import build_reduced, input_fn_for, vision_tokens
+    from lightning_memplan.model.hf_build import input_fn_for, vision_tokens
     from lightning_memplan.model.readers import norm_impl_of
-    from lightning_memplan.tracking.trace import calibrate
+    from lightning_memplan.tracking.trace import calibrate, trace_memory
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notes about the traced copies (use_cache, loss_type) are not the user's
     out: dict[str, Any] = {"depths": {}}
+    probe_error = 0.0
     try:
-        for depth in TRACED_DEPTHS:
-            model = build_reduced(cfg, depth, attention=t0.attention, recompute=t0.recompute)
+        copies, plan = _stacks(cfg, t0)
+        for name, model, blocks in copies:
             input_fn, vision = input_fn_for(model, cfg)
-            shapes = TRACE_SHAPES
-            extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0)}
+            in_use = getattr(model.config, "_attn_implementation", t0.attention) or t0.attention
+            shapes: tuple[tuple[int, int], ...] = TRACE_SHAPES
+            extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0, in_use)}
+            probe: tuple[int, int] | None = PROBE_SHAPE
             if vision:
                 s = vision_tokens(cfg)
-                shapes = ((1, s), (2, s))
+                shapes, probe = ((1, s), (2, s)), None
                 extra = {"quadratic": False, "seq_len": s}
+            elif seq_len is not None:
+                top = micro_batch if micro_batch is not None and micro_batch > 2 else 2
+                shapes, probe = ((1, seq_len), (top, seq_len)), None
+                extra = {"quadratic": False}
+            kwargs: dict[str, Any] = {
+                "input_fn": input_fn, "precision": t0.precision, "steps": 1, "device": t0.device,
+                "optimizer": primed_optimizer(t0.optimizer, t0.optimizer_impl),
+            }
             try:
                 # A failed fake step cannot fall back to a real one: the copy's parameters are on the meta
                 # device, so trace_memory raises instead of allocating.
                 with fake_cpu_grouped_mm(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    cal = calibrate(
-                        model, shapes, input_fn=input_fn, precision=t0.precision, steps=1,
-                        optimizer=primed_optimizer(t0.optimizer, t0.optimizer_impl), device=t0.device, **extra,
-                    )
-            except (ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+                    cal = calibrate(model, shapes, **kwargs, **extra)
+                    if probe is not None:
+                        held_out = trace_memory(model, batch_shape=probe, **kwargs)
+                        probe_error = max(probe_error, _probe_error(cal, held_out.by_phase, probe))
+            except (ValueError, RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
                 raise ValueError(
                     f"{type(model).__name__} (model_type={cfg.get('model_type')!r}) could not be traced under fake "
                     f"tensors ({str(exc).splitlines()[0][:200]}); trace your model with trace_memory(model, "
                     "batch_shape=(b, s)) or set LIGHTNING_MEMPLAN_HF_TRACE=0 for the analytic terms"
                 ) from exc
-            out["depths"][str(depth)] = {
+            record = {
                 "calibration": cal.to_dict(),
                 "n_params": sum(p.numel() for p in model.parameters()),
                 "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                 "vision_tokens": extra.get("seq_len"),
+                "blocks": list(blocks),
             }
+            if name in ("1", "2"):
+                out["depths"][name] = record
+            else:
+                out.setdefault("stacks", {})[name] = record
             out["class"] = type(model).__name__
             # The class's RMSNorm implementation (composite fp32-upcast in most HF decoders): what a CPU
             # trace is scaled to another device with (hf_trace._on_device), since on CUDA the variants differ.
             out["norm_impl"] = norm_impl_of(model)
     finally:
         hf_logging.set_verbosity(verbosity)
+    if plan is not None and plan.mixed and plan.path is not None:
+        counts = plan.counts()
+        out["kinds"] = [
+            {"count": counts[k], "stack": "2" if k == 0 else f"k{k}", "label": plan.labels[k]}
+            for k in range(len(plan.labels))
+        ]
+        out["n_params_full"] = plan.n_params
+    if not out["depths"]["1"]["vision_tokens"]:
+        fitted = [list(shape) for shape in _fitted_shapes(out)]
+        out["form"] = {
+            "fitted": fitted,
+            "probe": list(PROBE_SHAPE) if seq_len is None else None,
+            "probe_error": probe_error if seq_len is None else None,
+            "tolerance": PROBE_TOLERANCE,
+            "steps": length_steps(cfg),
+            "seq_len": seq_len,
+            "quadratic": any(any(c[2] for comps in cal["calibration"]["coefficients"].values() for c in comps.values())
+                             for cal in [out["depths"]["1"], out["depths"]["2"], *(out.get("stacks") or {}).values()]),
+        }
     return out
+
+
+def _fitted_shapes(entry: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """The shapes the entry's depth-1 copy was fitted at."""
+    return [tuple(s) for s in entry["depths"]["1"]["calibration"]["traced_shapes"]]  # type: ignore[misc]
+
+
+def _probe_error(cal: Any, measured: Mapping[str, Mapping[str, int]], shape: tuple[int, int]) -> float:
+    """Largest relative difference, over phases, between the fit at ``shape`` and the trace there."""
+    worst = 0.0
+    for phase, comps in measured.items():
+        if phase not in cal.coefficients:
+            continue
+        actual = sum(comps.values())
+        fitted = sum(cal.bytes_for(phase, comp, *shape) for comp in comps)
+        if actual:
+            worst = max(worst, abs(fitted - actual) / actual)
+    return worst

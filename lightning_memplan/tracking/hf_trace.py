@@ -119,7 +119,17 @@ class HFTraceSource:
         if config_json is None:
             return None
         key, step = _entry(config_json, t0)
-        return cached(key, lambda: trace_depths(json.loads(config_json), step), DepthTraces.from_entry)
+        fitted = cached(key, lambda: trace_depths(json.loads(config_json), step), DepthTraces.from_entry)
+        if fitted.untrusted_at(t0.micro_batch, t0.seq_len) is None:
+            return fitted
+        # The fit cannot be trusted at this shape (DepthTraces.untrusted_at says why): trace at the
+        # requested shape (fake tensors: no memory, whatever b and s): (1, s) and (2, s), or (1, s) and
+        # (b, s) for b > 2, so the answer is exact at the (b, s) asked for.
+        s, b = t0.seq_len, t0.micro_batch
+        wide = b if b > 2 else None
+        at_s = entry_key(config_json, f"{step.to_json()}\nseq_len={s}" + (f"\nmicro_batch={b}" if wide else ""))
+        return cached(at_s, lambda: trace_depths(json.loads(config_json), step, seq_len=s, micro_batch=wide),
+                      DepthTraces.from_entry)
 
 
 def auto_source() -> HFTraceSource | None:

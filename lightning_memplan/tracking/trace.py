@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
+from lightning_memplan.tracking.fake_fidelity import real_step_branches
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import TensorTracker
@@ -419,7 +420,9 @@ def trace_memory(
                 make_fake: Callable[[], Any] = lambda: fake_batch  # noqa: E731
             else:
                 make_fake = make_batch
-            with fake_mode:
+            # real_step_branches: library code that branches on "is this a FakeTensor" takes the real
+            # step's branch (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks)
+            with fake_mode, real_step_branches():
                 report = _run(fake_module, make_fake, fake=True, device=device, **run_kwargs)  # type: ignore[arg-type]
             mode = "fake"
         except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step

@@ -161,3 +161,23 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
     with pytest.raises(RuntimeError, match="inside a step"):
         with monitor.step(_batch(1)):
             monitor.end_epoch()
+
+
+def test_fabric_save_is_measured_and_joins_the_latest_epoch(tmp_path):
+    """``fabric.save`` is wrapped on the instance: the save is estimated and measured (tensor tracker), its
+    record joins the epoch, the file is what ``fabric.save`` writes without the monitor."""
+    fabric, model, optimizer, monitor = _setup(tmp_path, calibrate=False)
+    with monitor.step(_batch(0)):
+        _train_step(fabric, model, optimizer, _batch(0))
+    monitor.end_epoch()
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})
+    (record,) = monitor.report.latest.checkpoints
+    assert record.mode == "plain" and record.measurement == "tensor_tracker"
+    assert abs(record.estimated_peak - record.measured_peak) <= 0.10 * record.measured_peak
+    monitor.close()
+    assert "save" not in vars(fabric)
+    fabric.save(tmp_path / "plain.ckpt", {"model": model, "optimizer": optimizer})
+    a = torch.load(tmp_path / "state.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    for key in ("model",):
+        assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key])

@@ -32,7 +32,8 @@ def test_report_renders_in_chromium(tmp_path, shape):
     path = tmp_path / "memory_report.html"
     write_atomic(path, render_html(synthetic_report(**shape)))
     sections = SECTIONS + (("Incidents",) if shape.get("oom") else ())
-    check_page(path, tmp_path / "shot.png", sections=sections)
+    run = check_page(path, tmp_path / "shot.png", sections=sections)
+    assert "peak (worst rank):" in run.dom and "headroom (smallest):" in run.dom  # the header's figures
 
 
 def test_plan_map_renders_in_chromium(tmp_path):
@@ -46,6 +47,20 @@ def test_plan_map_renders_in_chromium(tmp_path):
     write_atomic(path, render_plan_html(decision.to_dict()))
     run = check_page(path, tmp_path / "plan.png", sections=("Plan map",))
     assert "chosen: " in run.dom and "not timed (over budget)" in run.dom
+
+
+def test_plan_map_of_a_cpu_host_renders_memory_only_in_chromium(tmp_path):
+    from lightning_memplan.hardware import HardwareSpec
+    from lightning_memplan.model.specs import ModelSpec, TrainSpec
+    from lightning_memplan.planning import plan
+
+    hw = HardwareSpec("cpu (x86_64, 2 cores)", 8 * 2**30, gpus_per_node=2)  # no time model on a CPU host
+    decision = plan(ModelSpec.preset("gpt2"), TrainSpec(micro_batch=2, seq_len=64), hw)
+    path = tmp_path / "plan.html"
+    write_atomic(path, render_plan_html(decision.to_dict()))
+    run = check_page(path, tmp_path / "plan.png", sections=("Plan map",))
+    assert "memory only" in run.dom and "chosen: " in run.dom
+    assert "tokens/s" not in run.dom and "MFU" not in run.dom and "predicted step time" not in run.dom
 
 
 def test_the_check_sees_console_errors_and_network_requests(tmp_path):

@@ -63,7 +63,7 @@ def test_registered_whatever_is_imported_first(first_import):
     ("kwargs", "exc", "words"),
     [
         ({"memory_budget": 0}, ValueError, "memory_budget=0"),
-        ({"memory_budget": 1.5}, ValueError, "memory_budget=1.5"),
+        ({"memory_budget": 1.5}, TypeError, "memory_budget=1.5"),  # an int of bytes, as every int argument
         ({"plan": "dp=2"}, TypeError, "plan='dp=2'"),
         ({"train": {"micro_batch": 1}}, TypeError, "train="),
         ({"headroom": 1.0}, ValueError, "headroom=1.0"),

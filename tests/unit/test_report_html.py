@@ -2,6 +2,7 @@
 (self-contained, every section, drawn from the JSON) and the PNG, for 1 and several ranks, several
 epochs, a pipeline run and an out-of-memory incident; ``report --html`` and ``plan --html``."""
 
+import dataclasses
 import json
 import random
 from html.parser import HTMLParser
@@ -155,11 +156,19 @@ def _as_version_1(data):
 
 
 def test_version_3_round_trips_and_version_1_and_2_reports_still_read_and_render(tmp_path):
-    assert REPORT_FORMAT_VERSION == 3
+    assert REPORT_FORMAT_VERSION == 4  # version 4 added evaluation phases (EpochReport.phases, StepRecord.phase)
     report = synthetic_report(ranks=2, epochs=2, oom=True)
     data = report.to_dict()
     again = MemoryReport.from_dict(json.loads(json.dumps(data)))
     assert again == report
+    v3 = json.loads(json.dumps(data))  # version 3: no evaluation phases (what this report has none of)
+    v3["format_version"] = 3
+    assert all("phases" not in e for e in v3["epochs"]) and MemoryReport.from_dict(v3) == report
+    first = report.epochs[0]
+    val = tuple(dataclasses.replace(r, shapes=((8, 32),)) for r in first.ranks)
+    with_val = dataclasses.replace(report, epochs=(dataclasses.replace(first, phases={"val": val}), *report.epochs[1:]))
+    assert MemoryReport.from_dict(json.loads(json.dumps(with_val.to_dict()))) == with_val
+    assert "Validation, test and predict steps" in render_html(with_val)
     v2 = json.loads(json.dumps(data))  # version 2: no runs (every epoch is run 0)
     v2["format_version"] = 2
     del v2["current_run"]

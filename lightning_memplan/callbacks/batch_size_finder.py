@@ -1,0 +1,185 @@
+"""``MemoryPlanBatchSizeFinder``: set the largest batch size the memory model says fits, before the first
+step, with no trial step.
+
+The Trainer's front door over :func:`lightning_memplan.planning.fit.largest_fit` (the planner's fit test).
+The specs are inferred as :class:`~lightning_memplan.callbacks.MemoryPlanCallback` infers them
+(:mod:`lightning_memplan.parallel.infer`); the batch size attribute is found and set with Lightning's
+own utilities (``lightning_hasattr`` / ``lightning_getattr`` / ``lightning_setattr``, as its
+``BatchSizeFinder``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.parallel.infer import batch_shape, infer_model_spec, infer_plan, infer_train_spec
+from lightning_memplan.planning.fit import LargestFit, largest_fit
+from lightning_memplan.validation import check_number, check_optional_int, check_str
+
+__all__ = ["MemoryPlanBatchSizeFinder"]
+
+
+class MemoryPlanBatchSizeFinder(Callback):
+    r"""Set the module's (or DataModule's) batch size to the largest the memory model says fits over every
+    phase of a training step, before the first step, without running a trial step.
+
+    At ``on_fit_start`` (after the strategy set the model up and built the optimizers, before the fit loop
+    loads the training dataloader) it infers the :class:`ModelSpec` (the module), the :class:`TrainSpec`
+    (precision, accumulation, the optimizer, memplan_auto's recompute and loss mode) and the
+    :class:`ParallelPlan` (the running strategy: one device, DDP, FSDP, ``ModelParallelStrategy``,
+    memplan_auto) the way :class:`~lightning_memplan.callbacks.MemoryPlanCallback` does, searches the
+    largest micro-batch with :func:`~lightning_memplan.planning.fit.largest_fit` (the planner's fit test:
+    modelled reserved bytes on CUDA, allocated bytes on CPU, against ``memory_budget`` or the device's
+    memory less ``headroom``), and sets ``batch_arg_name`` with Lightning's ``lightning_setattr`` (the
+    module, its ``hparams`` and the DataModule, as Lightning's ``BatchSizeFinder``). Every rank sets rank
+    0's answer (broadcast). Under pipeline parallelism the dataloader batch is ``b * microbatches``.
+
+    The sequence length is ``seq_len=``, else ``train_spec.seq_len``, else read from
+    ``example_input_array`` or one batch drawn from a fresh training dataloader (no step runs on it).
+    No batch is traced: the estimate is the analytic one (or the Hugging Face class's traced terms).
+
+    **Logged**: ``rank_zero_info`` says the value and the binding phase and component; rank 0 logs
+    ``memplan/max_micro_batch`` and ``memplan/batch_size`` to ``trainer.loggers`` (step 0).
+
+    Args:
+        memory_budget: bytes per device the need must fit under (replaces the device's memory less
+            ``headroom``, as ``plan(memory_budget=)``).
+        headroom: fraction of the device's memory kept free when ``memory_budget`` is ``None``.
+        batch_arg_name: the attribute that holds the batch size (module, ``hparams`` or DataModule).
+        seq_len: the sequence length to size the batch for (see above).
+        max_batch_size: largest batch size to set (default: the search bound, 2**20).
+        model_spec, train_spec, plan: explicit specs for what cannot be inferred.
+
+    Raises:
+        ValueError / TypeError: an argument of the wrong value or type (at construction).
+        MisconfigurationException: ``batch_arg_name`` not found (at ``setup``).
+        ValueError: at fit start, when even a batch of 1 does not fit (the message says what binds).
+
+    Attributes:
+        optimal_batch_size: the batch size set (``None`` before a fit).
+        fit_result: the :class:`~lightning_memplan.planning.fit.LargestFit` behind it.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_memplan import MemoryPlanBatchSizeFinder
+        trainer = Trainer(callbacks=[MemoryPlanBatchSizeFinder(memory_budget=20 * 2**30)])
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | None = None,
+        headroom: float = 0.1,
+        batch_arg_name: str = "batch_size",
+        *,
+        seq_len: int | None = None,
+        max_batch_size: int | None = None,
+        model_spec: ModelSpec | None = None,
+        train_spec: TrainSpec | None = None,
+        plan: ParallelPlan | None = None,
+    ) -> None:
+        if memory_budget is not None:
+            memory_budget = int(check_number("memory_budget", memory_budget, minimum=1.0,
+                                             hint="bytes per device, e.g. 20 * 2**30, or None for the device's memory"))
+        self.memory_budget = memory_budget
+        self.headroom = check_number("headroom", headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
+                                     hint="a fraction, e.g. 0.1 for 10 % of device memory")
+        name = check_str("batch_arg_name", batch_arg_name, hint="the attribute holding the batch size, e.g. 'batch_size'")
+        if not name:
+            raise ValueError("batch_arg_name='' must name an attribute, e.g. 'batch_size'")
+        self.batch_arg_name: str = name
+        self.seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, e.g. 2048")
+        self.max_batch_size = check_optional_int("max_batch_size", max_batch_size, hint="e.g. 512, or None")
+        for arg, value, cls in (("model_spec", model_spec, ModelSpec), ("train_spec", train_spec, TrainSpec),
+                                ("plan", plan, ParallelPlan)):
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"{arg}={value!r:.200} must be a {cls.__name__} or None")
+        self.model_spec, self.train_spec, self.plan = model_spec, train_spec, plan
+        self.optimal_batch_size: int | None = None
+        self.fit_result: LargestFit | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise MisconfigurationException(
+                f"MemoryPlanBatchSizeFinder(batch_arg_name={self.batch_arg_name!r}): no such field in the model, "
+                "its hparams, the datamodule or its hparams; set one (e.g. self.batch_size = 1) and read it in "
+                "train_dataloader()"
+            )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        found, plan = self._search(trainer, pl_module)
+        mine = self._batch_size(found, plan)
+        size = int(trainer.strategy.broadcast(mine, src=0))  # every rank sets rank 0's answer
+        self.fit_result, self.optimal_batch_size = found, size
+        if size < 1:
+            raise ValueError(f"MemoryPlanBatchSizeFinder: not even a batch of 1 fits: {found.describe()}; "
+                             "use a shorter sequence, activation checkpointing, FSDP or a larger budget")
+        lightning_setattr(pl_module, self.batch_arg_name, size)
+        if trainer.train_dataloader is not None:  # loaded before fit start (estimated_stepping_batches)
+            from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
+
+            _reset_dataloaders(trainer)  # Lightning's own finder reloads the same way
+        rank_zero_info(f"MemoryPlanBatchSizeFinder: {self.batch_arg_name}={size} ({found.describe()})")
+        if trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics({"memplan/max_micro_batch": float(found.value), "memplan/batch_size": float(size)},
+                                   step=0)
+
+    def _batch_size(self, found: LargestFit, plan: ParallelPlan) -> int:
+        per_rank = found.value * (plan.microbatches if plan.pp > 1 else 1)
+        return min(per_rank, self.max_batch_size) if self.max_batch_size is not None else per_rank
+
+    def _search(self, trainer: Trainer, pl_module: LightningModule) -> tuple[LargestFit, ParallelPlan]:
+        model = self.model_spec if self.model_spec is not None else infer_model_spec(trainer, pl_module)
+        plan = self.plan if self.plan is not None else infer_plan(trainer, pl_module)[0]
+        s = self._sequence_length(trainer, pl_module)
+        # a placeholder batch of the shape to size (meta: nothing allocated, no step run on it)
+        placeholder = torch.empty((1, s), dtype=torch.long, device="meta")
+        train = infer_train_spec(trainer, placeholder, seq_len=s, base=self.train_spec)
+        root = trainer.strategy.root_device
+        hardware = None
+        if self.memory_budget is None:
+            from lightning_memplan.hardware.spec import HardwareSpec
+
+            hardware = HardwareSpec.detect(device=root.index if root.type == "cuda" else None)
+        from lightning_memplan.parallel.planner_bridge import expandable_segments_enabled
+
+        found = largest_fit(model, train, plan, axis="micro_batch", memory_budget=self.memory_budget,
+                            hardware=hardware, headroom=self.headroom,
+                            expandable_segments=expandable_segments_enabled())
+        return found, plan
+
+    def _sequence_length(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        if self.seq_len is not None:
+            return self.seq_len
+        if self.train_spec is not None:
+            return self.train_spec.seq_len
+        sample = getattr(pl_module, "example_input_array", None)
+        if sample is None:
+            from lightning_memplan.parallel.inputs import peek_batch
+
+            sample = peek_batch(trainer)
+        if sample is None:
+            raise ValueError("MemoryPlanBatchSizeFinder could not read the sequence length (no example_input_array, "
+                             "no training batch); pass MemoryPlanBatchSizeFinder(seq_len=...)")
+        return batch_shape(sample)[1]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimal_batch_size": self.optimal_batch_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimal_batch_size = state_dict.get("optimal_batch_size")

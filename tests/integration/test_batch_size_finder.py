@@ -1,0 +1,177 @@
+"""MemoryPlanBatchSizeFinder in a Trainer on one CPU device: the batch size is set before the first step,
+no training step runs before it (no trial step), it equals ``max_micro_batch`` of the same specs, and every
+measured step (steady-state training steps and validation steps, live tensor bytes by the project's
+TensorTracker) stays within the budget."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memplan import MemoryPlanBatchSizeFinder, ModelSpec, TrainSpec, max_micro_batch
+from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style
+
+SEQ, VOCAB = 64, 512
+BUDGET = 8 * 2**20  # bytes: params + grads + AdamW states ~2.4 MB, each sequence ~0.6 MB at s=64
+
+
+class CountingLM(L.LightningModule):
+    """A zoo GPT whose dataloaders read ``self.batch_size``; counts training steps and forwards."""
+
+    def __init__(self, batch_size: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(gpt2_style(max_positions=SEQ))
+        self.batch_size = batch_size
+        self.training_steps = 0
+        self.forwards = 0  # every forward of the model, training or not
+        self.trained_batch_sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.training_steps += 1
+        self.trained_batch_sizes.append(int(batch[0].shape[0]))
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def _loss(self, batch):
+        self.forwards += 1
+        return causal_lm_loss(self.model, *batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def _loader(self) -> DataLoader:
+        tokens = torch.randint(0, VOCAB, (4 * self.batch_size, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+class PeakMeter(L.Callback):
+    """Live tensor bytes of each steady-state training step (from step 1) and each validation step."""
+
+    def __init__(self) -> None:
+        self.tracker = None
+        self.peaks: dict[str, list[int]] = {"train": [], "val": []}
+
+    def _start(self, trainer, pl_module, batch) -> None:
+        from lightning_memplan.tracking import TensorTracker
+
+        self.tracker = TensorTracker(pl_module, trainer.optimizers, seq_len=SEQ, vocab_size=VOCAB)
+        self.tracker.start()
+        self.tracker.track(batch, "other")
+
+    def _stop(self, kind: str) -> None:
+        if self.tracker is not None:
+            self.tracker.stop()
+            self.peaks[kind].append(self.tracker.report().total)
+            self.tracker = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= 1:
+            self._start(trainer, pl_module, batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._stop("train")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._start(trainer, pl_module, batch)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._stop("val")
+
+
+def test_finder_sets_the_largest_fit_before_the_first_step(tmp_path, caplog) -> None:
+    module = CountingLM()
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET)
+    meter = PeakMeter()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=2, num_sanity_val_steps=0,
+                        val_check_interval=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[finder, meter], default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module)
+    spec = ModelSpec.from_module(module.model)
+    expected = max_micro_batch(spec, TrainSpec(micro_batch=1, seq_len=SEQ, precision="32-true", optimizer="adamw",
+                                               optimizer_impl="for_loop", device="cpu"), memory_budget=BUDGET)
+    assert 4 <= expected <= 20
+    assert finder.optimal_batch_size == expected == module.batch_size
+    # no trial step: exactly max_steps training steps and the 2 validation batches ran, all at the size set
+    assert module.training_steps == 3 and module.forwards == 3 + 2
+    assert module.trained_batch_sizes == [expected] * 3
+    assert finder.fit_result is not None and finder.fit_result.binding_phase in ("forward", "backward", "optimizer")
+    assert "MemoryPlanBatchSizeFinder: batch_size=" in caplog.text and "peak needs" in caplog.text
+    assert meter.peaks["train"] and meter.peaks["val"]
+    assert max(meter.peaks["train"] + meter.peaks["val"]) <= BUDGET, meter.peaks
+
+
+def test_finder_sets_a_datamodule_attribute(tmp_path) -> None:
+    class Data(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size = 1
+
+        def train_dataloader(self):
+            tokens = torch.randint(0, VOCAB, (2 * self.batch_size, SEQ + 1))
+            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=self.batch_size)
+
+    class Plain(CountingLM):
+        train_dataloader = None  # type: ignore[assignment]
+        val_dataloader = None  # type: ignore[assignment]
+
+    data = Data()
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET, seq_len=SEQ)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[finder],
+                        default_root_dir=tmp_path)
+    module = Plain()
+    del module.batch_size  # only the DataModule holds it
+    trainer.fit(module, datamodule=data)
+    assert data.batch_size == finder.optimal_batch_size >= 4
+
+
+def test_finder_names_a_missing_attribute_and_bad_arguments(tmp_path) -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[MemoryPlanBatchSizeFinder(memory_budget=BUDGET, batch_arg_name="bs")])
+    with pytest.raises(MisconfigurationException, match="batch_arg_name='bs'"):
+        trainer.fit(CountingLM())
+    for kwargs, error, match in (
+        ({"memory_budget": 0}, ValueError, "memory_budget"),
+        ({"memory_budget": "8GiB"}, TypeError, "memory_budget"),
+        ({"headroom": 1.0}, ValueError, "headroom"),
+        ({"headroom": True}, TypeError, "headroom"),
+        ({"batch_arg_name": 3}, TypeError, "batch_arg_name"),
+        ({"batch_arg_name": ""}, ValueError, "batch_arg_name"),
+        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"seq_len": 2.5}, TypeError, "seq_len"),
+        ({"max_batch_size": True}, TypeError, "max_batch_size"),
+        ({"plan": "ddp"}, TypeError, "plan"),
+    ):
+        with pytest.raises(error, match=match):
+            MemoryPlanBatchSizeFinder(**kwargs)
+    import numpy as np
+
+    finder = MemoryPlanBatchSizeFinder(memory_budget=np.int64(BUDGET), headroom=np.float32(0.2), seq_len=np.int32(8))
+    assert type(finder.memory_budget) is int and type(finder.seq_len) is int and type(finder.headroom) is float
+
+
+def test_finder_says_when_nothing_fits(tmp_path) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[MemoryPlanBatchSizeFinder(memory_budget=2**20)])
+    module = CountingLM()
+    with pytest.raises(ValueError, match="not even a batch of 1 fits"):
+        trainer.fit(module)
+    assert module.training_steps == 0
