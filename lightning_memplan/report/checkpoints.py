@@ -11,10 +11,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["CHECKPOINT_HEADERS", "CheckpointRecord", "checkpoint_rows"]
+__all__ = ["CHECKPOINT_HEADERS", "CheckpointRecord", "checkpoint_rows", "peak_ratio"]
 
 #: Columns of the checkpoint table (Markdown, terminal, HTML).
 CHECKPOINT_HEADERS = ("save", "rank", "mode", "estimated peak", "measured peak", "host (est.)", "measured by")
+
+
+def peak_ratio(measured: int | None, estimated: int | None) -> float | None:
+    """``measured / estimated``, ``None`` when either is missing or zero (a step record's and a checkpoint
+    record's ``ratio``)."""
+    if not measured or not estimated:
+        return None
+    return measured / estimated
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +58,8 @@ class CheckpointRecord:
 
     @property
     def ratio(self) -> float | None:
-        """measured_peak / estimated_peak."""
-        if not self.measured_peak or not self.estimated_peak:
-            return None
-        return self.measured_peak / self.estimated_peak
+        """measured_peak / estimated_peak (:func:`peak_ratio`)."""
+        return peak_ratio(self.measured_peak, self.estimated_peak)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

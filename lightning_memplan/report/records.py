@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from lightning_memplan.model.eval_estimate import EVAL_PHASES
 from lightning_memplan.model.result import COMPONENTS, PHASES
-from lightning_memplan.report.checkpoints import CheckpointRecord
+from lightning_memplan.report.checkpoints import CheckpointRecord, peak_ratio
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
 __all__ = [
@@ -228,10 +228,8 @@ class StepRecord:
 
     @property
     def ratio(self) -> float | None:
-        """measured_peak / estimated_peak (``None`` when either is missing)."""
-        if not self.measured_peak or not self.estimated_peak:
-            return None
-        return self.measured_peak / self.estimated_peak
+        """measured_peak / estimated_peak (``None`` when either is missing): :func:`peak_ratio`."""
+        return peak_ratio(self.measured_peak, self.estimated_peak)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, timeline=None))
