@@ -318,14 +318,46 @@ def _hf_config(module: Any) -> Any:
     return None
 
 
+#: Names of token tables (GPT-2 ``wte``, Llama ``embed_tokens``, Meta's ``tok_embeddings``, BERT
+#: ``word_embeddings``); a learned position table (``wpe``, ``position_embeddings``) may be larger than the
+#: vocabulary, so the largest table is not the token table.
+_TOKEN_TABLE_NAMES = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings", "token_embedding", "tok_emb",
+                      "embedding", "embed")
+_POSITION_TABLE_HINTS = ("wpe", "pos", "position")
+
+
+def _token_embedding(named: list[tuple[str, Any]], head: Any) -> Any:
+    """The token table among a model's ``nn.Embedding``s: the one the output head shares its weight with,
+    else the one as wide as the head's output (the vocabulary), else the one named as a token table, else
+    the largest that is not named as a position table, else the largest."""
+    weight = getattr(head, "weight", None)
+    for _, m in named:
+        if weight is not None and m.weight is weight:
+            return m
+    out = _out_features(head) if head is not None else None
+    by_size = sorted(named, key=lambda nm: -nm[1].num_embeddings)
+    if out is not None:
+        matching = [m for _, m in by_size if m.num_embeddings == out]
+        if matching:
+            return matching[0]
+    for _, m in ((n, m) for n, m in by_size if n.rsplit(".", 1)[-1].lower() in _TOKEN_TABLE_NAMES):
+        return m
+    for name, m in by_size:
+        if not any(hint in name.rsplit(".", 1)[-1].lower() for hint in _POSITION_TABLE_HINTS):
+            return m
+    return by_size[0][1]
+
+
 def _transformer_fields(module: Any) -> dict[str, Any] | None:
     import torch.nn as nn
 
-    embeddings = sorted((m for m in module.modules() if isinstance(m, nn.Embedding)), key=lambda m: -m.num_embeddings)
+    named = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Embedding)]
     blocks = _blocks(module)
-    if not embeddings or blocks is None:
+    if not named or blocks is None:
         return None
-    tok = embeddings[0]
+    head = _find(module, ("lm_head", "embed_out", "output", "head"))
+    tok = _token_embedding(named, head)
+    embeddings = [tok, *(m for _, m in sorted(named, key=lambda nm: -nm[1].num_embeddings) if m is not tok)]
     vocab, hidden = tok.num_embeddings, tok.embedding_dim
     block = blocks[0]
     q, k = _find(block, ("q_proj", "query", "wq")), _find(block, ("k_proj", "key", "wk"))
@@ -355,7 +387,6 @@ def _transformer_fields(module: Any) -> dict[str, Any] | None:
     ffn = _out_features(up) if up is not None else None
     norms = [type(m).__name__ for m in block.modules() if "norm" in type(m).__name__.lower()]
     rms = any("rms" in n.lower() for n in norms)
-    head = _find(module, ("lm_head", "embed_out", "output", "head"))
     tied = head is not None and getattr(head, "weight", None) is tok.weight
     pos = next((e for e in embeddings[1:] if e.embedding_dim == hidden and e.num_embeddings != vocab), None)
     rope = any(("rotary" in n.lower() or "rope" in n.lower()) for n, _ in module.named_modules()) or any(

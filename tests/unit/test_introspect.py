@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_memplan.model.introspect import spec_from_hf_config, spec_from_module
-from lightning_memplan.model.specs import ModelSpec
+from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.testing.zoo import GPT, ConvNet, MLPNet, gpt2_style, llama_style, tied_style
 
 # config.json fields of published checkpoints and their parameter counts as reported by
@@ -259,3 +259,19 @@ def test_specs_depends_on_no_memory_term_module() -> None:
     from lightning_memplan.model import terms
 
     assert terms.param_count is __import__("lightning_memplan.model.param_counts", fromlist=["x"]).param_count
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_position_table_larger_than_the_vocabulary_is_not_read_as_the_token_table(tied: bool) -> None:
+    # issue 25: 1024 learned positions and a 512-token vocabulary were read as vocabulary 1024 (10-38% high)
+    from lightning_memplan.model.estimate import estimate_memory
+    from lightning_memplan.tracking.trace import trace_memory
+
+    model = GPT(gpt2_style(max_positions=1024, vocab_size=512, tied_embeddings=tied))
+    spec = ModelSpec.from_module(model)
+    assert (spec.vocab_size, spec.max_positions, spec.position_embedding) == (512, 1024, "learned")
+    assert spec.tied_embeddings is tied and spec.n_params == sum(p.numel() for p in model.parameters())
+    train = TrainSpec(micro_batch=4, seq_len=64, precision="32-true", device="cpu")
+    estimated = estimate_memory(spec, train).total
+    traced = trace_memory(model, batch_shape=(4, 64)).estimate.total  # the tensor tracker on a fake step
+    assert abs(estimated / traced - 1) < 0.02, (estimated, traced)
