@@ -308,3 +308,19 @@ def test_a_cuda_estimate_scales_the_cpu_trace_with_the_traced_class_norms() -> N
                    / estimate_memory(analytic, train.replace(norm_impl="native", device="cpu")).activations)
     assert fused_ratio < 0.97  # the variant matters on CUDA at this shape, so the check below can fail
     assert composite.activations > 1.02 * fused_ratio * cpu.activations
+
+
+def test_use_cache_false_is_estimated_like_the_real_step() -> None:
+    """Issue 25: an HF Llama built with ``use_cache=False`` traced about 8% high (b=4). Config-only and
+    ``trace_memory`` on the module both within 1% of MemTracker at a held-out (4, 48)."""
+    from lightning_memplan.tracking.trace import trace_memory
+
+    config = _llama()
+    config.use_cache = False
+    measured = _measured(config, 4, 48, "32-true")
+    train = TrainSpec(micro_batch=4, seq_len=48, precision="32-true", optimizer_impl="for_loop", device="cpu")
+    est = estimate_memory(ModelSpec.from_hf_config(config), train)
+    assert est.source == "hf_trace" and abs(est.total / measured - 1) < 0.01, (est.total, measured)
+    model = __import__("transformers").AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    traced = trace_memory(model, example_input=example_batch(model, 4, 48), optimizer_impl="for_loop")
+    assert abs(traced.estimate.total / measured - 1) < 0.01, (traced.estimate.total, measured)
