@@ -54,8 +54,8 @@ from lightning_memplan.planning import budget as rule
 from lightning_memplan.planning.budget import Budget, need_text
 from lightning_memplan.validation import check_bool, check_choice, check_number
 
-__all__ = ["AXES", "MAX_MICRO_BATCH", "MAX_SEQ_LEN", "LargestFit", "largest_fit", "max_micro_batch", "max_seq_len",
-           "seq_len_unit"]
+__all__ = ["AXES", "MAX_MICRO_BATCH", "MAX_SEQ_LEN", "LargestFit", "largest_fit", "largest_true", "max_micro_batch",
+           "max_seq_len", "seq_len_unit"]
 
 #: Largest micro-batch searched (a bound that keeps the search to at most 41 estimates for any input).
 MAX_MICRO_BATCH = 2**20
@@ -227,7 +227,7 @@ def largest_fit(
         seen[k] = (est, need, fits)
         return fits
 
-    k = _largest(probe, bound // unit) if bound >= unit else 0
+    k = largest_true(probe, bound // unit) if bound >= unit else 0
     hit, miss = seen.get(k), seen.get(k + 1)
     return LargestFit(
         axis=axis, value=k * unit, unit=unit, bound=bound, budget=budget,
@@ -237,7 +237,7 @@ def largest_fit(
     )
 
 
-def _largest(fits: Callable[[int], bool], limit: int) -> int:
+def largest_true(fits: Callable[[int], bool], limit: int) -> int:
     """The largest ``k`` in ``[0, limit]`` with ``fits(k)`` for a non-increasing predicate (``fits(0)``
     holds by convention); ``fits(k + 1)`` has been called unless ``k == limit``, so the caller knows
     the first miss. Doubling, then bisection: at most ``2 * ceil(log2(limit + 1)) + 1`` calls."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightning_memplan.planning.fit import largest_true
 from lightning_memplan.tracking.step import run_training_step
 
 __all__ = ["Case", "hf_llama_case", "measured_largest", "measured_peak", "zoo_gpt_case"]
@@ -112,16 +113,6 @@ def measured_largest(case: Case, budget: int, *, axis: str, other: int, bound: i
             peaks[value] = max(measured_peak(case, b, s))
         return peaks[value] <= budget
 
-    lo, hi, k = 0, None, 1
-    while k <= bound:
-        if not fits(k):
-            hi = k
-            break
-        lo, k = k, 2 * k
-    if hi is None:
-        hi = bound + 1 if fits(bound) else bound
-        lo = bound if hi > bound else lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, peaks
+    # the search is the planner's (doubling, then bisection); what is compared is the predicate: measured
+    # peaks here, the estimate in planning/fit.py
+    return largest_true(fits, bound), peaks

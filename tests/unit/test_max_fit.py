@@ -17,7 +17,13 @@ import pytest
 from lightning_memplan import HardwareSpec, ModelSpec, ParallelPlan, TrainSpec, max_micro_batch, max_seq_len
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.planning.budget import device_need, memory_budget
-from lightning_memplan.planning.fit import MAX_MICRO_BATCH, MAX_SEQ_LEN, _largest, largest_fit, seq_len_unit
+from lightning_memplan.planning.fit import (
+    MAX_MICRO_BATCH,
+    MAX_SEQ_LEN,
+    largest_fit,
+    largest_true,
+    seq_len_unit,
+)
 
 MiB = 2**20
 CPU_TRAIN = dict(precision="32-true", optimizer="adamw", optimizer_impl="for_loop", device="cpu")
@@ -130,7 +136,7 @@ def test_monotone_bisection_is_exact_and_bounded() -> None:
                 calls.append(k)
                 return k <= answer
 
-            assert _largest(fits, limit) == answer
+            assert largest_true(fits, limit) == answer
             assert len(calls) <= 2 * math.ceil(math.log2(limit + 1)) + 1
             if 0 <= answer < limit:
                 assert answer + 1 in calls  # the first miss is known (the binding phase comes from it)
