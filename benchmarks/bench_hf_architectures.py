@@ -210,13 +210,13 @@ def render(rows: list[Row | KeptRow], failures: list[str], seconds: float, comma
 
 
 #: ``{family: [(b, s), ...]}`` of ``--shapes``. Mamba and Jamba run transformers' sequential per-token scan
-#: on the CPU (no mamba-ssm kernels), ~0.1-0.3 s per token of a real step on 2 shared cores: three shapes
-#: at s <= 128 only.
+#: on the CPU (no mamba-ssm kernels), ~0.3-0.6 s per token of a real step on 2 shared cores: b in {1, 2, 4}
+#: up to s=512, and s=2048 at b=1 (their rows are in results/hf_architectures_shapes_ssm.md, run with
+#: ``--shapes --arch mamba jamba --out benchmarks/results/hf_architectures_shapes_ssm.md``).
 SHAPE_GRID: dict[str, list[tuple[int, int]]] = {
     **{name: [(b, s) for s in (64, 128, 512, 2048) for b in (1, 2, 4)]
        for name in ("deepseek_v3", "llama4_scout", "llama4_maverick", "gemma3", "gpt_oss", "mamba2")},
-    "mamba": [(1, 64), (2, 128), (4, 128)],
-    "jamba": [(1, 64), (2, 128), (4, 128)],
+    **{name: [(b, s) for s in (64, 128, 512) for b in (1, 2, 4)] + [(1, 2048)] for name in ("mamba", "jamba")},
 }
 for _name in ("gemma3", "mamba2"):
     SHAPE_GRID[_name] += [(1, 8192)]

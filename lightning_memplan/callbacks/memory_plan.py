@@ -80,8 +80,8 @@ class MemoryPlanCallback(Callback):
     tensor tracker on the first step of each phase per epoch and every ``measure_every_n_steps``). The
     epoch report holds them per phase; a warning with a remedy says when an evaluation phase is the run's
     peak or would not fit. ``trainer.validate``/``test``/``predict`` after a fit add their figures to the
-    latest epoch and write the report again. A ``generate`` call's KV cache inside ``validation_step`` is
-    not modelled.
+    latest epoch and write the report again. A step that also calls a Hugging Face model's greedy
+    ``generate`` on its batch says so with ``generate_tokens``: its KV cache is then part of the estimate.
 
     Args:
         measure_every_n_steps: run the tensor tracker on the first step and every this many steps
@@ -102,11 +102,17 @@ class MemoryPlanCallback(Callback):
         track_tensors: ``None`` tracks tensors on CPU and MPS only; ``True`` also on CUDA; ``False`` never.
         write_files: write the report files after each epoch and on an exception.
         print_report: print the rich table on rank 0 after each epoch.
+        generate_tokens: the ``max_new_tokens`` of a greedy Hugging Face ``generate`` your validation, test
+            or predict step runs on its batch (the batch is the prompt); its ``DynamicCache`` of
+            ``s + generate_tokens - 1`` tokens and the last position's logits are estimated
+            (:func:`~lightning_memplan.model.eval_estimate.eval_generate_bytes`) and the step's estimate is
+            the larger of its forward and its generation. 0 (the default): the steps generate nothing.
 
     Raises:
         ValueError: ``tolerance`` < 0, ``min_headroom`` outside [0, 1), ``measure_every_n_steps`` < 1,
-            an unknown ``units``, ``seq_len``/``max_seq_len``/``memory_budget`` not a positive int.
-        TypeError: ``model_spec``/``train_spec``/``plan`` of the wrong type.
+            an unknown ``units``, ``seq_len``/``max_seq_len``/``memory_budget`` not a positive int,
+            ``generate_tokens`` < 0.
+        TypeError: ``model_spec``/``train_spec``/``plan`` of the wrong type; ``generate_tokens`` not an int.
         ValueError: at ``setup``, a second ``MemoryPlanCallback`` in the Trainer (one per Trainer: two would
             write the same report files and metrics; two of this class already stop at ``Trainer(...)`` with
             Lightning's duplicate ``state_key`` error).
@@ -135,12 +141,13 @@ class MemoryPlanCallback(Callback):
         track_tensors: bool | None = None,
         write_files: bool = True,
         print_report: bool = True,
+        generate_tokens: int = 0,
     ) -> None:
         options = MonitorOptions(
             measure_every_n_steps=measure_every_n_steps, tolerance=tolerance, min_headroom=min_headroom,
             units=units, calibrate=calibrate, seq_len=seq_len, max_seq_len=max_seq_len, model_spec=model_spec,
             train_spec=train_spec, plan=plan, memory_budget=memory_budget, track_tensors=track_tensors,
-            write_files=write_files, print_report=print_report,
+            write_files=write_files, print_report=print_report, generate_tokens=generate_tokens,
         )
         self.measure_every_n_steps = options.measure_every_n_steps
         self.tolerance = options.tolerance
@@ -156,6 +163,7 @@ class MemoryPlanCallback(Callback):
         self.track_tensors = options.track_tensors
         self.write_files = options.write_files
         self.print_report = options.print_report
+        self.generate_tokens = options.generate_tokens
         # Run state (persisted by state_dict): the report so far, steps seen, warnings already given.
         self._session = MemorySession(options, owner="MemoryPlanCallback")
         self._saves = CheckpointSaves(self._session, gather_objects)

@@ -15,6 +15,13 @@ device memory (``params`` needs ``--zero 3``)::
     lightning-memplan estimate --model llama-7b --seq-len 2048 --dp 8 --zero 3 \\
         --framework deepspeed --offload optimizer
 
+With ``--framework torch`` (memplan_auto's FSDP2; ``fsdp2`` is accepted as its name) ``--offload params`` is
+FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer states on the host; ``--zero 2|3``
+or ``--dp 1``), ``--offload activations`` activation offloading (``save_on_cpu`` around every block;
+``--recompute none``) and ``--offload params+activations`` both::
+
+    lightning-memplan estimate --model llama-7b --seq-len 4096 --dp 8 --zero 3 --offload params+activations
+
 ``--max-micro-batch`` / ``--max-seq-len`` also print the largest micro-batch (at ``--seq-len``) or
 sequence length (at ``--micro-batch``) that fits ``--memory-budget`` (or ``--hardware``'s memory less
 ``--headroom``) with the planner's fit test, and the phase and component that bind it
@@ -43,6 +50,10 @@ from lightning_memplan.cli._common import (
 from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS
 from lightning_memplan.model.specs import FRAMEWORK_NAMES
 
+#: ``--offload`` values: DeepSpeed's (``DEEPSPEED_OFFLOADS``) and FSDP2's activation offloading, alone or
+#: with ``params`` (CPUOffloadPolicy).
+OFFLOAD_CHOICES = (*DEEPSPEED_OFFLOADS, "activations", "params+activations")
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -59,13 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     group.add_argument("--virtual-stages", type=int_at_least(1), default=1)
     group = parser.add_argument_group("training stack")
-    group.add_argument("--framework", default="torch", choices=list(FRAMEWORK_NAMES),
-                       help="the stack the step runs on: torch (memplan_auto, FSDP2), megatron, llama3, or "
-                       "deepspeed (DeepSpeed's ZeRO engine; --zero is its stage)")
-    group.add_argument("--offload", default="none", choices=list(DEEPSPEED_OFFLOADS),
-                       help="DeepSpeed ZeRO-Offload (--framework deepspeed): optimizer (master weights, optimizer "
-                       "states and fp32 gradients in host memory; --zero >= 1) or params (also the 16-bit "
-                       "parameters; --zero 3). Host memory is printed beside device memory")
+    group.add_argument("--framework", default="torch", choices=[*FRAMEWORK_NAMES, "fsdp2"],
+                       help="the stack the step runs on: torch (memplan_auto, FSDP2; also spelled fsdp2), megatron, "
+                       "llama3, fsdp1, or deepspeed (DeepSpeed's ZeRO engine; --zero is its stage)")
+    group.add_argument("--offload", default="none", choices=list(OFFLOAD_CHOICES),
+                       help="what lives in host memory. --framework deepspeed (ZeRO-Offload): optimizer (master "
+                       "weights, optimizer states and fp32 gradients; --zero >= 1) or params (also the 16-bit "
+                       "parameters; --zero 3). --framework torch (FSDP2): params (CPUOffloadPolicy: sharded "
+                       "parameters, gradients and optimizer states; --zero 2|3 or --dp 1), activations "
+                       "(save_on_cpu around every block; --recompute none) or params+activations. Host memory is "
+                       "printed beside device memory")
     parser.add_argument("--rank", type=int_at_least(0), default=None, help="one global rank instead of every stage")
     parser.add_argument("--units", default="GiB", choices=["B", "KiB", "MiB", "GiB", "GB"])
     parser.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
@@ -85,10 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_memplan.model import ParallelPlan, estimate_memory
+    from lightning_memplan.model.offload import HOST_PARTS, host_need_bytes
     from lightning_memplan.model.result import COMPONENTS, PHASES
 
     model = model_from_args(args)
-    train = train_from_args(args, framework=args.framework, offload=args.offload)
+    train = train_from_args(args, **offload_fields(args.framework, args.offload))
     plan = ParallelPlan(
         args.dp, args.tp, args.pp, args.cp,
         sp=args.sp, zero=args.zero,
@@ -141,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if any(e.host for e in estimates):  # ZeRO-Offload: what lives in host memory, not in the device total
         table.add_section()
         table.add_row("[bold]host memory[/bold]", *(f"[bold]{format_bytes(e.host, args.units)}[/bold]" for e in estimates))
-        for part in ("params", "grads", "optimizer", "master", "buffers"):
-            table.add_row(f"host {part}", *(format_bytes(e.details.get(f"host_{part}", 0), args.units) for e in estimates))
+        for part in HOST_PARTS:
+            if any(e.details.get(f"host_{part}", 0) for e in estimates):
+                table.add_row(f"host {part}", *(format_bytes(e.details.get(f"host_{part}", 0), args.units) for e in estimates))
     console = Console(file=sys.stdout, width=max(100, 28 + 24 * len(estimates)))
     console.print(title)
     console.print(table)
@@ -153,12 +169,30 @@ def run(args: argparse.Namespace) -> int:
     )
     if worst.host:
         console.print(
-            f"host memory (offload={train.offload}): {format_bytes(worst.host, args.units)} per rank, "
+            f"host memory (offload={args.offload}): {format_bytes(worst.host, args.units)} per rank, "
             f"{format_bytes(worst.host * plan.world_size, args.units)} over the {plan.world_size} ranks"
         )
+        pinned = int(worst.details.get("host_pinned", 0))
+        if pinned:
+            console.print(
+                f"  of which {format_bytes(pinned, args.units)} page-locked (pinned blocks are rounded up to a power "
+                f"of two: up to {format_bytes(host_need_bytes(worst), args.units)} per rank); "
+                f"{format_bytes(worst.details.get('offload_h2d_bytes', 0), args.units)} host-to-device and "
+                f"{format_bytes(worst.details.get('offload_d2h_bytes', 0), args.units)} device-to-host per step"
+            )
     for found in fits.values():
         console.print(found.describe())
     return 0
+
+
+def offload_fields(framework: str, offload: str) -> dict[str, Any]:
+    """The TrainSpec fields of ``--framework`` and ``--offload`` (``fsdp2`` is ``torch``; ``activations`` is
+    ``offload_activations=True``); what no stack supports is refused by ``TrainSpec`` with its reason."""
+    framework = "torch" if framework == "fsdp2" else framework
+    parts = offload.split("+")
+    activations = "activations" in parts
+    rest = [p for p in parts if p != "activations"]
+    return {"framework": framework, "offload": rest[0] if rest else "none", "offload_activations": activations}
 
 
 def _largest_fits(args: argparse.Namespace, model: Any, train: Any, plan: Any) -> dict[str, Any]:

@@ -13,7 +13,13 @@ would make it fit, and exits with status 1.
 ``--allow`` restricts the search: a comma list of parallelisms (``--allow dp,fsdp,tp,pp``; names:
 dp, ddp, zero1, zero2, zero3, zero, fsdp, tp, sp, pp, cp) and/or ``KEY=V1,V2`` entries, repeatable
 (``--allow tp=1,2,4,8 --allow recompute=none,full``; keys: dp, tp, pp, cp, zero, sp, schedule,
-virtual_stages, recompute, loss, micro_batch).
+virtual_stages, recompute, loss, micro_batch, offload).
+
+When no layout fits on the devices, the planner may offload to host memory (FSDP2's CPUOffloadPolicy,
+activation offloading; ``--allow offload=none`` never does) within ``--host-memory`` per node (default: the
+detected host's memory; a preset has none, so nothing is offloaded without it), and says so::
+
+    lightning-memplan plan --model llama-7b --hardware h100 --gpus-per-node 1 --seq-len 4096 --host-memory 1TiB
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus-per-node", type=int_at_least(1), default=None, help="GPUs per node (default 8 for a preset)")
     group.add_argument("--nodes", type=int_at_least(1), default=1, help="number of nodes")
     group.add_argument("--inter-node-bw", type=finite_float, default=None, help="per-GPU network bytes/s (overrides the preset)")
+    group.add_argument("--host-memory", type=_budget_arg, default=None,
+                       help="host (CPU) memory per node, e.g. 1TiB: what offloading may use when nothing fits on "
+                       "the devices (default: the detected host's; none for a preset)")
     search = parser.add_argument_group("search")
     search.add_argument("--global-batch", type=int_at_least(1), default=None,
                         help="sequences per optimizer step (default: micro-batch x grad-accumulation per replica)")
@@ -121,6 +130,8 @@ def _hardware(args: argparse.Namespace) -> Any:
         hw = HardwareSpec.preset(args.hardware, gpus_per_node=gpus, num_nodes=args.nodes)
     if args.inter_node_bw is not None:
         hw = hw.replace(inter_node_bw=args.inter_node_bw)
+    if args.host_memory is not None:
+        hw = hw.replace(host_memory_bytes=args.host_memory)
     return hw
 
 

@@ -129,7 +129,7 @@ class MemoryMonitor:
             defaults and checks (one :class:`~lightning_memplan.monitoring.options.MonitorOptions`):
             ``measure_every_n_steps``, ``tolerance``, ``min_headroom``, ``units``, ``calibrate``,
             ``seq_len``, ``max_seq_len``, ``model_spec``, ``train_spec``, ``plan``, ``memory_budget``,
-            ``track_tensors``, ``write_files``, ``print_report``.
+            ``track_tensors``, ``write_files``, ``print_report``, ``generate_tokens``.
 
     Raises:
         TypeError: ``fabric`` not a Fabric; ``model``/``optimizer`` not what ``fabric.setup`` returned;

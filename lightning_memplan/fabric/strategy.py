@@ -228,7 +228,10 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
             )
         self._plan(module, optimizers)
         module = super().setup_module(module)  # FSDP1 check, parallelize_fn (below), meta materialisation
-        module.to(self.root_device)  # parameters outside FSDP2/TP units (one process) join the device
+        if self.resolution is None or self.resolution.offload != "params":
+            # parameters outside FSDP2/TP units (one process) join the device; under CPUOffloadPolicy every
+            # parameter is in a unit and must stay on the CPU (torch's _validate_cpu_offload_params)
+            module.to(self.root_device)
         self._module = module
         if self._log_dir is not None and self.global_rank == 0:
             os.makedirs(self._log_dir, exist_ok=True)
@@ -255,6 +258,9 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
                 never=frozenset({"pp"}),
                 runner="Fabric",
                 warn=rank_zero_warn,
+                # The loop computes its loss outside the module and may read lm_head.weight whole
+                # (LinearCrossEntropy(model(x), model.lm_head.weight, y)): the head stays in the root unit.
+                head_in_root=True,
             )
 
         self.resolution, self._device_mesh = plan_on_every_rank(
@@ -268,12 +274,8 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
     def _parallelize(self, module: nn.Module, mesh: Any) -> nn.Module:
         """``ModelParallelStrategy``'s ``parallelize_fn``: apply the broadcast resolution."""
         assert self.resolution is not None
-        # The loop computes its loss outside the module and may read lm_head.weight whole
-        # (LinearCrossEntropy(model(x), model.lm_head.weight, y)): the head stays in the root unit.
-        applied = apply_resolution(
-            module, self.resolution, mesh, self.root_device, warn=rank_zero_warn, head_in_root=True
-        )
-        self._layout = applied.layout
+        applied = apply_resolution(module, self.resolution, mesh, self.root_device, warn=rank_zero_warn)
+        self._layout, self.plain_module = applied.layout, applied.plain
         for note in applied.notes:
             rank_zero_info(f"memplan_auto: {note}")
         return module

@@ -3,8 +3,9 @@
 :func:`cuda_device`: the device name, ``torch.cuda.mem_get_info`` total bytes, the device count and PCI
 bus id. :func:`nvml_interconnect`: when ``nvidia-ml-py`` (``pynvml``) is importable, the intra-node link
 NVML reports as active: active NVLink links x per-link bandwidth of their NVLink version, or the PCIe
-generation x width when no NVLink is up. :func:`host_description`: the CPU host (memory from
-``sysconf``). :meth:`HardwareSpec.detect <lightning_memplan.hardware.spec.HardwareSpec.detect>` (and
+generation x width when no NVLink is up; :func:`nvml_pcie_bw`: the GPU's PCIe link to the host (the
+offloading link). :func:`host_description`: the CPU host; :func:`host_memory_bytes`: its physical memory
+(``sysconf``). :meth:`HardwareSpec.detect <lightning_memplan.hardware.spec.HardwareSpec.detect>` (and
 :func:`~lightning_memplan.hardware.spec.detect_hardware`) turn these facts into a spec with the sourced
 table's speeds; this module builds no spec, so ``spec`` imports it and not the other way round.
 """
@@ -22,7 +23,9 @@ __all__ = [
     "LocalDevice",
     "cuda_device",
     "host_description",
+    "host_memory_bytes",
     "nvml_interconnect",
+    "nvml_pcie_bw",
 ]
 
 #: Bytes/s per NVLink link per direction, by NVLink version (NVIDIA NVLink and NVSwitch page,
@@ -93,10 +96,49 @@ def nvml_interconnect(device: int = 0, *, pci_bus_id: str | None = None) -> dict
 
 
 def _host_memory_bytes() -> int:
+    return host_memory_bytes() or 1
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host in bytes, ``sysconf(SC_PAGE_SIZE) * sysconf(SC_PHYS_PAGES)``; ``None``
+    where ``sysconf`` cannot say (not POSIX)."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        value = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # not POSIX
-        return 1
+        return None
+    return value if value > 0 else None
+
+
+def nvml_pcie_bw(device: int = 0, *, pci_bus_id: str | None = None) -> float | None:
+    """Bytes/s per direction of one GPU's PCIe link to the host as NVML reports it (current generation x
+    width x :data:`PCIE_BW_PER_LANE`), or ``None`` without ``nvidia-ml-py``/NVML."""
+    nvml = _pynvml()
+    if nvml is None:
+        return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # NVML present but no driver
+        return None
+    try:
+        handle = None
+        if pci_bus_id:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+            except Exception:
+                handle = None
+        if handle is None:
+            handle = nvml.nvmlDeviceGetHandleByIndex(device)
+        gen = int(nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
+        width = int(nvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+        bw = width * PCIE_BW_PER_LANE.get(gen, 0.0)
+        return bw if bw > 0 else None
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,8 @@ Units and conventions (every entry follows them, so entries compare):
   source (e.g. DGX A100: one 200 Gb/s HDR InfiniBand port per GPU = 25 GB/s). Clusters differ; pass
   your own value with ``HardwareSpec(..., inter_node_bw=...)`` or ``HardwareSpec.preset(...).replace(...)``.
 - ``memory_bw``: device-memory bandwidth in bytes/s (used for the memory-bound optimizer step).
+- ``host_link_bw``: bytes/s one GPU moves to or from host memory *per direction* over its host interface
+  (half the datasheet's bidirectional "PCIe GenN: X GB/s" figure): what offloading to the host costs.
 
 Values in decimal units as printed (1 TB/s = 10**12 B/s, 1 TFLOPS = 10**12 FLOP/s).
 """
@@ -45,6 +47,7 @@ class ChipEntry:
         intra_node_bw: per-GPU, per-direction bytes/s inside a node.
         inter_node_bw: per-GPU, per-direction bytes/s across nodes (reference system).
         memory_bw: device-memory bytes/s.
+        host_link_bw: per-direction bytes/s between the GPU and host memory (its PCIe x16 link).
         supports_bf16: whether the tensor cores run bf16 (False: V100, fp16 only).
         intra_node_link: what the intra-node figure is (``"NVLink 4 / NVSwitch"``, ``"PCIe 4.0 x16"``).
         source: datasheet title and URL text, plus the reference system for the network figure.
@@ -59,17 +62,28 @@ class ChipEntry:
     intra_node_bw: float
     inter_node_bw: float
     memory_bw: float
+    host_link_bw: float = 0.0
     supports_bf16: bool = True
     intra_node_link: str = ""
     source: str = ""
     fallback: bool = False
 
 
+#: Host interface, bytes/s per direction: half the datasheets' bidirectional PCIe x16 figure ("PCIe Gen4:
+#: 64 GB/s" on the A100, L4, L40S, A10 datasheets; "PCIe Gen5: 128 GB/s" on the H100/H200 ones; the V100's
+#: "PCIe 32 GB/s" is Gen3; the RTX 4090 is a Gen4 x16 board (Ada whitepaper); for the B200 no per-GPU
+#: figure is printed and HGX B200's Gen5 host links are assumed), the per-lane rates of
+#: ``hardware/detect.py`` ``PCIE_BW_PER_LANE`` x 16 agree to 2 %.
+PCIE_GEN3_X16 = 16 * GB
+PCIE_GEN4_X16 = 32 * GB
+PCIE_GEN5_X16 = 64 * GB
+
 _A100_DS = (
     "NVIDIA A100 Tensor Core GPU Datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, "
     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312 TFLOPS dense (624* sparse), FP32 19.5 "
-    "TFLOPS, NVLink 600 GB/s; network: NVIDIA DGX A100 Datasheet, 8x single-port ConnectX-6 200 Gb/s HDR "
+    "TFLOPS, NVLink 600 GB/s, PCIe Gen4 64 GB/s; network: NVIDIA DGX A100 Datasheet, 8x single-port "
+    "ConnectX-6 200 Gb/s HDR "
     "InfiniBand (one per GPU)"
 )
 _H100_DS = (
@@ -83,35 +97,35 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "a100-40gb": ChipEntry(
         key="a100-40gb", label="NVIDIA A100-SXM4-40GB", memory_bytes=40 * GiB,
         peak_flops=312 * TFLOPS, peak_flops_fp32=19.5 * TFLOPS,
-        intra_node_bw=300 * GB, inter_node_bw=25 * GB, memory_bw=1.555 * TB,
+        intra_node_bw=300 * GB, inter_node_bw=25 * GB, memory_bw=1.555 * TB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="NVLink 3 / NVSwitch (600 GB/s bidirectional)",
         source=_A100_DS + "; 40GB HBM2 at 1,555 GB/s",
     ),
     "a100-80gb": ChipEntry(
         key="a100-80gb", label="NVIDIA A100-SXM4-80GB", memory_bytes=80 * GiB,
         peak_flops=312 * TFLOPS, peak_flops_fp32=19.5 * TFLOPS,
-        intra_node_bw=300 * GB, inter_node_bw=25 * GB, memory_bw=2.039 * TB,
+        intra_node_bw=300 * GB, inter_node_bw=25 * GB, memory_bw=2.039 * TB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="NVLink 3 / NVSwitch (600 GB/s bidirectional)",
         source=_A100_DS + "; 80GB HBM2e at 2,039 GB/s",
     ),
     "h100-sxm": ChipEntry(
         key="h100-sxm", label="NVIDIA H100 SXM5 80GB", memory_bytes=80 * GiB,
         peak_flops=989.5 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
-        intra_node_bw=450 * GB, inter_node_bw=50 * GB, memory_bw=3.35 * TB,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, memory_bw=3.35 * TB, host_link_bw=PCIE_GEN5_X16,
         intra_node_link="NVLink 4 / NVSwitch (900 GB/s bidirectional)",
         source=_H100_DS + "; network: NVIDIA DGX H100 Datasheet, 8x ConnectX-7 400 Gb/s NDR InfiniBand",
     ),
     "h100-pcie": ChipEntry(
         key="h100-pcie", label="NVIDIA H100 PCIe 80GB", memory_bytes=80 * GiB,
         peak_flops=756 * TFLOPS, peak_flops_fp32=51 * TFLOPS,
-        intra_node_bw=64 * GB, inter_node_bw=25 * GB, memory_bw=2.0 * TB,
+        intra_node_bw=64 * GB, inter_node_bw=25 * GB, memory_bw=2.0 * TB, host_link_bw=PCIE_GEN5_X16,
         intra_node_link="PCIe Gen5 x16 (128 GB/s bidirectional)",
         source=_H100_DS + "; network: typical 200 Gb/s per GPU (assumption for PCIe servers)",
     ),
     "h200": ChipEntry(
         key="h200", label="NVIDIA H200 SXM 141GB", memory_bytes=141 * GiB,
         peak_flops=989.5 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
-        intra_node_bw=450 * GB, inter_node_bw=50 * GB, memory_bw=4.8 * TB,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, memory_bw=4.8 * TB, host_link_bw=PCIE_GEN5_X16,
         intra_node_link="NVLink 4 / NVSwitch (900 GB/s bidirectional)",
         source=(
             "NVIDIA H200 Tensor Core GPU Datasheet (https://nvdam.widen.net/s/nb5zzzsjdf/"
@@ -123,7 +137,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "b200": ChipEntry(
         key="b200", label="NVIDIA B200 180GB", memory_bytes=180 * GiB,
         peak_flops=2250 * TFLOPS, peak_flops_fp32=75 * TFLOPS,
-        intra_node_bw=900 * GB, inter_node_bw=50 * GB, memory_bw=8.0 * TB,
+        intra_node_bw=900 * GB, inter_node_bw=50 * GB, memory_bw=8.0 * TB, host_link_bw=PCIE_GEN5_X16,
         intra_node_link="NVLink 5 / NVSwitch (1.8 TB/s bidirectional)",
         source=(
             "NVIDIA DGX B200 Datasheet (https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet): "
@@ -135,7 +149,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "l4": ChipEntry(
         key="l4", label="NVIDIA L4 24GB", memory_bytes=24 * GiB,
         peak_flops=121 * TFLOPS, peak_flops_fp32=30.3 * TFLOPS,
-        intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=300 * GB,
+        intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=300 * GB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink",
         source=(
             "NVIDIA L4 Tensor Core GPU Datasheet (https://resources.nvidia.com/en-us-data-center-overview/"
@@ -146,7 +160,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "l40s": ChipEntry(
         key="l40s", label="NVIDIA L40S 48GB", memory_bytes=48 * GiB,
         peak_flops=362.05 * TFLOPS, peak_flops_fp32=91.6 * TFLOPS,
-        intra_node_bw=32 * GB, inter_node_bw=25 * GB, memory_bw=864 * GB,
+        intra_node_bw=32 * GB, inter_node_bw=25 * GB, memory_bw=864 * GB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink",
         source=(
             "NVIDIA L40S GPU Datasheet (https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413): "
@@ -157,7 +171,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "a10g": ChipEntry(
         key="a10g", label="NVIDIA A10G 24GB", memory_bytes=24 * GiB,
         peak_flops=125 * TFLOPS, peak_flops_fp32=31.2 * TFLOPS,
-        intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=600 * GB,
+        intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=600 * GB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink",
         source=(
             "NVIDIA A10 Tensor Core GPU Datasheet (https://www.nvidia.com/content/dam/en-zz/Solutions/"
@@ -170,7 +184,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "rtx-4090": ChipEntry(
         key="rtx-4090", label="NVIDIA GeForce RTX 4090 24GB", memory_bytes=24 * GiB,
         peak_flops=165.2 * TFLOPS, peak_flops_fp32=82.6 * TFLOPS,
-        intra_node_bw=32 * GB, inter_node_bw=10 * GB / 8, memory_bw=1008 * GB,
+        intra_node_bw=32 * GB, inter_node_bw=10 * GB / 8, memory_bw=1008 * GB, host_link_bw=PCIE_GEN4_X16,
         intra_node_link="PCIe Gen4 x16 (64 GB/s bidirectional), no NVLink, no P2P",
         source=(
             "NVIDIA Ada GPU Architecture whitepaper v2.1 (https://images.nvidia.com/aem-dam/Solutions/"
@@ -182,7 +196,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
     "v100": ChipEntry(
         key="v100", label="NVIDIA Tesla V100-SXM2-32GB", memory_bytes=32 * GiB,
         peak_flops=125 * TFLOPS, peak_flops_fp32=15.7 * TFLOPS,
-        intra_node_bw=150 * GB, inter_node_bw=100 * GB / 8 * 4 / 8, memory_bw=900 * GB,
+        intra_node_bw=150 * GB, inter_node_bw=100 * GB / 8 * 4 / 8, memory_bw=900 * GB, host_link_bw=PCIE_GEN3_X16,
         supports_bf16=False,
         intra_node_link="NVLink 2 hybrid cube mesh (300 GB/s bidirectional)",
         source=(
@@ -200,7 +214,7 @@ CHIP_TABLE: dict[str, ChipEntry] = {
 FALLBACK_CHIP = ChipEntry(
     key="unknown", label="unknown accelerator (fallback values)", memory_bytes=16 * GiB,
     peak_flops=100 * TFLOPS, peak_flops_fp32=20 * TFLOPS,
-    intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=500 * GB,
+    intra_node_bw=32 * GB, inter_node_bw=100 * GB / 8 / 8, memory_bw=500 * GB, host_link_bw=PCIE_GEN4_X16,
     intra_node_link="assumed PCIe Gen4 x16",
     source="fallback: no datasheet; assumed values, pass HardwareSpec(...) with your chip's figures",
     fallback=True,

@@ -62,6 +62,10 @@ class HardwareSpec:
         intra_node_bw: bytes/s per GPU per direction to GPUs of the same node.
         inter_node_bw: bytes/s per GPU per direction to other nodes.
         memory_bw: device-memory bandwidth, bytes/s.
+        host_link_bw: bytes/s per GPU per direction between the GPU and host memory (its PCIe link): what
+            the planner charges for offloading to the host.
+        host_memory_bytes: host (CPU) memory per node in bytes, shared by the node's ``gpus_per_node``
+            ranks; ``None`` (unknown) means the planner never offloads to the host.
         supports_bf16: whether bf16 runs on the tensor cores.
         source: where the numbers come from (datasheet title/URL, or ``"torch.cuda"``/``"nvml"``).
         fallback: True when any figure is an assumption for an unknown chip (shown in reports).
@@ -76,6 +80,8 @@ class HardwareSpec:
     intra_node_bw: float | None = field(default=None, kw_only=True)
     inter_node_bw: float | None = field(default=None, kw_only=True)
     memory_bw: float | None = field(default=None, kw_only=True)
+    host_link_bw: float | None = field(default=None, kw_only=True)
+    host_memory_bytes: int | None = field(default=None, kw_only=True)
     supports_bf16: bool = field(default=True, kw_only=True)
     source: str = field(default="", kw_only=True)
     fallback: bool = field(default=False, kw_only=True)
@@ -109,10 +115,14 @@ class HardwareSpec:
             ("intra_node_bw", "bytes/s"),
             ("inter_node_bw", "bytes/s"),
             ("memory_bw", "bytes/s"),
+            ("host_link_bw", "bytes/s"),
         ):
             value = getattr(self, attr)
             if value is not None:
                 keep(attr, _check_positive_number(attr, value, unit))
+        keep("host_memory_bytes", check_optional_int(
+            "host_memory_bytes", self.host_memory_bytes,
+            hint="host memory per node in bytes, e.g. 2 * 2**40, or None when unknown (then nothing is offloaded)"))
 
     # Derived ------------------------------------------------------------------------------------
     @property
@@ -122,7 +132,7 @@ class HardwareSpec:
 
     def resolved(self, attr: str) -> float:
         """The value of a speed field, or the fallback's when it is ``None`` (see :meth:`assumed`)."""
-        if attr not in ("peak_flops", "peak_flops_fp32", "intra_node_bw", "inter_node_bw", "memory_bw"):
+        if attr not in ("peak_flops", "peak_flops_fp32", "intra_node_bw", "inter_node_bw", "memory_bw", "host_link_bw"):
             raise ValueError(f"attr={attr!r} is not a speed field of HardwareSpec")
         value = getattr(self, attr)
         return float(value) if value is not None else float(getattr(FALLBACK_CHIP, attr))
@@ -157,6 +167,7 @@ class HardwareSpec:
             intra_node_bw=chip.intra_node_bw,
             inter_node_bw=chip.inter_node_bw,
             memory_bw=chip.memory_bw,
+            host_link_bw=chip.host_link_bw or None,
             supports_bf16=chip.supports_bf16,
             source=chip.source,
             fallback=chip.fallback,
@@ -209,9 +220,10 @@ class HardwareSpec:
         device = check_optional_int("device", device, minimum=0,
                                     hint="a CUDA device index, e.g. 0, or None for the current device")
         local = _device.cuda_device(device)
+        host_memory = _device.host_memory_bytes()
         if local is None:
             name, memory = _device.host_description()
-            return cls(name, memory, gpus_per_node=1, num_nodes=num_nodes,
+            return cls(name, memory, gpus_per_node=1, num_nodes=num_nodes, host_memory_bytes=host_memory,
                        source="host description (no CUDA device): memory from sysconf; speeds unknown")
         chip = match_device_name(local.name)
         if chip is None:
@@ -223,6 +235,11 @@ class HardwareSpec:
                 memory_bytes=local.total_memory,
                 source=f"torch.cuda: {local.name!r}, {local.total_memory} bytes (mem_get_info); table: {chip.source}",
             )
+        spec = dataclasses.replace(spec, host_memory_bytes=host_memory,
+                                   source=spec.source + "; host memory from sysconf" if host_memory else spec.source)
+        pcie = _device.nvml_pcie_bw(local.index, pci_bus_id=local.pci_bus_id)
+        if pcie:
+            spec = dataclasses.replace(spec, host_link_bw=pcie, source=spec.source + "; nvml: host PCIe link")
         link = _device.nvml_interconnect(local.index, pci_bus_id=local.pci_bus_id)
         if link is not None and link["bw"] > 0 and local.count > 1:
             spec = dataclasses.replace(

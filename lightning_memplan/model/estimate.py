@@ -26,7 +26,16 @@ import functools
 import math
 from dataclasses import dataclass
 
-from lightning_memplan.model import checkpointing, deepspeed, experts, frameworks, pipeline_timeline, terms
+from lightning_memplan.model import (
+    checkpointing,
+    deepspeed,
+    experts,
+    frameworks,
+    offload,
+    param_counts,
+    pipeline_timeline,
+    terms,
+)
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
@@ -70,6 +79,9 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             )
     if train.framework == "deepspeed":
         _check_deepspeed(train, plan)
+    blocker = offload.offload_blocker(train, plan)
+    if blocker is not None:
+        raise ValueError(f"plan={plan.describe()} cannot run this TrainSpec: {blocker}")
     if train.framework == "fsdp1" and (plan.pp > 1 or plan.cp > 1 or plan.tp > 1 or plan.zero == 1):
         raise ValueError(
             f"framework='fsdp1' models FSDP1 over data parallelism (zero 0, 2 or 3; got zero={plan.zero}, "
@@ -181,6 +193,12 @@ def _blocks_matmul_local(model: ModelSpec, t: int, n_layers: int) -> int:
     return sum(n * math.ceil(terms.layer_matmul_param_count(model, moe=moe) / t) for n, moe in _block_kinds(model, n_layers))
 
 
+def _routed_experts_local(model: ModelSpec, t: int, n_layers: int) -> int:
+    """Routed expert weights of ``n_layers`` blocks on one tensor-parallel rank (experts split by t)."""
+    per_block = param_counts.routed_expert_param_count(model)
+    return sum(n * math.ceil(per_block / t) for n, moe in _block_kinds(model, n_layers) if moe)
+
+
 @functools.lru_cache(maxsize=4096)  # keyed by what the count depends on, not by the whole plan
 def _local_params_of(model: ModelSpec, t: int, pipelined: bool, layout: StageLayout) -> tuple[int, int, int]:
     h, v = model.hidden, model.vocab_size
@@ -228,6 +246,21 @@ def _fsdp_units(model: ModelSpec, plan: ParallelPlan, layout: StageLayout, local
     return unit, max(0, local - blocks)
 
 
+def _own_unit_params(model: ModelSpec, plan: ParallelPlan, layout: StageLayout) -> tuple[int, int]:
+    """(embedding, lm_head) parameters on one rank that are FSDP2 units of their own
+    (``ParallelPlan.own_units``), not in the root unit: ``ceil(V h / t)`` each where the stage holds that
+    part and it is untied (a tied matrix is one parameter, which ``memplan_auto`` keeps in the root),
+    rescaled as the stage's parameters are when ``n_params`` is explicit; ``(0, 0)`` otherwise."""
+    if model.tied_embeddings or not plan.own_units:
+        return 0, 0
+    matrix = math.ceil(model.vocab_size * model.hidden / plan.tp)
+    if model.n_params is not None:
+        matrix = round(matrix * model.n_params / terms.param_count(model))
+    emb = matrix if "embedding" in plan.own_units and layout.has_embedding else 0
+    head = matrix if "head" in plan.own_units and layout.has_head else 0
+    return emb, head
+
+
 def _chunk_shares(
     model: ModelSpec, plan: ParallelPlan, layout: StageLayout, framework: str
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -271,6 +304,15 @@ class _PerMicroBatch:
     rebuild_grads: int
     inflight: float
     inflight_head: float
+    batch_in: int  # the dataloader batch this rank holds for the whole step (other)
+    positions: int  # one micro-batch's learned-position ids on the embedding stage (activations)
+
+
+def _batch_tokens(train: TrainSpec, plan: ParallelPlan) -> int:
+    """Tokens of the dataloader batch one rank holds during the step (:func:`terms.batch_input_bytes`):
+    ``b s`` (the whole sequence under context parallelism: the in-place shard keeps the storage), times m
+    under a pipeline (every stage receives the step's m micro-batches)."""
+    return train.micro_batch * train.seq_len * (plan.microbatches if plan.pp > 1 else 1)
 
 
 @functools.lru_cache(maxsize=8192)  # frozen inputs; one per layout, then assembled per pipeline moment
@@ -315,6 +357,8 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         # torch 2.13 with the tracker: the blocks' 16-bit weight copies are gone after the forward);
         # only the head's copy remains.
         matmul -= _blocks_matmul_local(model, t, layout.n_layers)
+    # The routed experts run transformers' grouped_mm kernel, outside autocast: no 16-bit copy of them.
+    matmul -= _routed_experts_local(model, t, layout.n_layers)
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
     eager_bwd_ws = 0
     if train.attention == "eager" and train.recompute == "none":
@@ -325,10 +369,14 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     # dtype) and the widest matmul's input gradient exist next to the rebuilt activations.
     rebuild_grads = tokens * model.hidden * pb.residual // (t if sp else 1) + linear_bwd_ws if rebuild else 0
     return _PerMicroBatch(
-        block_acts=layout.n_layers * saved_layer,
+        batch_in=terms.batch_input_bytes(_batch_tokens(train, plan)),
+        positions=terms.position_ids_bytes(model, s) if layout.has_embedding else 0,
+        # activation offloading (save_on_cpu around every block): the blocks' saves live on the host (their
+        # bytes: _apply_offloads); one block's working set is a point of its own (_offloaded_block_points)
+        block_acts=(0 if train.offload_activations else layout.n_layers) * saved_layer,
         head_acts=head_acts,
         saved_layer=saved_layer,
-        per_mb_attn=layout.n_layers * attn_layer,
+        per_mb_attn=(0 if train.offload_activations else layout.n_layers) * attn_layer,
         logits=(lg["forward"], lg["held"], lg["backward"]),
         copies=copies,
         rebuild=rebuild,
@@ -370,20 +418,25 @@ def _dynamic(
     acts_bwd = round(inflight * block_acts + inflight_head * head_acts)
     attn_bwd = round(inflight * per_mb_attn)
     held_logits = round(max(0.0, inflight_head - (1 if loss_backward else 0)) * lg["held"])
-    return {
+    # The batch is alive in every phase (other); each in-flight micro-batch's learned-position ids until
+    # the embedding's backward (activations, first stage only).
+    batch_in, positions = mb.batch_in, mb.positions
+    acts_fwd += round(fwd_inflight * positions)
+    acts_bwd += round(inflight * positions)
+    out = {
         "forward": {
             "activations": acts_fwd,
             "attention": attn_fwd,
             "logits": round(max(0.0, fwd_inflight_head - 1) * lg["held"]) + lg["forward"],
             "workspace": 0,
-            "other": copies,
+            "other": copies + batch_in,
         },
         "backward_start": {
             "activations": acts_bwd,
             "attention": attn_bwd,
             "logits": held_logits + (lg["backward"] if loss_backward else 0),
             "workspace": 0,
-            "other": copies,
+            "other": copies + batch_in,
         },
         # the last block's backward: the loss buffers are gone, the block is rebuilt (full/selective-op)
         # and eager attention's softmax backward makes its [b, a, s, s] temporaries.
@@ -392,21 +445,50 @@ def _dynamic(
             "attention": attn_bwd,
             "logits": held_logits,
             "workspace": rebuild + eager_bwd_ws + rebuild_grads,
-            "other": copies,
+            "other": copies + batch_in,
         },
         "backward_end": {
             "activations": round(
                 inflight_after * block_acts
                 + max(0.0, inflight_head - (1 if loss_backward else 0)) * head_acts
             )
-            + min(saved_layer, per_mb_acts),
+            + min(saved_layer, per_mb_acts)
+            + round(inflight_after * positions),
             "attention": round(inflight_after * per_mb_attn),
             "logits": held_logits,
             "workspace": linear_bwd_ws,
-            "other": 0,
+            "other": batch_in,
         },
-        "optimizer": {c: 0 for c in DYNAMIC_COMPONENTS},
+        "optimizer": {**{c: 0 for c in DYNAMIC_COMPONENTS}, "other": batch_in},
     }
+    # The module's buffers (litgpt's RoPE tables, ModelSpec.buffer_bytes) are whole on every rank in every
+    # phase: TP and FSDP shard parameters only. Measured, litgpt GPT tp=2 with block_size 4096 (rotary 1.0):
+    # without them the estimate was 15 % under (tests/distributed/test_strategy_litgpt_tp.py).
+    for point in out.values():
+        point["other"] += model.buffer_bytes
+    if train.offload_activations and layout.n_layers:
+        _offloaded_block_points(out, model, train, plan, saved_layer)
+    return out
+
+
+def _offloaded_block_points(
+    out: dict[str, dict[str, int]], model: ModelSpec, train: TrainSpec, plan: ParallelPlan, saved_layer: int
+) -> None:
+    """Activation offloading (``save_on_cpu`` around every block, pp = 1): the device holds no block's saves
+    at the loss; inside a block's forward its own tensors exist until they are packed and the block returns
+    (``"forward_block"``: one block's saved bytes, next to the autocast copies and the batch), and in a
+    block's backward its saves are unpacked back to the device (``backward_layer``, ``backward_end``: one
+    block's) [torch/autograd/graph.py ``save_on_cpu``; ``model/offload.py``]. On a CPU step the unpack is
+    ``tensor.to("cpu")`` of a CPU tensor, the packed copy itself: nothing is allocated in the backward."""
+    attn_layer = terms.eager_attention_bytes(model, train, train.micro_batch, train.seq_len // plan.cp, t=plan.tp)
+    out["forward_block"] = {"activations": saved_layer, "attention": attn_layer, "logits": 0, "workspace": 0,
+                            "other": out["forward"]["other"]}
+    if train.device != "cuda":
+        return
+    out["backward_layer"]["activations"] += saved_layer
+    out["backward_layer"]["attention"] += attn_layer
+    end = out["backward_end"]  # the first block's backward: its saves (the analytic end holds min(saved, head))
+    end["activations"], end["attention"] = max(end["activations"], saved_layer), max(end["attention"], attn_layer)
 
 
 def _calibrated_dynamic(
@@ -421,12 +503,15 @@ def _calibrated_dynamic(
     rank without model parallelism; for another plan each component is scaled by the analytic ratio
     plan / single-rank, so the exactness at the traced shapes carries over to the per-layer split."""
     b, s = train.micro_batch, train.seq_len
-    trivial = plan.tp == plan.pp == plan.cp == 1
+    # the trace ran without activation offloading: scale it by the analytic offloaded / plain ratio
+    ref_train = train.replace(offload_activations=False) if train.offload_activations else train
+    trivial = plan.tp == plan.pp == plan.cp == 1 and ref_train is train
     # the single-rank analytic terms are only needed to scale the fit to another plan
-    single = None if trivial else _dynamic(model, train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
+    single = None if trivial else _dynamic(model, ref_train, ParallelPlan(), stage_layout(model, ParallelPlan(), 0))
     out: dict[str, dict[str, int]] = {}
     phase_map = {
         "forward": "forward",
+        "forward_block": "forward",
         "backward_start": "backward",
         "backward_layer": "backward",
         "backward_end": "backward",
@@ -504,6 +589,9 @@ def _estimate_stage(
         return _deepspeed_stage(model, train, plan, layout, rank, calibration,
                                 local=local, trainable=local_for_optimizer, largest=largest,
                                 opt_ws=0 if train.offload != "none" else opt_ws)
+    # FSDP2's CPUOffloadPolicy on one data-parallel rank: memplan_auto shards over a one-rank mesh, each
+    # block copied into its unsharded buffer for its forward and backward (the zero=3 branch below)
+    one_rank_fsdp = offload.offloads_params(train) and shard == 1
 
     # Communication buffers.
     b, s = train.micro_batch, train.seq_len // plan.cp
@@ -538,12 +626,19 @@ def _estimate_stage(
         # FSDP1 NO_SHARD computes on the flat parameter itself and all-reduces its flat gradient in place
         # (torch 2.13 ``_runtime_utils._reduce_grad_no_shard``): no unsharded copy, no bucket.
         pass
-    elif shard > 1 and (plan.zero == 3 or (plan.zero == 0 and not plan.grad_buckets)):
+    elif (shard > 1 and (plan.zero == 3 or (plan.zero == 0 and not plan.grad_buckets))) or one_rank_fsdp:
         # ZeRO-3, and replication without DDP buckets: FSDP2 over a replicate mesh (shard size 1) still
         # copies each unit into its unsharded buffer for its forward and backward
         # (``FSDPParamGroup.wait_for_unshard``, world size 1 branch) [PT fully_shard].
         unit_params, root_params = _fsdp_units(model, plan, layout, local)
-        unit, root = unit_params * gathered, root_params * gathered
+        # An embedding or lm_head that is a unit of its own (plan.own_units) is resharded after its forward
+        # like a block, so it is not in the root. Its re-gather for the loss's backward comes after the
+        # logits' gradient peak: measured on 2 gloo ranks, an HF Llama under memplan_auto dp=2 (no
+        # LinearCrossEntropy, so the head has its own unit; tests/distributed/test_memplan_auto_hf_estimate.py),
+        # the root with them in it was +6.7 % over the step peak, -0.02 % without; the head's gathered
+        # copy at the backward's start would put that phase +3.8 % over its measured peak, -0.02 % without.
+        own_emb, own_head = _own_unit_params(model, plan, layout)
+        unit, root = unit_params * gathered, max(0, root_params - own_emb - own_head) * gathered
         # forward: the root unit (embedding/head) and, under ZeRO-3, the last block's flat all-gather
         # output, kept until the next unit's copy-out (``comm_ctx.all_gather_state``); a replicate mesh's
         # shard group has size 1 and keeps none (torch 2.13 ``_fsdp_param_group.py``,
@@ -556,7 +651,7 @@ def _estimate_stage(
         # last block's backward that block and the prefetched one have been re-gathered (their slices
         # dropped), the other L - 2 still hold theirs.
         post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
-        comm_fwd = root + (unit if plan.zero == 3 else 0) + post_fwd(layout.n_layers)
+        comm_fwd = root + (unit if plan.zero == 3 and shard > 1 else 0) + post_fwd(layout.n_layers)
         comm_bwd = root + 2 * unit + unit // gathered * pb.grad + post_fwd(max(layout.n_layers - 2, 0))
         if pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
             comm_bwd = local * gathered
@@ -601,6 +696,9 @@ def _estimate_stage(
         grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
         grads_bwd_start = grads if accumulating else 0
         points["forward"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]}
+        if "forward_block" in dynamic:  # activation offloading: inside the last block's forward
+            points["forward_block"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd,
+                                       **dynamic["forward_block"]}
         points["backward_start"] = {
             **static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd_start, **dynamic["backward_start"]
         }
@@ -668,6 +766,11 @@ def _estimate_stage(
     points["optimizer"] = {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]}
     if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
         points["optimizer"]["workspace"] += opt_ws
+    host_layout = None
+    if offload.offloads_params(train) or train.offload_activations:
+        host_layout = _apply_offloads(points, model, train, plan, layout, local=local, params=params, grads=grads,
+                                      optimizer=optimizer, master=master, opt_local=opt_local, largest=largest,
+                                      opt_ws=opt_ws)
     by_phase = {
         "forward": max((points[k] for k in points if k.startswith("forward")), key=lambda c: sum(c.values())),
         "backward": max(
@@ -683,7 +786,12 @@ def _estimate_stage(
         "optimizer_workspace": opt_ws,
         "layers_on_stage": layout.n_layers,
         "inflight_microbatches_x1000": round(1000 * inflight),
+        "batch_input": terms.batch_input_bytes(_batch_tokens(train, plan)),
     }
+    if host_layout is not None:
+        details.update({f"host_{part}": value for part, value in host_layout.host.items()})
+        details.update(host_pinned=host_layout.pinned, offload_h2d_bytes=host_layout.h2d,
+                       offload_d2h_bytes=host_layout.d2h)
     return MemoryEstimate(
         **by_phase[peak_phase],
         peak_phase=peak_phase,
@@ -692,7 +800,67 @@ def _estimate_stage(
         by_phase=by_phase,
         details=details,
         source=source,
+        host=0 if host_layout is None else host_layout.total,
     )
+
+
+def _apply_offloads(
+    points: dict[str, dict[str, int]],
+    model: ModelSpec,
+    train: TrainSpec,
+    plan: ParallelPlan,
+    layout: StageLayout,
+    *,
+    local: int,
+    params: int,
+    grads: int,
+    optimizer: int,
+    master: int,
+    opt_local: int,
+    largest: int,
+    opt_ws: int,
+) -> offload.HostLayout:
+    """Move what FSDP2's offloads keep on the host out of the device ``points`` (in place) and return the
+    host side (``lightning_memplan.model.offload``; pp = 1, checked by :func:`check_compatible`).
+
+    ``CPUOffloadPolicy``: the sharded parameters, gradients, optimizer states and master copies leave every
+    point; the CPU step's temporaries replace the device optimizer's; during the backward one unit's
+    host-to-device all-gather input and the previous unit's reduce-scatter output (``ceil(U/d) (e + g)``)
+    sit on the device until their copies finish. Activation offloading: the blocks' device activations
+    are already one block's working set (``_per_micro_batch``); their packed saves are host bytes."""
+    shard = plan.dp * plan.cp
+    accumulation = train.grad_accumulation
+    pb = terms.precision_bytes(train)
+    host = offload.HostLayout(host=dict.fromkeys(offload.HOST_PARTS, 0), pinned=0, h2d=0, d2h=0)
+    if offload.offloads_params(train):
+        unit_params, _ = _fsdp_units(model, plan, layout, local)
+        # a CPU step copies nothing: the all-gather input is the shard, the reduce-scatter output the host gradient
+        in_flight = offload.unit_shard_params(unit_params, plan) * (pb.param + pb.grad) if train.device == "cuda" else 0
+        for key, point in points.items():
+            for comp in ("params", "grads", "optimizer", "master"):
+                point[comp] = 0
+            if key.startswith("backward") and key != "backward_start":
+                point["comm"] += in_flight
+        points["optimizer"]["workspace"] = max(0, points["optimizer"]["workspace"] - opt_ws)
+        host = offload.params_host_layout(
+            params=params, grads=grads, optimizer=optimizer, master=master,
+            step_workspace=offload.cpu_step_workspace_bytes(train, opt_local, math.ceil(largest / shard)),
+            gathers=2 if (plan.zero == 3 or shard == 1) else 1, accumulation=accumulation,
+        )
+    if train.offload_activations:
+        mb = _per_micro_batch(model, train, plan, layout)
+        b, s = train.micro_batch, train.seq_len // plan.cp
+        acts = offload.activation_host_bytes(
+            model, train, b=b, s=s, n_layers=layout.n_layers,
+            saved_layer=mb.saved_layer, attn_layer=terms.eager_attention_bytes(model, train, b, s, t=plan.tp),
+            matmul_params=_blocks_matmul_local(model, plan.tp, layout.n_layers), t=plan.tp, sp=plan.sp,
+        )
+        parts = dict(host.host, activations=acts)
+        host = offload.HostLayout(host=parts, pinned=host.pinned + acts, h2d=host.h2d + accumulation * acts,
+                                  d2h=host.d2h + accumulation * acts)
+    if train.device != "cuda":  # a CPU step pins nothing (memplan_auto passes pin_memory=False there)
+        host = dataclasses.replace(host, pinned=0)
+    return host
 
 
 def _deepspeed_stage(
@@ -745,6 +913,7 @@ def _deepspeed_stage(
         "autocast_weight_copies": 0,
         "optimizer_workspace": opt_ws,
         "layers_on_stage": layout.n_layers,
+        "batch_input": terms.batch_input_bytes(_batch_tokens(train, plan)),
         "zero_stage": plan.zero,
         "zero_model_states_peak": zl.model_states_peak,
         "zero_fp32_grad_partition": zl.fp32_grad_partition,

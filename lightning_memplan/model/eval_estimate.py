@@ -16,10 +16,15 @@ the logits with the loss's buffers. What exists next to them is what the trainin
   before ``zero_grad`` keeps them (``grads_alive=True``);
 - the optimizer states (``optimizer_states=False`` before the first optimizer step, or without one).
 
-Not modelled: the KV cache of a ``generate`` call inside ``validation_step`` (its size depends on the
-generation length and the model's cache class), predictions Lightning keeps across batches
-(``trainer.predict(return_predictions=True)``), and the pipeline schedule's micro-batching of an
-evaluation (one micro-batch of ``micro_batch`` rows is assumed in flight).
+A step that also calls a Hugging Face model's greedy ``generate(max_new_tokens=g)`` on its batch
+(``generate_tokens=g``) holds, at the end, every layer's keys and values of ``s + g - 1`` tokens in a
+``DynamicCache`` (:func:`eval_generate_bytes`); the step's peak is the larger of its forward and its
+``generate``.
+
+Not modelled: predictions Lightning keeps across batches (``trainer.predict(return_predictions=True)``),
+the pipeline schedule's micro-batching of an evaluation (one micro-batch of ``micro_batch`` rows is
+assumed in flight), and sampling or beam search inside ``generate`` (greedy decoding only: beams multiply
+the cache by their number).
 
 Symbols as in ``docs/DESIGN.md``: b micro-batch, s sequence length, h hidden, a heads, k kv-heads,
 f ffn hidden, V vocab, t tensor-parallel, c context-parallel.
@@ -38,8 +43,10 @@ from lightning_memplan.validation import check_bool, check_choice, check_int, ch
 
 __all__ = [
     "EVAL_PHASES",
+    "GENERATE_ID_TENSORS",
     "estimate_eval_memory",
     "eval_block_working_bytes",
+    "eval_generate_bytes",
     "eval_head_bytes",
     "eval_kv_cache_bytes",
 ]
@@ -49,6 +56,14 @@ __all__ = [
 EVAL_PHASES: tuple[str, ...] = ("val", "test", "predict")
 #: Phases whose step computes a loss (predict returns the logits).
 _LOSS_PHASES = ("val", "test")
+#: ``[b, s + i]`` int64 tensors a greedy ``generate`` rebuilds one token longer at every step: the ids
+#: (``input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)``, ``_sample``), the attention mask
+#: (a default ``torch.ones`` when none is passed, ``_prepare_attention_mask_for_generation``; extended in
+#: ``_update_model_kwargs_for_generation``) and the position ids (``attention_mask.long().cumsum(-1) - 1``,
+#: ``_prepare_position_ids_for_generation``): transformers 5.3 ``generation/utils.py``.
+GENERATE_ID_TENSORS = 3
+#: Longest ``generate_tokens`` accepted (a bound on the argument, far above any real generation).
+_MAX_GENERATE_TOKENS = 2**24
 
 
 def eval_block_working_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1) -> dict[str, int]:
@@ -116,6 +131,7 @@ def estimate_eval_memory(
     optimizer_states: bool = True,
     kv_cache: bool = False,
     held_hidden: int = 0,
+    generate_tokens: int = 0,
     rank: int | None = None,
 ) -> MemoryEstimate:
     """Predicted peak allocated-tensor bytes of one evaluation step on one rank (module docstring).
@@ -134,12 +150,17 @@ def estimate_eval_memory(
         held_hidden: more ``[b, s, h]`` tensors the model's outer forward keeps referenced through the
             blocks and the loss (Hugging Face's ``*ForCausalLM``: 1, ``inputs_embeds`` during the layer
             loop and ``hidden_states`` during the loss; a plain loop that rebinds ``x``: 0).
+        generate_tokens: g, the ``max_new_tokens`` of a greedy Hugging Face ``generate`` the step also
+            runs on its batch (the ``[b, s]`` prompt); 0 (the default) when it runs none. Its peak
+            (:func:`eval_generate_bytes`: the ``DynamicCache`` of ``s + g - 1`` tokens and the last
+            position's logits) is compared with the step's forward; the larger is the step's.
         rank: a global rank; ``None`` is the worst rank.
 
     Returns:
         :class:`~lightning_memplan.model.result.MemoryEstimate` whose peak phase is ``"forward"`` (the
         ``backward`` and ``optimizer`` phases hold the same bytes without the transients: nothing runs
-        there); ``details`` has ``eval_block_peak`` and ``eval_head_peak``.
+        there); ``details`` has ``eval_block_peak``, ``eval_head_peak`` and, with ``generate_tokens``,
+        ``eval_generate_peak`` and ``eval_generate_cache`` (the cache at the end of the generation).
 
     Raises:
         ValueError: an unknown ``phase``, a non-positive shape, a plan that cannot split the model.
@@ -153,6 +174,8 @@ def estimate_eval_memory(
     kv_cache = check_bool("kv_cache", kv_cache)
     held_hidden = check_int("held_hidden", held_hidden, minimum=0, maximum=64,
                             hint="[b, s, h] tensors the outer forward keeps alive, e.g. 1 for a Hugging Face model")
+    generate_tokens = check_int("generate_tokens", generate_tokens, minimum=0, maximum=_MAX_GENERATE_TOKENS,
+                                hint="the max_new_tokens of the step's generate call, or 0 for none; e.g. generate_tokens=64")
     plan = plan if plan is not None else ParallelPlan()
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
@@ -167,7 +190,7 @@ def estimate_eval_memory(
     analytic_model = dataclasses.replace(model, calibration_source=None) if model.calibration_source else model
     eval_train = train.replace(micro_batch=b, seq_len=s, grad_accumulation=1)
     state = _EvalState(phase=phase, grads_alive=grads_alive, optimizer_states=optimizer_states, kv_cache=kv_cache,
-                       held_hidden=held_hidden)
+                       held_hidden=held_hidden, generate_tokens=generate_tokens)
     if rank is not None:
         return _eval_rank(analytic_model, eval_train, plan, state, rank)
     ranks_per_stage = plan.dp * plan.cp * plan.tp
@@ -181,6 +204,72 @@ def eval_kv_cache_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, n_la
     return 2 * n_layers * b * s * math.ceil(model.kv_heads / t) * model.dim_head * terms.precision_bytes(train).compute
 
 
+def eval_generate_bytes(
+    model: ModelSpec, train: TrainSpec, b: int, s: int, g: int, n_layers: int, *, t: int = 1, has_head: bool = True,
+    held_hidden: int = 0,
+) -> dict[str, int]:
+    """The peak of a greedy ``generate(prompt, max_new_tokens=g, do_sample=False)`` under ``no_grad`` on a
+    ``[b, s]`` prompt, for ``n_layers`` blocks on one of t tensor-parallel ranks, beside the model states and
+    the prompt (not counted here). Read from transformers 5.3 ``generation/utils.py`` (``_sample``,
+    ``_prefill``) and ``cache_utils.py`` (``DynamicLayer.update``):
+
+    - the prefill runs the s prompt tokens as one no-grad forward (the largest block's working set,
+      :func:`eval_block_working_bytes`, next to the residual stream, ``held_hidden`` ``[b, s, h]`` tensors,
+      the cache of every block at s tokens, the mask and position ids, and RoPE's ``cos``/``sin``
+      ``[b, s, d]`` built from the per-row position ids); ``generate`` sets ``model_kwargs["logits_to_keep"]
+      = 1`` when the model's forward takes it (``GenerationMixin.generate``), so its head writes ``[b, 1, V]``;
+    - each of the next g - 1 forwards runs one token per row; ``DynamicLayer.update`` grows a layer's cache
+      with ``self.keys = torch.cat([self.keys, key_states], dim=-2)`` and then the values, so while the
+      last block of the last step concatenates its values, its old values (``s + g - 2`` tokens) exist next
+      to the new ones: the cache of all blocks at ``n = s + g - 1`` tokens (``2 L b n (k/t) d`` elements,
+      :func:`eval_kv_cache_bytes`) plus half a layer's at ``n - 1``;
+    - the logits: ``next_token_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``
+      keeps one ``[b, V]`` fp32 row per step (the previous step's until the next is made; ``del outputs``
+      frees the ``[b, 1, V]`` output), so at the head of the last step the ``[b, 1, V]`` logits sit next to
+      the old and the new fp32 copies;
+    - :data:`GENERATE_ID_TENSORS` int64 ``[b, n]`` tensors (ids, attention mask, position ids).
+
+    Returns ``{"activations": ..., "attention": ..., "logits": ...}`` at the largest of the prefill's block,
+    the prefill's head, the last step's concatenation and the last step's head (the cache is counted as
+    activations, as :func:`estimate_eval_memory` counts a forward's cache). ``g = 0`` is no generation
+    (all zero); ``g = 1`` runs the prefill only.
+    """
+    zero = {"activations": 0, "attention": 0, "logits": 0}
+    if g <= 0:
+        return zero
+    pb = terms.precision_bytes(train)
+    h, vocab = model.hidden, model.vocab_size
+    fp32_row = b * vocab * terms.FP32_BYTES if has_head else 0  # one next_token_logits
+    head_out = b * vocab * pb.logits if has_head else 0  # the [b, 1, V] output of logits_to_keep=1
+    tokens = b * s
+    # prefill: the prompt's mask and position ids (the ids are the prompt itself), RoPE's per-row tables
+    ids = (GENERATE_ID_TENSORS - 1) * tokens * terms.TOKEN_ID_BYTES
+    rope = 2 * tokens * model.dim_head * pb.residual if model.position_embedding == "rope" else 0
+    cache = eval_kv_cache_bytes(model, train, b, s, n_layers, t=t)
+    block = eval_block_working_bytes(model, train, b, s, t=t) if n_layers else {"activations": 0, "attention": 0}
+    stream = tokens * h * pb.residual + held_hidden * tokens * h * pb.compute
+    moments = [
+        {"activations": stream + cache + ids + rope + block["activations"], "attention": block["attention"], "logits": 0},
+        # the head, after the inner model returned (its residual stream, held inputs and RoPE tables are
+        # gone): the final norm's [b, s, h] output in the residual dtype (the lm_head reads its last
+        # position), the [b, 1, V] logits and their fp32 copy
+        {"activations": tokens * h * pb.residual + cache + ids, "attention": 0, "logits": head_out + fp32_row},
+    ]
+    if g >= 2:
+        n = s + g - 1  # tokens cached by the last forward: the prompt, then g - 1 single-token steps
+        cache = eval_kv_cache_bytes(model, train, b, n, n_layers, t=t)
+        old_values = eval_kv_cache_bytes(model, train, b, n - 1, 1, t=t) // 2 if n_layers else 0
+        ids = GENERATE_ID_TENSORS * b * n * terms.TOKEN_ID_BYTES
+        step = eval_block_working_bytes(model, train, b, 1, t=t) if n_layers else {"activations": 0, "attention": 0}
+        row_stream = b * h * pb.residual + held_hidden * b * h * pb.compute
+        moments += [
+            {"activations": row_stream + cache + old_values + ids + step["activations"], "attention": step["attention"],
+             "logits": fp32_row},
+            {"activations": b * h * pb.residual + cache + ids, "attention": 0, "logits": head_out + 2 * fp32_row},
+        ]
+    return max(moments, key=lambda m: sum(m.values()))
+
+
 @dataclasses.dataclass(frozen=True)
 class _EvalState:
     """What exists beside the eval step's own tensors (the arguments of :func:`estimate_eval_memory`)."""
@@ -190,6 +279,7 @@ class _EvalState:
     optimizer_states: bool
     kv_cache: bool
     held_hidden: int
+    generate_tokens: int = 0
 
 
 def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _EvalState, rank: int) -> MemoryEstimate:
@@ -202,9 +292,10 @@ def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _E
         "grads": kept["grads"] if grads_alive else 0,
         "optimizer": kept["optimizer"] if optimizer_states else 0,
         "master": kept["master"],
-        # FSDP's gathered units and DDP's buckets as in the training forward; autocast's weight copies
+        # FSDP's gathered units and DDP's buckets as in the training forward; autocast's weight copies and
+        # the evaluation batch (its token ids and targets, one batch of b rows: no pipeline micro-batching)
         "comm": forward["comm"],
-        "other": forward["other"],
+        "other": forward["other"] - training.details["batch_input"] + terms.batch_input_bytes(train.micro_batch * train.seq_len),
     }
     layout = stage_layout(model, plan, training.stage, train.framework)
     t, sp = plan.tp, plan.sp
@@ -223,6 +314,11 @@ def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _E
         head = eval_head_bytes(model, train, tokens, loss=phase in _LOSS_PHASES, vocab_shard=shard)
         at_head = {"activations": head["activations"] + held + cache, "attention": 0, "logits": head["logits"]}
     dynamic = at_head if sum(at_head.values()) > sum(at_block.values()) else at_block
+    # a generate call on the batch (the whole [b, s] prompt: generation runs no context parallelism)
+    at_generate = eval_generate_bytes(model, train, b, train.seq_len, state.generate_tokens, layout.n_layers, t=t,
+                                      has_head=layout.has_head, held_hidden=state.held_hidden)
+    if sum(at_generate.values()) > sum(dynamic.values()):
+        dynamic = at_generate
     peak = {c: 0 for c in COMPONENTS}
     peak.update(static)
     peak.update(dynamic)
@@ -237,7 +333,11 @@ def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _E
         "eval_kv_cache": cache,
         "layers_on_stage": layout.n_layers,
     }
+    if state.generate_tokens:
+        details["eval_generate_peak"] = sum(at_generate.values())
+        details["eval_generate_cache"] = eval_kv_cache_bytes(
+            model, train, b, train.seq_len + state.generate_tokens - 1, layout.n_layers, t=t)
     return MemoryEstimate(
         **peak, peak_phase="forward", rank=rank, stage=training.stage, by_phase=by_phase, details=details,
-        source="analytic",
+        source="analytic", host=training.host,  # what offloading keeps on the host (model/offload.py) stays there
     )

@@ -69,6 +69,7 @@ from lightning_memplan.validation import check_bool, check_int
 __all__ = [
     "DEEPSPEED_OFFLOADS",
     "FRAMEWORKS",
+    "FSDP2_OFFLOADS",
     "FrameworkFacts",
     "ZeroConfig",
     "framework_facts",
@@ -164,6 +165,13 @@ def rank_block_counts(n_layers: int, p: int, v: int = 1, framework: str = "torch
 #: ``offload_param.device="cpu"`` (the 16-bit parameter partitions on the host; ZeRO-3 only, so it implies
 #: ``"optimizer"`` here).
 DEEPSPEED_OFFLOADS = ("none", "optimizer", "params")
+
+#: ``TrainSpec.offload`` values under ``framework="torch"`` (memplan_auto's FSDP2): ``"params"`` is
+#: ``fully_shard(offload_policy=CPUOffloadPolicy())``, which moves the sharded parameters, their gradients
+#: and the optimizer states to the host together (torch 2.13 ``torch/distributed/fsdp/_fully_shard/
+#: _fsdp_api.py``, ``CPUOffloadPolicy``); there is no optimizer-only form. ``lightning_memplan.model.offload``
+#: counts it.
+FSDP2_OFFLOADS = ("none", "params")
 
 _E8 = 100_000_000
 

@@ -10,13 +10,18 @@ heads), ``head_size``, ``intermediate_size``, ``padded_vocab_size``, ``block_siz
 ``norm_class_name``, ``mlp_class_name``, ``rotary_percentage``. litgpt always applies RoPE to the first
 ``rotary_percentage`` of each head (``CausalSelfAttention.forward``: ``apply_rope(q[..., :rope_n_elem])``),
 and its attention computes q, k and v with one fused ``qkv`` linear.
+
+``GPT.__init__`` sets ``max_seq_length = config.block_size``, which registers the RoPE tables ``cos`` and
+``sin`` as (non-persistent) buffers of ``[block_size, rope_n_elem]`` (``GPT.rope_cache``); ``forward``
+slices ``self.cos[:T]``, so the whole tables stay on the device whatever the batch's length (litgpt's
+default ``block_size`` is 4096). They are read as ``buffer_bytes`` from the module itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LITGPT_MLP_KINDS", "litgpt_config", "litgpt_fields"]
+__all__ = ["LITGPT_MLP_KINDS", "buffer_bytes", "litgpt_config", "litgpt_fields"]
 
 #: litgpt MLP class -> ModelSpec.ffn_kind. ``LLaMAMLP`` is SwiGLU (``silu(fc_1(x)) * fc_2(x)``, then
 #: ``proj``); ``GemmaMLP`` is the same three-matrix gated MLP with GELU (memory as SwiGLU);
@@ -32,6 +37,14 @@ def litgpt_config(module: Any) -> Any:
         if type(sub).__module__.startswith("litgpt") and type(cfg).__module__.startswith("litgpt"):
             return cfg
     return None
+
+
+def buffer_bytes(module: Any) -> int:
+    """Bytes of every buffer of ``module`` (a buffer two submodules share counted once), at the dtype and
+    global shape it has now: a buffer is never sharded by tensor parallelism or FSDP, so this is what each
+    rank holds (litgpt's RoPE ``cos``/``sin`` tables; a planner reading the module before Lightning
+    converts it for a ``"*-true"`` precision counts them at the construction dtype, an upper bound)."""
+    return sum(int(b.numel()) * int(b.element_size()) for b in module.buffers())
 
 
 def litgpt_fields(module: Any) -> dict[str, Any] | None:
@@ -60,5 +73,6 @@ def litgpt_fields(module: Any) -> dict[str, Any] | None:
         position_embedding="rope" if rotary > 0 else "none",
         max_positions=int(cfg.block_size),
         qkv_fused=True,
+        buffer_bytes=buffer_bytes(module),
         name=f"litgpt {getattr(cfg, 'name', '') or 'GPT'}".strip(),
     )

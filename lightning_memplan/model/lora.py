@@ -9,19 +9,41 @@ name shared by two linears of a block (GPT-2's ``c_proj`` in attention and MLP) 
 The in/out widths of each named linear follow the Hugging Face module names of the families the config
 reader knows (Llama/Mistral/Qwen2/Gemma, Phi-3's fused ``qkv_proj``/``gate_up_proj``, GPT-2's Conv1D,
 GPT-NeoX), from the spec's h, a, k, d_h and f.
+
+What a LoRA step saves for backward differs from full fine-tuning's, and the config-only estimate
+traces it rather than writing it down (``tracking/hf_calibrate.py`` wraps the depth-1/2 copies with
+peft's own LoRA layers, :func:`lora_adapter`), because the differences depend on the module:
+
+- a frozen linear whose weight does not require grad saves no input: autograd keeps ``x`` of ``x W^T``
+  only to form the weight gradient (PyTorch ``tools/autograd/derivatives.yaml``, ``mm``/``addmm``: ``self``
+  is needed for ``mat2``'s gradient alone; the generated code saves it only when that gradient is
+  computed: under ``torch.autograd.graph.saved_tensors_hooks`` a frozen ``nn.Linear`` packs ``W^T`` only,
+  torch 2.13). So the frozen q/k/v/o and MLP projections of a LoRA step keep much less than full
+  fine-tuning's;
+- peft's ``Linear.forward`` (``tuners/lora/layer.py``) computes ``base_layer(x) + lora_B(lora_A(
+  dropout(x))) * scaling``: ``lora_A`` saves its input (with ``lora_dropout=0``, ``nn.Identity``, the same
+  storage the base layer read: counted once), ``lora_B`` saves ``A``'s ``[b*s, r]`` output, the scaling
+  (a Python float) saves nothing; with ``lora_dropout > 0`` each adapted module keeps its own dropped copy
+  of ``x`` and its mask;
+- GPT-2's ``Conv1D`` is wrapped with ``fan_in_fan_out=True`` (peft sets it and warns): the frozen
+  ``addmm(bias, x, W)`` saves no input either, and the adapter path is the same two ``nn.Linear``.
+
+The analytic terms (``model/terms.py``) keep full fine-tuning's activations for a spec without a traced
+source: :meth:`~lightning_memplan.model.specs.ModelSpec.with_lora` records the adapter so that a spec
+from :meth:`~lightning_memplan.model.specs.ModelSpec.from_hf_config` is traced with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from lightning_memplan.validation import check_int
+from lightning_memplan.validation import check_int, check_number
 
 if TYPE_CHECKING:  # annotations only: specs imports this module
     from lightning_memplan.model.specs import ModelSpec
 
-__all__ = ["LORA_TARGETS", "block_linears", "lora_trainable_params"]
+__all__ = ["LORA_TARGETS", "block_linears", "check_lora_fields", "lora_adapter", "lora_trainable_params"]
 
 #: The module names :func:`lora_trainable_params` knows.
 LORA_TARGETS = (
@@ -73,3 +95,37 @@ def lora_trainable_params(model: ModelSpec, rank: int, targets: Iterable[str]) -
         )
     per_block = sum(rank * (i + o) for name in dict.fromkeys(names) for i, o in table[name])
     return model.n_layers * per_block
+
+
+def check_lora_fields(model: ModelSpec) -> dict[str, Any]:
+    """The checked LoRA fields of ``model`` (``lora_rank``, ``lora_targets`` as a tuple, ``lora_dropout``),
+    to be stored back by ``ModelSpec.__post_init__``; ``{}`` for a spec without an adapter.
+
+    Raises:
+        ValueError: targets or a dropout without a rank, a rank without targets, a dropout outside [0, 1).
+        TypeError: a non-integer rank, targets that are a single string or hold non-strings.
+    """
+    if model.lora_rank is None:
+        if model.lora_targets or model.lora_dropout:
+            raise ValueError(
+                f"lora_targets={model.lora_targets!r} / lora_dropout={model.lora_dropout!r} describe a LoRA adapter "
+                "but lora_rank=None; use ModelSpec.with_lora(rank=r, targets=...) to set all three"
+            )
+        return {} if type(model.lora_targets) is tuple else {"lora_targets": ()}  # from_dict's [] back to ()
+    rank = check_int("lora_rank", model.lora_rank, hint="the LoRA rank r, e.g. 8 or 16")
+    targets = model.lora_targets
+    if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+        raise TypeError(f"lora_targets={targets!r} must be a tuple of module names such as ('q_proj', 'v_proj')")
+    if not targets:
+        raise ValueError(f"lora_rank={rank!r} needs lora_targets, the adapted module names, e.g. ('q_proj', 'v_proj')")
+    dropout = check_number("lora_dropout", model.lora_dropout, minimum=0.0, maximum=1.0, max_inclusive=False,
+                           hint="peft's lora_dropout, a probability in [0, 1), e.g. 0.05")
+    return {"lora_rank": rank, "lora_targets": tuple(dict.fromkeys(targets)), "lora_dropout": dropout}
+
+
+def lora_adapter(model: ModelSpec) -> dict[str, Any] | None:
+    """The ``peft.LoraConfig`` keywords of the spec's adapter (``r``, ``target_modules``, ``lora_dropout``),
+    JSON-ready; ``None`` without one. ``lora_alpha`` (the scaling) changes no tensor a step keeps."""
+    if model.lora_rank is None:
+        return None
+    return {"r": model.lora_rank, "target_modules": list(model.lora_targets), "lora_dropout": model.lora_dropout}

@@ -2,7 +2,7 @@
 
 Each token of an MoE block goes through the router and its k routed experts (``experts_per_token``)
 and every shared expert; the bytes saved for backward are counted per token as autograd saves them in
-transformers 5.3's eager expert loop (``models/mixtral/modeling_mixtral.py`` ``MixtralExperts.forward``:
+transformers 5.3's expert kernels (``models/mixtral/modeling_mixtral.py`` ``MixtralExperts.forward``:
 ``index`` the expert's rows, ``linear(x, gate_up_proj[e])``, ``act(gate) * up``, ``linear(.., down_proj[e])``,
 ``* routing_weights``; ``MixtralSparseMoeBlock``: ``softmax(router_logits, dtype=float)``, ``topk``).
 Symbols as in docs/DESIGN.md and ``model/param_counts.py``.
@@ -21,15 +21,21 @@ INDEX_BYTES = 8
 
 
 def moe_mlp_saved_bytes(model: ModelSpec, tokens: int, compute: int, *, t: int = 1, cast: bool = False,
-                        swiglu_saved: int = 4) -> int:
-    """Bytes one MoE block's MLP saves for ``tokens`` tokens (``c`` = ``compute`` bytes, t tensor-parallel):
+                        swiglu_saved: int = 4, expert_bytes: int | None = None) -> int:
+    """Bytes one MoE block's MLP saves for ``tokens`` tokens (``c`` = ``compute`` bytes, t tensor-parallel;
+    ``expert_bytes``: the element size the routed experts compute in, ``c`` when ``None``):
 
     - router: its input ``tokens*h`` (a 16-bit copy under autocast, else the norm output itself: counted
       once), the fp32 routing probabilities ``tokens*E*4`` (softmax saves its output), the top-k weights
       and indices ``tokens*k*(4 + 8)``;
     - routed experts: each token's row gathered for each of its k experts, ``k*tokens*h``; the SwiGLU
       ``swiglu_saved*k*tokens*f_e/t`` (gate/up output, activation, product; 2 for gelu/relu); the
-      experts' outputs that the routing-weight multiply saves, ``k*tokens*h``;
+      experts' outputs that the routing-weight multiply saves, ``k*tokens*h``, all at ``expert_bytes``.
+      transformers' default expert kernel (``experts_implementation`` unset resolves to ``"grouped_mm"``,
+      ``modeling_utils.py`` ``get_correct_experts_implementation``) is not autocast-enabled and casts its
+      input to the weights' dtype (``integrations/moe.py`` ``_grouped_mm``: ``input.to(weight.dtype)``), so
+      under ``bf16-mixed`` (fp32 weights) the routed experts compute and save in fp32, not bf16: the
+      caller passes the parameters' element size;
     - shared experts: a dense MLP each, ``swiglu_saved*tokens*f_s/t`` (and 2 input copies under autocast
       for separate gate/up projections), Qwen2-MoE's gate ``tokens*h`` output when it has one.
 
@@ -39,7 +45,8 @@ def moe_mlp_saved_bytes(model: ModelSpec, tokens: int, compute: int, *, t: int =
     h, k, e = model.hidden, model.experts_per_token or 0, model.n_experts
     per_expert = swiglu_saved if model.ffn_kind == "swiglu" else 2
     router = (tokens * h * compute if cast else 0) + tokens * e * FP32_BYTES + tokens * k * (FP32_BYTES + INDEX_BYTES)
-    routed = 2 * k * tokens * h * compute + per_expert * k * tokens * (model.expert_ffn // t) * compute
+    ce = compute if expert_bytes is None else expert_bytes
+    routed = 2 * k * tokens * h * ce + per_expert * k * tokens * (model.expert_ffn // t) * ce
     shared = 0
     if model.n_shared_experts:
         copies = 2 if (cast and model.ffn_kind == "swiglu") else (1 if cast else 0)

@@ -39,6 +39,7 @@ __all__ = [
     "dense_layer_param_count",
     "embedding_param_count",
     "head_param_count",
+    "routed_expert_param_count",
     "layer_bias_count",
     "layer_matmul_param_count",
     "layer_param_count",
@@ -87,6 +88,14 @@ def _moe_mlp_matmul(model: ModelSpec) -> int:
     return (model.n_experts * _mlp_matmul(model, model.expert_ffn)
             + model.n_shared_experts * _mlp_matmul(model, model.shared_expert_ffn)
             + model.n_experts * h + (h if model.shared_expert_gate else 0))
+
+
+def routed_expert_param_count(model: ModelSpec) -> int:
+    """The routed experts' weights of one MoE block, ``E * mlp(f_e)`` (0 for a dense block): the part of
+    :func:`layer_matmul_param_count` that autocast never copies, since transformers' default expert
+    kernel (``grouped_mm``) is not autocast-enabled and runs in the weights' own dtype
+    (``transformers/integrations/moe.py`` ``_grouped_mm``)."""
+    return model.n_experts * _mlp_matmul(model, model.expert_ffn) if is_moe(model) else 0
 
 
 def layer_matmul_param_count(model: ModelSpec, *, moe: bool | None = None) -> int:

@@ -57,7 +57,13 @@ class MemoryEstimate:
             moves there (``TrainSpec(framework="deepspeed", offload=...)``: fp32 master weights, optimizer
             states, gradient partitions, 16-bit parameter partitions and their staging buffers; the parts
             are ``details["host_params"]``, ``"host_grads"``, ``"host_optimizer"``, ``"host_master"``,
-            ``"host_buffers"``). Not part of :attr:`total`, which is device memory. 0 without offload.
+            ``"host_buffers"``), or FSDP2's offloads (``TrainSpec(offload="params")``: CPUOffloadPolicy's
+            sharded parameters, gradients, optimizer states and the CPU step's temporaries;
+            ``offload_activations=True``: ``details["host_activations"]``, what ``save_on_cpu`` packs;
+            ``details["host_pinned"]`` the page-locked part, ``"offload_h2d_bytes"``/``"offload_d2h_bytes"``
+            the copies per step; ``lightning_memplan.model.offload``). An upper bound of what is on the host
+            at once (every part counted for the whole step). Not part of :attr:`total`, which is device
+            memory. 0 without offload.
     """
 
     params: int = 0

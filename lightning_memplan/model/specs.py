@@ -14,8 +14,8 @@ from typing import Any
 
 from lightning_memplan.model import presets, readers
 from lightning_memplan.model.experts import check_expert_fields
-from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS, ZeroConfig
-from lightning_memplan.model.lora import lora_trainable_params
+from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS, FSDP2_OFFLOADS, ZeroConfig
+from lightning_memplan.model.lora import check_lora_fields, lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
 from lightning_memplan.model.traced import CoefficientSource, coefficient_source
 from lightning_memplan.validation import MAX_WORLD_SIZE, divisor_hint, divisors, plain_scalar
@@ -31,6 +31,7 @@ __all__ = [
     "LOSS_MODES",
     "NORM_IMPLS",
     "NORM_KINDS",
+    "OWN_UNITS",
     "OPTIMIZERS",
     "POSITION_KINDS",
     "PRECISIONS",
@@ -56,6 +57,8 @@ RECOMPUTE_MODES = ("none", "selective", "selective_op", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
 LOSS_MODES = ("naive", "fp32_upcast", "chunked", "vocab_parallel", "loss_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: Parts besides the blocks that may be FSDP2 units of their own (``ParallelPlan.own_units``).
+OWN_UNITS = ("embedding", "head")
 DEVICES = ("cuda", "cpu")
 #: Training stacks whose kernel and schedule facts the estimate knows (``lightning_memplan.model.frameworks``).
 FRAMEWORK_NAMES = ("torch", "megatron", "llama3", "deepspeed", "fsdp1")
@@ -137,6 +140,11 @@ class ModelSpec:
             ``None`` means all of them train. :meth:`from_module` counts them; for a config-only
             LoRA estimate pass the adapter's count (peft's ``print_trainable_parameters()``) or use
             :meth:`with_lora`.
+        lora_rank, lora_targets, lora_dropout: the LoRA adapter :meth:`with_lora` describes (peft's ``r``,
+            ``target_modules`` as a tuple, ``lora_dropout``); ``None``/``()``/``0.0`` without one. A spec
+            with an ``hf_config`` is traced with peft's LoRA layers on those modules, so what the adapted
+            and frozen linears save for backward is measured, not full fine-tuning's
+            (``lightning_memplan.model.lora``). Not the MLA ranks ``q_lora_rank``/``kv_lora_rank`` below.
         qkv_bias: only the q/k/v projections carry biases (Qwen2); ``bias=True`` means every linear.
         extra_layer_params: parameters per block beyond the linears, their biases and two norms (Gemma-2's
             four norms per block, OLMo-2's and Qwen3's q/k norms); the config reader counts them.
@@ -162,6 +170,12 @@ class ModelSpec:
             ``q_lora_rank`` bottleneck (``None``: one ``[a*(d_nope+d_rope), h]`` projection), keys and
             values through a ``kv_lora_rank`` latent plus a shared ``d_rope`` key; q/k heads are
             ``d_nope + d_rope`` wide (``head_dim`` is that when given), value heads ``v_head_dim``.
+        buffer_bytes: bytes of the module's buffers (litgpt's RoPE ``cos``/``sin`` tables: ``2 x block_size
+            x rope_n_elem`` values, built for the whole context whatever the batch's length), counted in
+            ``other`` in every phase. Tensor parallelism and FSDP shard parameters, not buffers, so every
+            rank holds all of them (every pipeline stage too: such tables live on the model's root, which each
+            stage keeps). :meth:`from_module` reads them from a litgpt ``GPT`` as the module holds them; 0
+            (default) for the other readers, whose models compute their rotary tables per step.
         calibration_source: where :func:`estimate_memory` takes traced coefficients from
             (:class:`~lightning_memplan.model.traced.CoefficientSource`, data handed over: the model
             layer runs no tracer). Whoever builds the spec chooses it: :meth:`from_hf_config`,
@@ -189,6 +203,9 @@ class ModelSpec:
     name: str | None = field(default=None, kw_only=True)
     hf_config: str | None = field(default=None, kw_only=True, repr=False)
     n_trainable_params: int | None = field(default=None, kw_only=True)
+    lora_rank: int | None = field(default=None, kw_only=True)
+    lora_targets: tuple[str, ...] = field(default=(), kw_only=True)
+    lora_dropout: float = field(default=0.0, kw_only=True)
     qkv_bias: bool = field(default=False, kw_only=True)
     extra_layer_params: int = field(default=0, kw_only=True)
     n_experts: int = field(default=0, kw_only=True)
@@ -205,6 +222,7 @@ class ModelSpec:
     qk_nope_head_dim: int | None = field(default=None, kw_only=True)
     qk_rope_head_dim: int | None = field(default=None, kw_only=True)
     v_head_dim: int | None = field(default=None, kw_only=True)
+    buffer_bytes: int = field(default=0, kw_only=True)
     calibration_source: CoefficientSource | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +263,9 @@ class ModelSpec:
         _keep(self, "extra_layer_params", _check_int(
             "extra_layer_params", self.extra_layer_params, minimum=0,
             hint="parameters per block beyond the linears and two norms (0 for most models)"))
+        _keep(self, "buffer_bytes", _check_int(
+            "buffer_bytes", self.buffer_bytes, minimum=0,
+            hint="bytes of the module's buffers, e.g. sum(b.nbytes for b in module.buffers()) (0: none)"))
         for name in ("bias", "tied_embeddings", "qkv_fused", "qkv_bias"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
         for name, value in check_expert_fields(self).items():  # MoE / MLA (model/experts.py); dense: nothing
@@ -260,6 +281,8 @@ class ModelSpec:
                     f"n_trainable_params={self.n_trainable_params!r} exceeds the {self.num_params} parameters of "
                     "the model; pass at most n_params (or None when everything trains)"
                 )
+        for name, value in check_lora_fields(self).items():  # the adapter with_lora describes; none: nothing
+            _keep(self, name, value)
         if self.hf_config is not None and (not isinstance(self.hf_config, str) or not self.hf_config.startswith("{")):
             raise TypeError(
                 f"hf_config={self.hf_config!r:.80} must be a Hugging Face config as a JSON object string (what "
@@ -333,17 +356,22 @@ class ModelSpec:
             return 1.0
         return self.n_trainable_params / self.num_params
 
-    def with_lora(self, *, rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> ModelSpec:
-        """This spec with a LoRA adapter's trainable count (``n_trainable_params``), no peft needed:
-        ``rank`` r on the block linears named in ``targets`` (Hugging Face names, as peft's
-        ``target_modules``); see :func:`~lightning_memplan.model.lora.lora_trainable_params`.
+    def with_lora(self, *, rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                  dropout: float = 0.0) -> ModelSpec:
+        """This spec with a LoRA adapter: ``rank`` r on the block linears named in ``targets`` (Hugging
+        Face names, as peft's ``target_modules``), ``dropout`` peft's ``lora_dropout``.
 
-        The base weights become frozen (no gradients, optimizer states or master copy); the adapter's
-        own weights (the same count, under 1% of N for usual ranks) are not added to N.
+        The trainable count (``n_trainable_params``) needs no peft (see
+        :func:`~lightning_memplan.model.lora.lora_trainable_params`): the base weights become frozen (no
+        gradients, optimizer states or master copy); the adapter's own weights (the same count, under 1%
+        of N for usual ranks) are not added to N. The adapter is recorded (``lora_rank``,
+        ``lora_targets``, ``lora_dropout``), so a spec from :meth:`from_hf_config` is traced with peft's
+        LoRA layers (frozen linears save no input; ``lightning_memplan.model.lora``).
         """
         from dataclasses import replace
 
-        return replace(self, n_trainable_params=lora_trainable_params(self, rank, targets))
+        return replace(self, n_trainable_params=lora_trainable_params(self, rank, targets), lora_rank=rank,
+                       lora_targets=tuple(targets), lora_dropout=dropout)
 
     # Constructors --------------------------------------------------------------------------------
     @classmethod
@@ -415,6 +443,7 @@ class ModelSpec:
 
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibration_source"}
         out["dense_layers"] = list(self.dense_layers)  # JSON has lists; from_dict takes it back as a tuple
+        out["lora_targets"] = list(self.lora_targets)
         return out
 
     @classmethod
@@ -489,11 +518,19 @@ class TrainSpec:
             fp32 master weights and optimizer states, its buckets; ``lightning_memplan.model.deepspeed``)
             or ``"fsdp1"`` (torch's kernels under FSDP1, Lightning's ``FSDPStrategy``: one padded
             ``FlatParameter`` per unit); see ``lightning_memplan.model.frameworks``.
-        offload: DeepSpeed's ZeRO-Offload (``framework="deepspeed"`` only): ``"none"``, ``"optimizer"``
-            (``offload_optimizer.device="cpu"``: fp32 master weights, optimizer states and fp32 gradients
-            in host memory, the step on the CPU; ZeRO stage >= 1) or ``"params"`` (also
-            ``offload_param``: the 16-bit parameter partitions in host memory; ZeRO-3 only). The host
-            bytes are :attr:`MemoryEstimate.host`, not part of the device total.
+        offload: what moves to host memory. ``framework="deepspeed"``: ZeRO-Offload, ``"none"``,
+            ``"optimizer"`` (``offload_optimizer.device="cpu"``: fp32 master weights, optimizer states and
+            fp32 gradients in host memory, the step on the CPU; ZeRO stage >= 1) or ``"params"`` (also
+            ``offload_param``: the 16-bit parameter partitions in host memory; ZeRO-3 only).
+            ``framework="torch"`` (memplan_auto's FSDP2): ``"none"`` or ``"params"``, FSDP2's
+            ``fully_shard(offload_policy=CPUOffloadPolicy())``: sharded parameters, gradients and
+            optimizer states in pinned host memory, the optimizer step on the CPU (ZeRO 2/3, or one
+            data-parallel rank; ``lightning_memplan.model.offload``). The host bytes are
+            :attr:`MemoryEstimate.host`, not part of the device total.
+        offload_activations: activation offloading (``framework="torch"``, ``recompute="none"``): every
+            block runs under ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (torch's
+            ``offload_wrapper``), so the tensors the blocks save for backward live in host memory and the
+            device keeps one block's working set (``lightning_memplan.model.offload``).
         zero_config: DeepSpeed's bucket and stage-3 sizes (:class:`~lightning_memplan.model.frameworks.
             ZeroConfig`; a mapping of its fields is accepted); ``None`` means DeepSpeed's defaults.
             ``framework="deepspeed"`` only.
@@ -521,6 +558,7 @@ class TrainSpec:
     norm_impl: str = "native"
     offload: str = "none"
     zero_config: ZeroConfig | None = None
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
@@ -546,12 +584,40 @@ class TrainSpec:
                 "optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0.0, min_inclusive=False,
                 hint="e.g. 8 for Adam's two fp32 states; use optimizer='sgd' for a stateless optimizer",
             ))
-        for name in ("master_weights", "grads_alive_in_forward"):
+        for name in ("master_weights", "grads_alive_in_forward", "offload_activations"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
         self._check_deepspeed()
+        self._check_torch_offload()
+
+    def _check_torch_offload(self) -> None:
+        """FSDP2's offloads (``framework="torch"``): ``offload`` ``"none"``/``"params"``; activation offloading
+        without activation checkpointing (inside a non-reentrant checkpoint region torch's own
+        saved-tensor hooks take the saved tensors, so ``save_on_cpu`` around it would move nothing:
+        ``torch/utils/checkpoint.py``, ``_checkpoint_hook``)."""
+        if self.framework == "torch" and self.offload not in FSDP2_OFFLOADS:
+            raise ValueError(
+                f"offload={self.offload!r} needs framework='deepspeed' (got framework='torch'): FSDP2's "
+                "CPUOffloadPolicy moves parameters, gradients and optimizer states together; use offload='params' "
+                "for it, or framework='deepspeed' for ZeRO-Offload of the optimizer alone"
+            )
+        if not self.offload_activations:
+            return
+        if self.framework != "torch":
+            raise ValueError(
+                f"offload_activations=True needs framework='torch' (got framework={self.framework!r}): activation "
+                "offloading is modelled as memplan_auto applies it (torch's save_on_cpu around every block); "
+                "pass framework='torch' or offload_activations=False"
+            )
+        if self.recompute != "none":
+            raise ValueError(
+                f"offload_activations=True needs recompute='none' (got recompute={self.recompute!r}): inside a "
+                "checkpointed block torch's checkpoint hooks take the saved tensors, so nothing would be "
+                "offloaded; choose one: recompute='none' with offload_activations=True, or offload_activations=False"
+            )
 
     def _check_deepspeed(self) -> None:
-        """``offload`` and ``zero_config`` describe DeepSpeed's engine: refused for any other framework."""
+        """``offload`` and ``zero_config`` describe DeepSpeed's engine (``offload="params"`` is also FSDP2's
+        CPUOffloadPolicy under ``framework="torch"``): refused for any other framework."""
         _keep(self, "offload", _check_choice("offload", self.offload, DEEPSPEED_OFFLOADS))
         config = self.zero_config
         if config is not None and not isinstance(config, ZeroConfig):
@@ -562,10 +628,11 @@ class TrainSpec:
                 )
             _keep(self, "zero_config", ZeroConfig.from_dict(config))
         if self.framework != "deepspeed":
-            if self.offload != "none":
+            if self.offload != "none" and self.framework != "torch":  # torch: FSDP2's, _check_torch_offload
                 raise ValueError(
                     f"offload={self.offload!r} needs framework='deepspeed' (got framework={self.framework!r}): "
-                    "ZeRO-Offload is modelled for DeepSpeed's engine; pass framework='deepspeed' or offload='none'"
+                    "ZeRO-Offload is modelled for DeepSpeed's engine and CPUOffloadPolicy for FSDP2 "
+                    "(framework='torch'); pass one of them or offload='none'"
                 )
             if self.zero_config is not None:
                 raise ValueError(
@@ -621,6 +688,14 @@ class ParallelPlan:
             ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``, ``fully_shard`` docstring;
             ``FSDPParam.to_sharded_post_forward``, which refuses DTensor (TP) parameters). The
             planner does not search over ints; it only estimates a plan that sets one.
+        own_units: FSDP2 (zero=2/3, or replication without ``grad_buckets``): the parts besides the blocks
+            that are units of their own instead of being in the root unit, from :data:`OWN_UNITS`:
+            ``"embedding"`` (the untied input embedding), ``"head"`` (the untied lm_head). Such a unit
+            is copied into its unsharded buffer for its forward and again for its backward, as a block
+            (``reshard_after_forward`` as the blocks', ``True`` under replication); the root unit's stay
+            gathered from the forward to the end of the backward. ``memplan_auto`` gives each untied part
+            that trains a unit of its own unless a ``LinearCrossEntropy`` reads ``lm_head.weight`` outside
+            the module (``lightning_memplan.parallel.fsdp.own_units``); ``()`` (default): both in the root.
     """
 
     dp: int = 1
@@ -634,6 +709,7 @@ class ParallelPlan:
     virtual_stages: int = field(default=1, kw_only=True)
     grad_buckets: bool = field(default=True, kw_only=True)
     reshard_after_forward: bool | int | None = field(default=None, kw_only=True)
+    own_units: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
@@ -661,6 +737,7 @@ class ParallelPlan:
             )
         _keep(self, "zero", zero)
         self._check_reshard_after_forward()
+        self._check_own_units()
         _keep(self, "schedule", _check_choice("schedule", self.schedule, SCHEDULES))
         for name in ("sp", "grad_buckets"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
@@ -721,6 +798,16 @@ class ParallelPlan:
                 f"smaller than it (FSDP2 fully_shard: a non-trivial divisor); {fix}"
             )
 
+    def _check_own_units(self) -> None:
+        units = self.own_units
+        if isinstance(units, str) or not isinstance(units, (tuple, list)):
+            raise TypeError(
+                f"own_units={units!r:.80} must be a tuple of part names from {OWN_UNITS!r}, e.g. ('embedding', 'head'), "
+                "or () for both in the root unit"
+            )
+        names = [_check_choice(f"own_units[{i}]", name, OWN_UNITS) for i, name in enumerate(units)]
+        _keep(self, "own_units", tuple(name for name in OWN_UNITS if name in names))  # canonical order, no repeats
+
     @property
     def reshard_to(self) -> int:
         """Ranks a ZeRO-3 block stays sharded over between its forward and backward: the int
@@ -758,7 +845,9 @@ class ParallelPlan:
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        return asdict(self)
+        out = asdict(self)
+        out["own_units"] = list(self.own_units)  # JSON has lists; __post_init__ takes it back as a tuple
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:

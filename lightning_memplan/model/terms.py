@@ -42,6 +42,7 @@ __all__ = [
     "fsdp1_rank_flat_numel",
     "fsdp1_shard_numel",
     "ADAM_STATE_COUNT",
+    "BATCH_ID_TENSORS",
     "BF16_BYTES",
     "FP32_BYTES",
     "INT8_BYTES",
@@ -56,6 +57,7 @@ __all__ = [
     "auto_loss_chunk_tokens",
     "blocks_param_count",
     "autocast_copy_bytes",
+    "batch_input_bytes",
     "loss_chunk_row_bytes",
     "loss_gemm_bytes",
     "planned_loss_chunk_tokens",
@@ -78,8 +80,10 @@ __all__ = [
     "optimizer_workspace_bytes",
     "param_count",
     "pipeline_head_inflight_microbatches",
+    "position_ids_bytes",
     "pipeline_inflight_microbatches",
     "precision_bytes",
+    "TOKEN_ID_BYTES",
 ]
 
 FP32_BYTES = 4
@@ -94,6 +98,11 @@ LAYERNORM_STAT_COUNT = 2
 RMSNORM_STAT_COUNT = 1
 #: The flash/efficient SDPA kernels save one fp32 log-sum-exp per (token, head) [PT].
 SDPA_LSE_BYTES = FP32_BYTES
+#: Token ids, targets and position ids are int64 (``torch.long``): what ``nn.Embedding`` looks up and
+#: ``F.cross_entropy`` takes as class indices [PT].
+TOKEN_ID_BYTES = 8
+#: A language model's batch holds two ``[b, s]`` id tensors: the inputs and the targets.
+BATCH_ID_TENSORS = 2
 
 # ---------------------------------------------------------------------------------------------
 # Parameter counts
@@ -225,6 +234,46 @@ def autocast_copy_bytes(matmul_params: int, train: TrainSpec) -> int:
     lookups and norms are not autocast to 16 bit, so only linear weights count.
     """
     return matmul_params * precision_bytes(train).autocast_copy
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_input_bytes(tokens: int) -> int:
+    """The dataloader's batch of a language model for ``tokens`` = b*s tokens: token ids and targets, two
+    ``[b, s]`` int64 tensors, ``2 * 8 = 16`` bytes per token (:data:`BATCH_ID_TENSORS` x
+    :data:`TOKEN_ID_BYTES`).
+
+    Alive for the whole step: the training loop holds the batch from before ``training_step`` until
+    after the optimizer step (Lightning 2.6 ``loops/training_epoch_loop.py``, ``advance``: ``batch`` stays
+    referenced in ``kwargs`` while ``self.automatic_optimization.run(...)`` calls
+    ``optimizer.step(closure)``) [PL], and an evaluation step's batch while its step runs. Per rank: a
+    tensor-parallel rank holds the whole batch; a pipeline rank the step's m micro-batches (every rank
+    receives the dataloader batch, ``parallel/pipeline.py`` ``PipelineRunner.step``); a context-parallel
+    rank its whole ``[b, s]`` storage (torch 2.13 ``context_parallel`` shards the buffers in place with
+    ``buffer.resize_(shard.shape)``, which never shrinks a storage,
+    ``torch/distributed/tensor/experimental/_context_parallel/_attention.py``). Counted as ``other``, where
+    the tensor tracker puts storages created before it started (``tracking/trace.py`` tracks the traced
+    batch as ``other``). Assumes an ids-and-targets batch:
+    a batch with an attention mask or other per-token tensors holds more (a traced or calibrated estimate
+    measures the real batch).
+    """
+    return BATCH_ID_TENSORS * TOKEN_ID_BYTES * tokens
+
+
+def position_ids_bytes(model: ModelSpec, s: int) -> int:
+    """The position ids ``arange(s)`` (int64, ``8 s`` bytes) a learned position table looks up in each
+    forward, per micro-batch; 0 with RoPE or without positions (``ModelSpec.position_embedding``).
+
+    The lookup saves its indices for the embedding's backward (``embedding_backward`` takes ``indices``,
+    torch 2.13 ``tools/autograd/derivatives.yaml``) [PT], so they live with the micro-batch's activations
+    until the first stage's backward; under ``no_grad`` they are freed at once. GPT-2 builds them the same
+    way (transformers 5.3 ``models/gpt2/modeling_gpt2.py``, ``GPT2Model.forward``: ``position_ids =
+    cache_position.unsqueeze(0)``, ``cache_position = torch.arange(...)``).
+    """
+    return TOKEN_ID_BYTES * s if model.position_embedding == "learned" else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +465,7 @@ def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int
     attn_inputs = attn_in_copies * tokens * h * c // split
     dense = mlp_in_copies * tokens * h * c // split + dense_mlp
     moe = moe_terms.moe_mlp_saved_bytes(model, tokens, c, t=t, cast=bool(pb.autocast_copy),
-                                        swiglu_saved=swiglu_saved) if is_moe(model) else dense
+                                        swiglu_saved=swiglu_saved, expert_bytes=pb.param) if is_moe(model) else dense
     return attn_inputs + attention + moe_terms.mean_mlp_saved_bytes(model, dense, moe)
 
 

@@ -109,6 +109,10 @@ class DepthTraces:
         vision_tokens: the sequence length a vision model's image fixes (``None`` for token inputs).
         norm_impl: the traced class's RMSNorm implementation (``TrainSpec.norm_impl``; ``"native"`` when
             it has none), detected by :func:`~lightning_memplan.model.readers.norm_impl_of`.
+        n_trainable_one, n_trainable_two: trainable parameters of the two copies (``None``: every
+            parameter trains, or an entry that does not say); fewer than their parameter counts when the
+            copies carry a LoRA adapter (``ModelSpec.lora_rank``), whose frozen base weights the traced step
+            gives no gradients or optimizer states.
     """
 
     class_name: str
@@ -121,6 +125,10 @@ class DepthTraces:
     #: Blocks of more than one kind: ``(count, calibration of [first block, first block of the kind],
     #: its parameter count)`` per kind, the first kind's copy being ``two``; empty when all are alike.
     kinds: tuple[tuple[int, Calibration, int], ...] = ()
+    n_trainable_one: int | None = None
+    n_trainable_two: int | None = None
+    #: Trainable parameters of each kind's copy, in the order of ``kinds`` (empty: as ``n_trainable_two``).
+    kinds_trainable: tuple[int, ...] = ()
     #: What the fit was made on and checked at (``None``: an entry of an older tracer, used everywhere as
     #: before): ``fitted`` shapes, held-out ``probe`` shape and its relative ``probe_error``, the probe
     #: ``tolerance``, the config's step ``steps`` (windows, chunks), and ``seq_len`` for an entry traced
@@ -137,9 +145,11 @@ class DepthTraces:
         one, two = (data["depths"][str(d)] for d in TRACED_DEPTHS)
         tokens = one.get("vision_tokens")
         kinds: list[tuple[int, Calibration, int]] = []
+        kinds_trainable: list[int] = []
         for kind in data.get("kinds") or ():
             stack = two if kind["stack"] == "2" else data["stacks"][kind["stack"]]
             kinds.append((int(kind["count"]), Calibration.from_dict(stack["calibration"]), int(stack["n_params"])))
+            kinds_trainable.append(int(stack.get("n_trainable", stack["n_params"])))
         form = data.get("form")
         return cls(
             class_name=str(data["class"]),
@@ -151,6 +161,9 @@ class DepthTraces:
             norm_impl=str(data["norm_impl"]),
             kinds=tuple(kinds),
             form=dict(form) if isinstance(form, Mapping) else None,
+            n_trainable_one=_trainable(one),
+            n_trainable_two=_trainable(two),
+            kinds_trainable=tuple(kinds_trainable),
         )
 
     def n_params(self, n_layers: int) -> int:
@@ -160,6 +173,17 @@ class DepthTraces:
             fixed = self.n_params_one - (self.n_params_two - self.n_params_one)
             return fixed + sum(n * (p - self.n_params_one) for n, _, p in self.kinds)
         return self.n_params_one + (n_layers - 1) * (self.n_params_two - self.n_params_one)
+
+    def n_trainable(self, n_layers: int) -> int | None:
+        """Trainable parameters of the full-depth model, by :meth:`n_params`'s rule over the copies'
+        trainable counts; ``None`` when every traced parameter trains (no adapter)."""
+        one, two = self.n_trainable_one, self.n_trainable_two
+        if one is None or two is None or (one == self.n_params_one and two == self.n_params_two):
+            return None
+        if self.kinds:
+            per_kind = self.kinds_trainable or tuple(two for _ in self.kinds)
+            return one - (two - one) + sum(n * (t - one) for (n, _, _), t in zip(self.kinds, per_kind, strict=True))
+        return one + (n_layers - 1) * (two - one)
 
     def untrusted_at(self, micro_batch: int, seq_len: int) -> str | None:
         """Why the fitted coefficients may not be used at ``(b, s)`` (``None``: they may).
@@ -219,6 +243,12 @@ class DepthTraces:
         if len(self.memo) < 8192:
             self.memo[("full_depth", n_layers, b, s)] = by_phase
         return by_phase
+
+
+def _trainable(record: Mapping[str, Any]) -> int | None:
+    """A traced copy's trainable count (``None`` in an entry that does not record it)."""
+    value = record.get("n_trainable")
+    return None if value is None else int(value)
 
 
 @runtime_checkable
@@ -310,6 +340,9 @@ def traced_train(train: TrainSpec, device: str) -> TrainSpec:
         activation_bytes=None,
         grads_alive_in_forward=True,
         grad_accumulation=1,
+        # the trace is a plain step: FSDP2's offloads are scaled in by the analytic terms
+        offload=train.offload if train.framework == "deepspeed" else "none",
+        offload_activations=False,
     )
 
 
@@ -325,11 +358,12 @@ def _steps_on(train: TrainSpec, device: str) -> tuple[TrainSpec, TrainSpec]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _specs(model: ModelSpec, n_params: int) -> tuple[ModelSpec, ModelSpec]:
-    """``(the spec with the traced parameter count, the same training every parameter)``: what the
-    analytic terms see for the requested step and for the traced one."""
+def _specs(model: ModelSpec, n_params: int, n_trainable: int | None) -> tuple[ModelSpec, ModelSpec]:
+    """``(the spec with the traced parameter count, the same training what the trace trained)``: what
+    the analytic terms see for the requested step and for the traced one (``n_trainable``: the traced
+    copies' trainable count, ``None`` when every parameter trained; a LoRA trace's frozen base)."""
     base = replace(model, hf_config=None, n_params=n_params, calibration_source=None)
-    return base, replace(base, n_trainable_params=None)
+    return base, replace(base, n_trainable_params=n_trainable)
 
 
 #: ``_estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
@@ -409,7 +443,7 @@ def traced_estimate(
             f"{data.class_name!r}; pass at most {n_params}"
         )
     one_device = type(plan)()  # the default plan: one device (this module does not import specs)
-    base, traced_spec = _specs(model, n_params)
+    base, traced_spec = _specs(model, n_params, data.n_trainable(model.n_layers))
     traced = _on_device(data, model, train, traced_spec, steps, one_device, stage_estimate)
     # The trace is the answer on one rank of the traced step; anything else scales it by the analytic
     # ratio requested/traced per component (a component the traced step lacks is added).
@@ -441,6 +475,7 @@ def traced_estimate(
             by_phase=by_phase,
             details={**target.details, "traced_params": n_params},
             source="hf_trace",
+            host=target.host,  # offloaded bytes: the analytic terms' (model/offload.py, model/deepspeed.py)
         )
         if best is None or est.total > best.total:
             best = est

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.manual import manual_optimization_trace
@@ -31,11 +33,19 @@ def run_calibration(
 ) -> Calibration | None:
     """Fit the batch-dependent terms from traced fake-tensor steps of ``run.module`` with the real
     optimizer class and the real batch's structure; ``None`` and a ``note`` saying why when tracing
-    fails or cannot describe the run (a module already sharded or split into pipeline stages)."""
+    fails or cannot describe the run (a module split into pipeline stages, or sharded in place with no
+    plain copy at hand).
+
+    A module that ``memplan_auto`` sharded (FSDP2, tensor parallelism) is traced through the copy the
+    strategy kept from just before (``plain_module``, on the meta device, with the plan's activation
+    checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan."""
     from lightning_memplan.tracking.trace import calibrate
 
     module = run.module
-    sharded = parallelised_by(module) or pipeline_split(run)
+    sharded = pipeline_split(run) or parallelised_by(module)
+    plain = getattr(run.strategy, "plain_module", None)
+    if sharded is not None and pipeline_split(run) is None and isinstance(plain, torch.nn.Module):
+        module, sharded = plain, None
     if sharded is not None:
         what = "LightningModule" if hasattr(module, "training_step") else type(module).__name__
         note(

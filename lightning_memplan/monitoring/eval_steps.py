@@ -73,14 +73,15 @@ class EvalState:
 
     def estimate(
         self, spec: Any, train: Any, plan: Any, rank: int | None, phase: str, b: int, s: int, module: torch.nn.Module,
-        optimizers: tuple[Any, ...],
+        optimizers: tuple[Any, ...], generate_tokens: int = 0,
     ) -> MemoryEstimate:
-        """:func:`estimate_eval_memory` for this step (cached); raises what it raises."""
+        """:func:`estimate_eval_memory` for this step (cached), with a greedy ``generate`` of
+        ``generate_tokens`` new tokens on its batch when > 0; raises what it raises."""
         if self.live is None:
             self.live = live_training_state(module, optimizers)
         if self.style is None:
             self.style = eval_forward_style(module)
-        key = (phase, b, s, *self.live, *self.style)
+        key = (phase, b, s, *self.live, *self.style, generate_tokens)
         if key in self.estimates:
             self.estimates.move_to_end(key)
             cached = self.estimates[key]
@@ -88,7 +89,8 @@ class EvalState:
             return cached
         est = estimate_eval_memory(
             spec, train, plan, phase=phase, micro_batch=b, seq_len=s, grads_alive=self.live[0],
-            optimizer_states=self.live[1], kv_cache=self.style[0], held_hidden=self.style[1], rank=rank,
+            optimizer_states=self.live[1], kv_cache=self.style[0], held_hidden=self.style[1],
+            generate_tokens=generate_tokens, rank=rank,
         )
         self.estimates[key] = est
         if len(self.estimates) > _EVAL_CACHE_SIZE:

@@ -87,6 +87,8 @@ class MonitorOptions:
     write_files: bool = True
     #: Print the rich table on rank 0 after each epoch.
     print_report: bool = True
+    #: ``max_new_tokens`` of a greedy ``generate`` the validation/test/predict step runs on its batch (0: none).
+    generate_tokens: int = 0
 
     def __post_init__(self) -> None:
         from lightning_memplan.report.render import check_units
@@ -100,6 +102,11 @@ class MonitorOptions:
             "seq_len": check_optional_int("seq_len", self.seq_len, "the tokens per sequence, e.g. seq_len=2048"),
             "max_seq_len": check_optional_int("max_seq_len", self.max_seq_len, "e.g. max_seq_len=8192"),
             "memory_budget": check_optional_int("memory_budget", self.memory_budget, "bytes, e.g. 80 * 2**30"),
+            "generate_tokens": validation.check_int(
+                "generate_tokens", self.generate_tokens, minimum=0, maximum=2**24,
+                hint="the max_new_tokens of a generate call in your validation/test/predict step, or 0 for none; "
+                     "e.g. generate_tokens=128",
+            ),
         }
         for name, value in checked.items():  # the checks' normalised values (0 -> 0.0, numpy ints -> int)
             object.__setattr__(self, name, value)

@@ -15,7 +15,7 @@ Trainer's names.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from lightning_memplan.parallel.infer import (
     InferenceError,
     _unwrap,
     batch_shape,
+    ddp_bucket_bytes,
     fsdp1_notes,
     infer_model_spec,
     infer_plan,
@@ -64,6 +65,19 @@ __all__ = ["MemorySession", "RunContext"]
 
 #: Per-(micro_batch, seq_len) estimates kept (sequence length may change every batch).
 _ESTIMATE_CACHE_SIZE = 256
+#: Nesting levels of a batch searched for its tensors (a dict of lists of tensors is two).
+_BATCH_DEPTH = 4
+
+
+def _batch_tensors(batch: Any, depth: int = _BATCH_DEPTH) -> list[torch.Tensor]:
+    """The tensors of a batch: itself, or inside mappings (a dict, Hugging Face's ``BatchEncoding``),
+    lists and tuples, ``depth`` levels down."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if depth <= 0:
+        return []
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return [t for value in values for t in _batch_tensors(value, depth - 1)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +242,12 @@ class MemorySession:
             if opts.calibrate:
                 fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
                 source = "calibrated" if fit.calibration is not None else "analytic"
+            if fit.calibration is None and spec.calibration_source is not None:
+                # traced coefficients that came with the spec (a Hugging Face config's real class): the
+                # estimate says whether they covered this run ("hf_trace") or it fell back to the terms
+                first = self.estimate(fit.train.micro_batch, fit.train.seq_len)
+                if first is not None and first.source != "analytic":
+                    source = "traced"
         if opts.model_spec is None and spec is not None and "guessed" in (spec.name or "") and source == "analytic":
             fix = (
                 "or pass calibrate=True" if not opts.calibrate
@@ -312,7 +332,7 @@ class MemorySession:
                 fit.meter = AllocationMeter("cpu")
                 fit.meter.start(run.module, optimizers, batch)
         else:
-            self._start_tracker(run, optimizers, shape)
+            self._start_tracker(run, optimizers, batch, shape)
 
     # ------------------------------------------------------------------------------------ evaluation steps
     def start_eval_step(self, phase: str, run: RunContext, batch: Any, epoch: int) -> None:
@@ -334,7 +354,7 @@ class MemorySession:
             try:
                 b = stage_micro_batch(fit.plan, shape[0])
                 est = fit.evals.estimate(fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module,
-                                         run.optimizers)
+                                         run.optimizers, self.options.generate_tokens)
             except (ValueError, TypeError) as exc:
                 self.note(f"the memory model cannot estimate the {phase} batch {shape[0]} x {shape[1]}: {exc}")
         tracked = fit.evals.should_track(phase, fit.tracking_enabled, self.options.measure_every_n_steps)
@@ -409,12 +429,16 @@ class MemorySession:
         if text:
             self.warn_once(f"eval:{record.phase}", text)
 
-    def _start_tracker(self, run: RunContext, optimizers: list[Any], shape: tuple[int, int] | None) -> None:
+    def _start_tracker(self, run: RunContext, optimizers: list[Any], batch: Any, shape: tuple[int, int] | None) -> None:
         seq = shape[1] if shape is not None and shape[1] > 1 else None
         vocab = self.options.model_spec.vocab_size if self.options.model_spec is not None else None
         device = getattr(run.strategy, "root_device", None)
         # dynamo passes over this tracker: a compiled function the scan missed still compiles (compiled.py)
         tracker = CompileSafeTracker(run.module, optimizers, seq_len=seq, vocab_size=vocab, device=device)
+        # the step's batch is live while it runs, as the estimate (model/terms.batch_input_bytes), the traced
+        # calibration (tracking/trace.py) and the compiled step's AllocationMeter count it
+        tracker.track(_batch_tensors(batch), "other")
+        tracker.hold(ddp_bucket_bytes(run.strategy), "comm")  # DDP's buckets: no Python tensor holds them
         tracker.start()
         tracker.set_phase("forward")
         self.fit.tracker = tracker

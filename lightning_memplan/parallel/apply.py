@@ -18,6 +18,7 @@ from torch import nn
 from lightning_memplan.parallel.decision import Resolution
 from lightning_memplan.parallel.fsdp import (
     apply_activation_checkpointing,
+    apply_activation_offload,
     apply_data_parallel,
     data_parallel_mesh,
 )
@@ -40,11 +41,17 @@ class Applied:
         layout: the transformer layout found in the module (``None``: none recognised).
         pipeline: the pipeline runner when ``pp > 1``, else ``None``.
         notes: what was applied or skipped, in words (for rank-zero info).
+        plain: the module as it was before FSDP2 and tensor parallelism, with the plan's activation
+            checkpointing, its parameters on the meta device (:func:`~lightning_memplan.tracking.meta_copy.
+            meta_copy`): what the monitoring core traces to calibrate its estimate, since the module itself
+            is sharded now; ``None`` when nothing was parallelised in place, under a pipeline (a rank holds
+            one stage), or when the module could not be copied.
     """
 
     layout: TransformerLayout | None
     pipeline: PipelineRunner | None = None
     notes: tuple[str, ...] = field(default=())
+    plain: nn.Module | None = None
 
 
 def apply_resolution(
@@ -54,7 +61,6 @@ def apply_resolution(
     device: torch.device,
     *,
     warn: Callable[[str], None],
-    head_in_root: bool | None = None,
 ) -> Applied:
     """Apply the plan to ``module`` in place: pipeline split, TP(+SP), activation checkpointing, FSDP2.
 
@@ -64,14 +70,15 @@ def apply_resolution(
         mesh: the ``pp x dp_replicate x dp_shard x tp`` mesh built from ``resolution.mesh``.
         device: this rank's device (pipeline stages are placed on it).
         warn: rank-zero warning function (the loss-mode warning).
-        head_in_root: keep the untied embedding and lm_head in the FSDP2 root unit (gathered from forward
-            to backward, as the estimate's root term counts them), so that a loss outside the module's
-            forward can read ``lm_head.weight`` whole. ``None``: when the module holds a
-            ``LinearCrossEntropy`` (a LightningModule's ``training_step`` loss); a Fabric loop's loss is
-            outside the module, so the Fabric strategy passes ``True``.
+
+    The untied embedding and lm_head get FSDP2 units of their own as ``resolution.plan.own_units`` says
+    (:func:`~lightning_memplan.parallel.decision.decide` chose them, and the estimate counts them so).
     """
     sizes = resolution.mesh
     layout = find_layout(module)
+    # FSDP2 also on one data-parallel rank when the plan offloads parameters (CPUOffloadPolicy needs units)
+    fsdp = sizes.dp > 1 or resolution.offload == "params"
+    plain = _plain_copy(module, resolution) if sizes.pp == 1 and (sizes.tp > 1 or fsdp) else None
     pipeline: PipelineRunner | None = None
     notes: list[str] = []
     if sizes.pp > 1:
@@ -94,20 +101,49 @@ def apply_resolution(
             notes.append(apply_activation_checkpointing(layout, resolution.recompute))
             if pipeline is not None:
                 pipeline.refresh_blocks()
-    if sizes.dp > 1:
+    if resolution.offload_activations:
+        if layout is None:
+            notes.append("activation offloading not applied: no list of repeated blocks found")
+        else:
+            notes.append(apply_activation_offload(layout))
+            if pipeline is not None:
+                pipeline.refresh_blocks()
+    cpu_offload = resolution.offload == "params"
+    if fsdp:
         dp_mesh = data_parallel_mesh(mesh, sizes)
         if pipeline is not None:
             apply_data_parallel(
                 module, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
-                roots=tuple(pipeline.modules),
+                roots=tuple(pipeline.modules), units=resolution.plan.own_units, cpu_offload=cpu_offload,
             )
         else:
             apply_data_parallel(
                 module, layout, dp_mesh, reshard_after_forward=sizes.reshard_after_forward,
-                separate_head=not (bool(find_linear_cross_entropy(module)) if head_in_root is None else head_in_root),
+                units=resolution.plan.own_units, cpu_offload=cpu_offload,
             )
+        if cpu_offload:
+            notes.append("FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in pinned host "
+                         "memory, the optimizer step on the CPU")
     notes += configure_losses(module, resolution, pipelined=pipeline is not None, warn=warn)
-    return Applied(layout=layout, pipeline=pipeline, notes=tuple(n for n in notes if n))
+    return Applied(layout=layout, pipeline=pipeline, notes=tuple(n for n in notes if n), plain=plain)
+
+
+def _plain_copy(module: nn.Module, resolution: Resolution) -> nn.Module | None:
+    """The module on the meta device before it is sharded, with the plan's activation checkpointing
+    (what the traced calibration must see); ``None`` when it cannot be copied (the run goes on, the
+    monitoring core then says why it does not calibrate)."""
+    from lightning_memplan.tracking.meta_copy import meta_copy
+
+    try:
+        plain = meta_copy(module)
+        if resolution.recompute != "none":
+            copied = find_layout(plain)
+            if copied is None:
+                return None
+            apply_activation_checkpointing(copied, resolution.recompute)
+    except Exception:  # noqa: BLE001 - a module deepcopy cannot take: no calibration, the run goes on
+        return None
+    return plain
 
 
 def configure_losses(

@@ -16,10 +16,15 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.parallel.fsdp import own_units
 from lightning_memplan.parallel.layouts import TransformerLayout
 from lightning_memplan.parallel.mesh import MeshLayout
 from lightning_memplan.parallel.pipeline import pipeline_blocker
-from lightning_memplan.parallel.tensor_parallel import sequence_parallel_blocker, tensor_parallel_blocker
+from lightning_memplan.parallel.tensor_parallel import (
+    find_linear_cross_entropy,
+    sequence_parallel_blocker,
+    tensor_parallel_blocker,
+)
 
 __all__ = [
     "ForcedDecision",
@@ -82,6 +87,9 @@ class Resolution:
         recompute: activation checkpointing to apply (``"none"``, ``"selective"``, ``"full"``).
         loss: the loss mode the plan assumes.
         notes: every deviation from what was asked, in words.
+        offload: ``"params"``: every FSDP2 unit gets ``CPUOffloadPolicy()`` (the decision's
+            ``TrainSpec.offload`` under ``framework="torch"``); ``"none"`` otherwise.
+        offload_activations: every block runs under ``save_on_cpu`` (torch's ``offload_wrapper``).
     """
 
     decision: Any
@@ -90,11 +98,14 @@ class Resolution:
     recompute: str = "none"
     loss: str = "naive"
     notes: tuple[str, ...] = field(default=())
+    offload: str = "none"
+    offload_activations: bool = False
 
     def fingerprint(self) -> str:
         """A string every rank must agree on (compared with an all-gather)."""
         return json.dumps(
-            {"plan": self.plan.to_dict(), "mesh": list(self.mesh.shape), "recompute": self.recompute}, sort_keys=True
+            {"plan": self.plan.to_dict(), "mesh": list(self.mesh.shape), "recompute": self.recompute,
+             "offload": self.offload, "offload_activations": self.offload_activations}, sort_keys=True
         )
 
 
@@ -106,9 +117,13 @@ class ResolvedStrategy:
 
     Attributes:
         resolution: plan, mesh sizes, recompute, loss mode and notes (``None`` before planning).
+        plain_module: the module before the strategy sharded it, on the meta device (``Applied.plain``;
+            ``None`` before it applied the plan, or when nothing was sharded in place): the monitoring core
+            traces it to calibrate its estimate (``monitoring/calibration.py``).
     """
 
     resolution: Resolution | None = None
+    plain_module: nn.Module | None = None
 
     @property
     def decision(self) -> Any:
@@ -257,6 +272,7 @@ def decide(
     planner: Any,
     batch_known: bool = True,
     runner: str = "the Trainer",
+    head_in_root: bool | None = None,
 ) -> Resolution:
     """Pick and check the plan (runs on rank 0 only).
 
@@ -266,6 +282,12 @@ def decide(
         batch_known: whether ``train.micro_batch`` is the real per-rank dataloader batch (the pipeline
             schedule rule is checked against it).
         runner: who starts the processes, for the world-size message (``"the Trainer"``, ``"Fabric"``).
+        head_in_root: keep the untied embedding and lm_head in the FSDP2 root unit (gathered from forward
+            to backward), so that a loss outside the module's forward can read ``lm_head.weight`` whole.
+            ``None``: when the module holds a ``LinearCrossEntropy`` (a LightningModule's ``training_step``
+            loss); a Fabric loop's loss is outside the module, so the Fabric strategy passes ``True``.
+            Pipeline stages always give them units of their own. The choice is the applied plan's
+            ``own_units`` (:func:`~lightning_memplan.parallel.fsdp.own_units`), which the estimate counts.
     Raises:
         ValueError: a forced plan whose world size differs from the run's, or whose pipeline schedule
             cannot run the batch (:func:`runnable_forced_schedule`).
@@ -319,7 +341,12 @@ def decide(
                 plan = dataclasses.replace(plan, microbatches=m)
     # Data-parallel replicas are FSDP2's replicate mesh dimension: gradients are reduced in place, no
     # DDP bucket copy (the estimate's ``grad_buckets``); the recorded estimate is the applied plan's.
-    plan = dataclasses.replace(plan, grad_buckets=False)
+    # The untied embedding / lm_head that get FSDP2 units of their own (none when the module applies its
+    # own FSDP2 in configure_model, or without data parallelism): the estimate's root unit leaves them out.
+    in_root = bool(find_linear_cross_entropy(module)) if head_in_root is None else head_in_root
+    units = () if self_parallel or MeshLayout.from_plan(plan).dp == 1 else own_units(
+        layout, separate_head=plan.pp > 1 or not in_root)
+    plan = dataclasses.replace(plan, grad_buckets=False, own_units=units)
     applied_train = getattr(decision, "train", None) or train
     if forced is not None and plan.pp > 1:
         # the schedule splits each dataloader batch into plan.microbatches micro-batches
@@ -329,7 +356,15 @@ def decide(
         decision = dataclasses.replace(cast(Any, decision), estimate=refreshed)
     mesh = MeshLayout.from_plan(plan)
     notes += list(mesh.notes)
-    return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes))
+    # FSDP2's offloads the TrainSpec asks for (the planner's choice, or the user's): applied by parallel/apply.py
+    offload = applied_train.offload if applied_train.framework == "torch" and not self_parallel else "none"
+    if self_parallel and (applied_train.offload == "params" or applied_train.offload_activations):
+        notes.append(
+            "offload not applied: the module parallelises itself in configure_model; pass "
+            "offload_policy=CPUOffloadPolicy() to its fully_shard calls, or wrap its blocks with offload_wrapper"
+        )
+    return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes),
+                      offload=offload, offload_activations=applied_train.offload_activations and not self_parallel)
 
 
 def _estimate_or_none(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> Any:

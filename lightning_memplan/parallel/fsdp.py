@@ -33,8 +33,11 @@ if TYPE_CHECKING:
 __all__ = [
     "STEP_METHODS",
     "apply_activation_checkpointing",
+    "apply_activation_offload",
     "apply_data_parallel",
     "data_parallel_mesh",
+    "offloads_to_cpu",
+    "own_units",
     "selective_op_context_fn",
 ]
 
@@ -49,6 +52,25 @@ def data_parallel_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
     return mesh[str(MeshAxis.DP_SHARD)]
 
 
+def own_units(transformer: TransformerLayout | None, *, separate_head: bool = True) -> tuple[str, ...]:
+    """The parts besides the blocks that :func:`apply_data_parallel` gives FSDP2 units of their own
+    (``ParallelPlan.own_units``): the untied embedding (``"embedding"``) and lm_head (``"head"``), each
+    when it has a trainable parameter (a frozen part, as peft LoRA's base, stays in the root unit: it has
+    no gradient to reduce); ``()`` without a recognised layout, for a tied pair, or when
+    ``separate_head`` is off (a loss that reads ``lm_head.weight`` outside the module's forward needs it
+    gathered in the root unit)."""
+    if transformer is None or not separate_head:
+        return ()
+    head = transformer.get(transformer.head)
+    emb = transformer.get(transformer.embeddings[0]) if transformer.embeddings else None
+    if head is not None and emb is not None and head.weight is emb.weight:
+        return ()
+    return tuple(
+        name for name, part in (("embedding", emb), ("head", head))
+        if part is not None and any(p.requires_grad for p in part.parameters())
+    )
+
+
 def apply_data_parallel(
     module: nn.Module,
     transformer: TransformerLayout | None,
@@ -56,8 +78,9 @@ def apply_data_parallel(
     *,
     reshard_after_forward: bool | int,
     roots: tuple[nn.Module, ...] | None = None,
-    separate_head: bool = True,
+    units: tuple[str, ...] = ("embedding", "head"),
     forward_methods: tuple[str, ...] = ("logits",),
+    cpu_offload: bool = False,
 ) -> None:
     """``fully_shard`` per block, per untied embedding/head, then the root(s), in place.
 
@@ -70,39 +93,73 @@ def apply_data_parallel(
         roots: the modules whose ``forward`` runs the model (default: ``module``, the LightningModule,
             with its :data:`STEP_METHODS` registered as forward methods); pipeline stages pass their
             :class:`~lightning_memplan.parallel.pipeline.StageModule` objects.
-        separate_head: give the untied embedding and lm_head units of their own. ``False`` keeps them in
-            the root unit, whose parameters stay gathered from forward to backward, so that a loss that
-            reads ``lm_head.weight`` in ``training_step`` (``LinearCrossEntropy``) sees the full weight.
+        units: which of the untied embedding and lm_head get units of their own (``ParallelPlan.own_units``,
+            as :func:`own_units` finds them; a part absent from this stage, tied or frozen gets none). ``()``
+            keeps them in the root unit, whose parameters stay gathered from forward to backward, so that
+            a loss that reads ``lm_head.weight`` in ``training_step`` (``LinearCrossEntropy``) sees the
+            full weight.
         forward_methods: root methods other than ``forward`` that read root parameters (the zoo GPT's
             ``logits``); registered with ``register_fsdp_forward_method`` so they all-gather too. The
             LightningModule root also gets :data:`STEP_METHODS`.
+        cpu_offload: every unit (blocks, embedding/head, roots, leftovers) gets
+            ``offload_policy=CPUOffloadPolicy()``: its sharded parameters (pinned on an accelerator mesh), their
+            gradients and the
+            optimizer states in host memory, the optimizer step on the CPU (``TrainSpec(offload="params")``;
+            ``lightning_memplan.model.offload`` counts it). The module must then stay on the CPU until the
+            first forward (torch's ``_validate_cpu_offload_params``): the strategies skip their
+            ``model_to_device``.
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    policy = _offload_policy(cpu_offload, dp_mesh.device_type)
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, **policy}
     if roots is None:
         roots = (module,)
     if transformer is not None:
         for block in transformer.block_list:
             fully_shard(block, **kwargs)
-        head = transformer.get(transformer.head)
-        emb = transformer.get(transformer.embeddings[0]) if transformer.embeddings else None
-        tied = head is not None and emb is not None and head.weight is emb.weight
-        if not tied and separate_head:
-            for part in (emb, head):
-                if part is not None and any(p.requires_grad for p in part.parameters()):
-                    fully_shard(part, **kwargs)
+        parts = {"embedding": transformer.embeddings[0] if transformer.embeddings else None, "head": transformer.head}
+        for name in own_units(transformer):
+            part = transformer.get(parts[name])
+            if name in units and part is not None:
+                fully_shard(part, **kwargs)
     for root in roots:
         # The root keeps its parameters gathered between forward and backward (FSDP2's own default).
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **policy)
         for name in (*forward_methods, *(STEP_METHODS if root is module else ())):
             if callable(getattr(root, name, None)):
                 register_fsdp_forward_method(root, name)
     if module not in roots:
-        _shard_leftovers(module, dp_mesh)
+        _shard_leftovers(module, dp_mesh, policy)
 
 
-def _shard_leftovers(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _offload_policy(cpu_offload: bool, device_type: str) -> dict[str, Any]:
+    """``{"offload_policy": CPUOffloadPolicy(...)}`` or ``{}``: pinned host buffers (FSDP2's default) on an
+    accelerator; on a CPU mesh ``pin_memory=False`` (host and device memory are one, and ``pin_memory()``
+    raises without an accelerator)."""
+    if not cpu_offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device_type != "cpu")}
+
+
+def offloads_to_cpu(module: nn.Module) -> bool:
+    """Whether any FSDP2 unit of ``module`` keeps its parameters on the CPU (``CPUOffloadPolicy``): such a
+    module must not be moved to the device after ``fully_shard`` (torch's ``_validate_cpu_offload_params``
+    refuses sharded parameters off the CPU at the first forward)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            state = sub._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                if isinstance(group.offload_policy, CPUOffloadPolicy):
+                    return True
+    return False
+
+
+def _shard_leftovers(module: nn.Module, dp_mesh: DeviceMesh, policy: dict[str, Any] | None = None) -> None:
     """Give every parameter outside the transformer (e.g. an extra head of the LightningModule) an FSDP
     unit of its own, at the smallest submodule whose ``forward`` is what uses it."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -117,9 +174,9 @@ def _shard_leftovers(module: nn.Module, dp_mesh: DeviceMesh) -> None:
         if isinstance(child, FSDPModule) or all(_is_dtensor(p) for p in child.parameters()):
             continue
         if any(_is_dtensor(p) for p in child.parameters()):
-            _shard_leftovers(child, dp_mesh)
+            _shard_leftovers(child, dp_mesh, policy)
         else:
-            fully_shard(child, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(child, mesh=dp_mesh, reshard_after_forward=False, **(policy or {}))
 
 
 def _is_dtensor(tensor: object) -> bool:
@@ -167,6 +224,20 @@ def selective_op_context_fn() -> Callable[[], Any]:
         return create_selective_checkpoint_contexts(policy)
 
     return context_fn
+
+
+def apply_activation_offload(transformer: TransformerLayout) -> str:
+    """Wrap every block with torch's ``offload_wrapper`` (``save_on_cpu(pin_memory=True)`` around its
+    forward: what the block saves for backward lives in pinned host memory until its backward;
+    ``TrainSpec(offload_activations=True)``, counted by ``lightning_memplan.model.offload``); returns a note.
+    Applied where activation checkpointing would be, before FSDP2 (the wrapper is a plain module, so the
+    block's FSDP2 unit takes the wrapper)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
+
+    blocks = transformer.block_items()
+    for key, block in blocks:
+        transformer.set_block(key, offload_wrapper(block))
+    return f"activation offloading (save_on_cpu, pinned): every block ({len(blocks)})"
 
 
 def apply_activation_checkpointing(transformer: TransformerLayout, recompute: str) -> str:

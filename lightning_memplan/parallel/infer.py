@@ -21,6 +21,7 @@ __all__ = [
     "InferenceError",
     "batch_factory",
     "batch_shape",
+    "ddp_bucket_bytes",
     "infer_optimizer",
     "infer_model_spec",
     "infer_plan",
@@ -263,6 +264,11 @@ def infer_train_spec(
         value = getattr(resolution, name, None)
         if value in allowed:
             changes[name] = value
+    # FSDP2's offloads memplan_auto applied (CPUOffloadPolicy, save_on_cpu): host bytes, not device bytes
+    if getattr(resolution, "offload", "none") == "params":
+        changes["offload"] = "params"
+    if getattr(resolution, "offload_activations", False) is True:
+        changes["offload_activations"] = True
     if is_fsdp1(trainer.strategy):  # FSDP1's flat parameters (lightning_memplan.model.frameworks)
         changes["framework"] = "fsdp1"
     if is_deepspeed(trainer.strategy):  # DeepSpeed's engine: its ZeRO layout, offload and bucket sizes
@@ -430,6 +436,27 @@ def _fsdp1_shard_size(strategy: Any, world: int) -> int:
     if shape is not None and len(shape) == 2:
         return max(1, int(shape[1]))
     return max(1, int(getattr(strategy, "num_processes", world) or world))
+
+
+def ddp_bucket_bytes(strategy: Any) -> int:
+    """Bytes of the gradient buckets that the running strategy's ``DistributedDataParallel`` keeps between
+    steps and no Python tensor reaches (its C++ ``Reducer`` owns them), for a tracker to
+    :meth:`~lightning_memplan.tracking.tracker.TensorTracker.hold`; 0 when there is no DDP wrapper, when
+    gradients are views into the buckets (``gradient_as_bucket_view``: a tracker sees them as the
+    gradients), or before the Reducer rebuilt its buckets. DDP rebuilds them once, at the start of the
+    second forward (torch 2.13 ``nn/parallel/distributed.py``, ``_pre_forward``: ``_has_rebuilt_buckets``),
+    and a tracker of that step sees the new ones allocated; the total is the sum of ``bucket_sizes``
+    (bytes) of ``_get_ddp_logging_data()``, which the rebuild keeps (the same gradients, re-split)."""
+    model = getattr(strategy, "model", None)
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or not getattr(model, "_has_rebuilt_buckets", False):
+        return 0
+    try:
+        data = model._get_ddp_logging_data()
+        if data.get("gradient_as_bucket_view"):
+            return 0
+        return sum(int(size) for size in str(data.get("bucket_sizes", "")).replace(",", " ").split())
+    except (AttributeError, RuntimeError, ValueError):  # a torch without the logging data: nothing held
+        return 0
 
 
 def fsdp1_notes(strategy: Any, module: Any) -> list[str]:

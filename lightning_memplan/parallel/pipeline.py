@@ -59,19 +59,32 @@ def _hf_causal_mask() -> Callable[..., Any] | None:
     return create_causal_mask
 
 
+def _hf_causal_mask_for(create_causal_mask: Callable[..., Any], config: Any, h: torch.Tensor,
+                        position_ids: torch.Tensor) -> Any:
+    """The causal mask of a training slice (no padding mask, no cache, positions ``0..s-1``), called as
+    the installed transformers spells it. Version guard: transformers 4.53 to 5.3 take
+    ``(config, input_embeds | inputs_embeds, attention_mask, cache_position, past_key_values,
+    position_ids)`` (the embeddings argument was renamed in 5, so it is passed positionally); 5.24 has
+    no ``cache_position`` and calls the cache ``cache``: ``(config, inputs_embeds, attention_mask, cache,
+    position_ids, ...)``. Told apart by the signature, not the version string."""
+    import inspect
+
+    if "cache_position" in inspect.signature(create_causal_mask).parameters:  # transformers <= 5.3
+        return create_causal_mask(config, h, None, position_ids[0], None, position_ids)
+    return create_causal_mask(config, h, None, None, position_ids)  # transformers 5.24
+
+
 def _hf_llama_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, first: bool, last: bool):
-    # Mirrors LlamaModel.forward + LlamaForCausalLM's head, one slice at a time (transformers 5.3
-    # models/llama/modeling_llama.py): no cache, positions 0..s-1, the causal mask of the config's
+    # Mirrors LlamaModel.forward + LlamaForCausalLM's head, one slice at a time (transformers 5.3 and
+    # 5.24 models/llama/modeling_llama.py): no cache, positions 0..s-1, the causal mask of the config's
     # attention implementation (None under SDPA: is_causal), the rotary table from ``model.rotary_emb``
     # (buffers only, held by every stage). ``model`` is a LlamaForCausalLM (duck-typed).
     inner = model.model
     h = inner.embed_tokens(x) if first else x
-    cache_position = torch.arange(h.shape[1], device=h.device)
-    position_ids = cache_position.unsqueeze(0)
+    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
     create_causal_mask = _hf_causal_mask()
     assert create_causal_mask is not None  # pipeline_blocker refuses older transformers
-    # positional: the embeddings argument is ``input_embeds`` in transformers 4.53, ``inputs_embeds`` in 5
-    mask = create_causal_mask(inner.config, h, None, cache_position, None, position_ids)
+    mask = _hf_causal_mask_for(create_causal_mask, inner.config, h, position_ids)
     position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
     for block in blocks:
         out = block(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)

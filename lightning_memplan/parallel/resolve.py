@@ -92,6 +92,7 @@ def resolve(
     never: frozenset[str] = frozenset(),
     runner: str = "the Trainer",
     warn: Callable[[str], None],
+    head_in_root: bool | None = None,
 ) -> Resolution:
     """The :class:`Resolution` for ``module`` (rank 0 only: no collectives).
 
@@ -108,6 +109,9 @@ def resolve(
         never: dimensions never searched for this front door (Fabric: ``{"pp"}``).
         runner: who runs the processes, for messages (``"the Trainer"``, ``"Fabric"``).
         warn: rank-zero warning function.
+        head_in_root: the untied embedding and lm_head in the FSDP2 root unit (``True``: Fabric, whose loss
+            reads ``lm_head.weight`` outside the module); ``None`` decides by the module's
+            ``LinearCrossEntropy`` (:func:`~lightning_memplan.parallel.decision.decide`).
 
     Raises:
         BatchShapeUnknown: no batch shape and no forced plan.
@@ -162,6 +166,7 @@ def resolve(
         batch_known=batch_known,
         planner=planner,
         runner=runner,
+        head_in_root=head_in_root,
     )
 
 

@@ -32,7 +32,8 @@ class PlanDoesNotFitError(ValueError):
 def train_changes(base: TrainSpec, chosen: TrainSpec) -> list[str]:
     """What the planner changed in the user's TrainSpec, as ``field: old -> new`` strings."""
     out = []
-    for name in ("micro_batch", "grad_accumulation", "recompute", "loss", "loss_chunk_size"):
+    for name in ("micro_batch", "grad_accumulation", "recompute", "loss", "loss_chunk_size", "offload",
+                 "offload_activations"):
         old, new = getattr(base, name), getattr(chosen, name)
         if old != new:
             out.append(f"{name}: {old!r} -> {new!r}")
@@ -103,6 +104,9 @@ class Candidate:
         if t.recompute != "none":
             extra.append(f"recompute={t.recompute}")
         extra.append(f"loss={t.loss}")
+        if t.offload != "none" or t.offload_activations:
+            offloaded = [name for name, on in (("params", t.offload == "params"), ("activations", t.offload_activations)) if on]
+            extra.append(f"offload={'+'.join(offloaded) or t.offload}")
         return f"{self.plan.describe()} | {', '.join(extra)}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,7 +231,10 @@ class PlanDecision:
         per-replica batch fixed to ``micro_batch * grad_accumulation``). headroom, expandable_segments:
         as given.
         stats: search statistics (layouts, memory evaluations, seconds).
-        notes: assumptions (fallback hardware values, ...).
+        notes: assumptions (fallback hardware values, ...) and, when the plan offloads, which offload and
+        why, its host bytes against the host budget.
+        host_budget_bytes: host bytes one rank may hold (``planning/offload.py``) when the chosen plan
+        offloads, else ``None``.
     """
 
     plan: ParallelPlan
@@ -248,6 +255,7 @@ class PlanDecision:
     stats: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     expandable_segments: bool = False
+    host_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -324,6 +332,7 @@ class PlanDecision:
             "global_batch": self.global_batch,
             "headroom": self.headroom,
             "expandable_segments": self.expandable_segments,
+            "host_budget_bytes": self.host_budget_bytes,
             "reserved_bytes": self.reserved.reserved,
             "stats": dict(self.stats),
             "notes": list(self.notes),
@@ -350,4 +359,5 @@ class PlanDecision:
             stats=dict(data.get("stats", {})),
             notes=tuple(data.get("notes", ())),
             expandable_segments=bool(data.get("expandable_segments", False)),
+            host_budget_bytes=None if data.get("host_budget_bytes") is None else int(data["host_budget_bytes"]),
         )

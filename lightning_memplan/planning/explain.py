@@ -38,6 +38,14 @@ def _header(d: Any) -> list[str]:
         f"budget per device: {d.budget.describe()}",
         f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}): {_peak_text(d.reserved)}",
     ]
+    if d.estimate.host:
+        from lightning_memplan.model.offload import host_need_bytes
+
+        budget = getattr(d, "host_budget_bytes", None)
+        lines.append(
+            f"host memory per rank (offload): {_gib(d.estimate.host)} GiB, {_gib(host_need_bytes(d.estimate))} GiB with "
+            "pinned blocks rounded up" + (f"; host budget per rank {_gib(budget)} GiB" if budget else "")
+        )
     changes = d.train_changes()
     lines.append("training changes: " + (", ".join(changes) if changes else "none"))
     st = d.step

@@ -94,6 +94,7 @@ def plan(
     calibration: Calibration | None = None,
     top_k: int = DEFAULT_TOP_K,
     expandable_segments: bool = False,
+    host_memory_budget: float | None = None,
 ) -> PlanDecision:
     """Choose dp / ZeRO / tp (+sp) / pp (schedule, micro-batches) / cp, recompute, loss mode and
     micro-batch so the worst rank fits and the predicted step is fastest.
@@ -116,6 +117,10 @@ def plan(
         top_k: ranked candidates to keep.
         expandable_segments: whether the run sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
             (no block rounding, no extra loss segment in the reserved bytes; ``model.reserved``).
+        host_memory_budget: host bytes per node the offloads may use; replaces ``hardware.host_memory_bytes
+            * (1 - headroom)``. Only when no layout fits on the devices does the planner offload (FSDP2's
+            CPUOffloadPolicy, activation offloading: ``planning/offload.py``), within this budget shared by
+            the node's ranks, and the explanation says so; ``allow={"offload": ["none"]}`` never offloads.
 
     Returns:
         :class:`PlanDecision`; when nothing fits, ``fits=False`` with the closest plan, its shortfall
@@ -132,6 +137,12 @@ def plan(
     expandable_segments = check_bool(
         "expandable_segments", expandable_segments,
         hint="True when the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    host_budget = None
+    if host_memory_budget is not None:
+        host_budget = int(check_number(
+            "host_memory_budget", host_memory_budget, minimum=1.0,
+            hint="host bytes per node the offloads may use (e.g. 1.5 * 2**40); None derives it from "
+            "HardwareSpec.host_memory_bytes and headroom"))
     allow_spec = Allow.parse(allow)
     explicit = None if memory_budget is None else int(memory_budget)
     search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k,
@@ -140,6 +151,18 @@ def plan(
     candidates: list[Candidate] = found["candidates"]
     notes = _notes(search, hardware)
     suggestions: tuple[Suggestion, ...] = ()
+    host_budget_used = None
+    if not candidates:  # nothing fits on the devices: offload to host memory where allowed and possible
+        from lightning_memplan.planning.offload import offload_fallback
+
+        def make_search(offload_train: TrainSpec, offload_allow: Allow, per_rank: int) -> _Search:
+            return _Search(model, offload_train, hardware, offload_allow, global_batch, float(headroom), explicit,
+                           calibration, top_k, expandable_segments=expandable_segments, host_budget=per_rank)
+
+        fallback = offload_fallback(search, host_memory_budget=host_budget, make_search=make_search)
+        candidates = list(fallback.candidates)
+        host_budget_used = fallback.host_budget
+        notes += list(fallback.notes)
     if candidates:
         chosen, fits, shortfall = candidates[0], True, 0
     else:
@@ -162,7 +185,7 @@ def plan(
         candidates=tuple(candidates), rejected=tuple(found["rejected"]), fits=fits, budget=chosen.budget,
         shortfall_bytes=max(0, shortfall), suggestions=suggestions, model=model, base_train=train,
         hardware=hardware, global_batch=global_batch, headroom=float(headroom), stats=stats, notes=tuple(notes),
-        expandable_segments=expandable_segments,
+        expandable_segments=expandable_segments, host_budget_bytes=host_budget_used if chosen.estimate.host else None,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.offload import host_need_bytes
 from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
@@ -64,8 +65,11 @@ class _Search:
 
     def __init__(self, model, train, hardware, allow, global_batch, headroom, explicit_budget, calibration, top_k,
                  *, margin: float = SIMPLICITY_MARGIN, share: _Search | None = None,
-                 expandable_segments: bool = False, min_axes: int = 0, cutoff: float = math.inf) -> None:
+                 expandable_segments: bool = False, min_axes: int = 0, cutoff: float = math.inf,
+                 host_budget: int | None = None) -> None:
         self.model, self.train, self.hardware = model, train, hardware
+        # host bytes one rank may hold (planning/offload.py): checked only where the train offloads
+        self.host_budget = host_budget
         self.margin = margin
         # search only layouts with at least ``min_axes`` parallel dimensions (tp, pp, cp) and only
         # scores below ``cutoff`` (known.fastest_plan_note: what can beat the choice without the margin)
@@ -162,8 +166,17 @@ class _Search:
         return need
 
     def fits(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> bool:
-        """The fit test: the modelled reserved peak (allocated on CPU) <= the plan's budget."""
+        """The fit test: the modelled reserved peak (allocated on CPU) <= the plan's budget, and, for a
+        search with a host budget (offloading, ``planning/offload.py``), the rank's host need within it."""
+        return self.device_fits(plan, train, est) and self.host_fits(est)
+
+    def device_fits(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> bool:
+        """The device half of :meth:`fits`."""
         return self.need(plan, train, est).reserved <= self.budget(plan).budget
+
+    def host_fits(self, est: MemoryEstimate) -> bool:
+        """Whether ``est``'s host need (pinned blocks at their rounding bound) fits the host budget."""
+        return self.host_budget is None or not est.host or host_need_bytes(est) <= self.host_budget
 
     def ratio(self, plan: ParallelPlan, train: TrainSpec, est: MemoryEstimate) -> float:
         """Need / budget (the closest miss has the smallest)."""
@@ -173,6 +186,9 @@ class _Search:
                     need: ReservedEstimate | None = None) -> str:
         largest = est.largest_component()
         need = need if need is not None else self.need(plan, train, est)
+        if self.device_fits(plan, train, est) and not self.host_fits(est):
+            return (f"stage {est.stage} fits the device ({need_text(need)}) but needs {readable_bytes(host_need_bytes(est))} "
+                    f"of host memory > {readable_bytes(self.host_budget or 0)} host budget per rank")
         return (
             f"stage {est.stage} needs {need_text(need)} > "
             f"{readable_bytes(self.budget(plan).budget)} budget "

@@ -25,6 +25,7 @@ from lightning_memplan.validation import divisors as _divisors
 __all__ = [
     "ALLOW_NAMES",
     "MAX_MICRO_BATCH",
+    "OFFLOAD_CHOICES",
     "MAX_VIRTUAL_STAGES",
     "Allow",
     "LayoutChoice",
@@ -36,6 +37,11 @@ __all__ = [
 MAX_MICRO_BATCH = 64
 #: Largest number of model chunks per pipeline rank tried for the interleaved schedule.
 MAX_VIRTUAL_STAGES = 8
+
+#: Offloads to host memory the planner may use when nothing fits on the devices (``Allow.offload``;
+#: ``planning/offload.py``): FSDP2's CPUOffloadPolicy (``"params"``), activation offloading
+#: (``"activations"``), both, or none.
+OFFLOAD_CHOICES = ("none", "activations", "params", "params+activations")
 
 #: Names accepted by the sequence form of ``allow`` and what each permits.
 ALLOW_NAMES: dict[str, str] = {
@@ -113,6 +119,8 @@ class Allow:
         loss: allowed loss modes; ``None`` = the user's mode, ``"chunked"`` and ``"vocab_parallel"``.
         micro_batch: allowed micro-batch sizes; ``None`` = the user's value and powers of two up to
             :data:`MAX_MICRO_BATCH` that divide the per-replica batch.
+        offload: offloads to host memory tried, in this order, only when no layout fits on the devices
+            (:data:`OFFLOAD_CHOICES`; ``("none",)`` never offloads; the sequence form keeps them all).
     """
 
     dp: tuple[int, ...] | None = None
@@ -126,6 +134,7 @@ class Allow:
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     loss: tuple[str, ...] | None = None
     micro_batch: tuple[int, ...] | None = None
+    offload: tuple[str, ...] = OFFLOAD_CHOICES
 
     @classmethod
     def parse(cls, allow: Any) -> Allow:
@@ -187,6 +196,8 @@ class Allow:
                 kwargs[key] = _tuple(key, value, str, RECOMPUTE_MODES)
             elif key == "loss":
                 kwargs[key] = _tuple(key, value, str, LOSS_MODES)
+            elif key == "offload":
+                kwargs[key] = _tuple(key, value, str, OFFLOAD_CHOICES)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -641,7 +641,9 @@ class MemoryReport:
 
     Attributes:
         run: what the estimate assumed: ``model_spec``, ``train_spec``, ``plan`` (their ``to_dict``),
-            ``estimate_source`` (``"calibrated"`` or ``"analytic"``), ``world_size``, ``accelerator``.
+            ``estimate_source`` (``"calibrated"``: a traced step of the run's own module; ``"traced"``:
+            the coefficients that came with the ModelSpec, e.g. a Hugging Face config's class; ``"analytic"``;
+            ``"none"``), ``world_size``, ``accelerator``.
         notes: what could not be inferred or measured, and which argument supplies it.
         epochs: one :class:`EpochReport` per finished epoch, in ``(run, epoch)`` order.
         incidents: exceptions recorded by ``on_exception``.

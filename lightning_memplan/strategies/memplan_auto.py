@@ -243,15 +243,19 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
                 "memplan_auto found modules wrapped with FSDP1 (FullyShardedDataParallel); it applies FSDP2 "
                 "(fully_shard) itself, remove the wrapping"
             )
-        _materialize_distributed_module(self.model, self.root_device)
+        # FSDP2's CPUOffloadPolicy keeps every parameter (all are in units) and the optimizer states on the
+        # CPU: moving them to the device is refused at the first forward (_validate_cpu_offload_params)
+        on_host = self.resolution.offload == "params"
+        _materialize_distributed_module(self.model, torch.device("cpu") if on_host else self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not on_host:
+            self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_planned_optimizer()
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._publish(trainer)
 
@@ -268,7 +272,7 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
     def _apply(self, lm: torch.nn.Module) -> None:
         assert self.resolution is not None
         applied = apply_resolution(lm, self.resolution, self.device_mesh, self.root_device, warn=rank_zero_warn)
-        self._layout, self._pipeline = applied.layout, applied.pipeline
+        self._layout, self._pipeline, self.plain_module = applied.layout, applied.pipeline, applied.plain
         for note in applied.notes:
             rank_zero_info(f"memplan_auto: {note}")
 

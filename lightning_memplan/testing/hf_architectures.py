@@ -149,6 +149,26 @@ def loss_of(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
+class _NoHook:
+    """A removable handle that removes nothing (a frozen parameter gets no gradient hook)."""
+
+    def remove(self) -> None:
+        return None
+
+
+def _skip_frozen_grad_hooks(tracker: Any, model: Any) -> None:
+    """Keep MemTracker from hooking the gradients of frozen parameters (peft LoRA's base weights):
+    ``Tensor.register_hook`` raises on a tensor that does not require grad, and MemTracker hooks every
+    parameter of a module it enters (``_track_module_params_and_buffers``, torch 2.13). A frozen parameter
+    is marked as already hooked; its storage is still tracked as a parameter."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if handles is None:
+        return
+    for param in model.parameters():
+        if not param.requires_grad:
+            handles[param] = (_NoHook(), _NoHook())
+
+
 def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) -> int:
     """Peak bytes of one steady-state CPU training step (Lightning's order), measured by MemTracker."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -166,6 +186,7 @@ def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) 
             param.grad = torch.zeros_like(param)
     opt.step()
     tracker = MemTracker()
+    _skip_frozen_grad_hooks(tracker, model)
     tracker.track_external(model, opt)
     with tracker:
         inputs = {k: v.clone() for k, v in batch.items()}  # the batch is live during the step

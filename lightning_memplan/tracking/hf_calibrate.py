@@ -16,11 +16,20 @@ implements only CUDA's bf16 checks, so a fake CPU trace fails where the real CPU
 the trace a fake kernel for fp32/fp16 CPU ``_grouped_mm`` is registered (:func:`fake_cpu_grouped_mm`:
 same output shape, dtype and strides as the CPU kernel; removed afterwards), so routed experts are
 traced without allocating.
+
+LoRA (``ModelSpec.with_lora``): each copy gets peft's own LoRA layers on the named modules
+(:func:`with_lora_adapter`, ``peft.inject_adapter_in_model``: the model class stays what it is, its base
+weights frozen as ``get_peft_model`` freezes them), so the trace measures what a LoRA step saves --
+frozen linears keep no input, ``lora_A`` keeps the input it shares with the base layer, ``lora_B`` the
+``[b*s, r]`` down-projection, GPT-2's ``Conv1D`` is wrapped with ``fan_in_fan_out`` -- instead of full
+fine-tuning's (``lightning_memplan.model.lora``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,8 +46,10 @@ __all__ = [
     "PROBE_SHAPE",
     "PROBE_TOLERANCE",
     "length_steps",
+    "peft_available",
     "sdpa_keeps_scores",
     "trace_depths",
+    "with_lora_adapter",
 ]
 
 # Config keys of attention-probability dropout: CPU SDPA with dropout runs the math path, which saves the
@@ -76,6 +87,41 @@ def fake_cpu_grouped_mm() -> Iterator[None]:
         yield
     finally:
         fake_impls.op_implementations_checks.remove(entry)
+
+
+@functools.lru_cache(maxsize=1)
+def peft_available() -> bool:
+    """Whether ``peft`` is installed (``pip install peft``): a LoRA adapter is traced with its layers."""
+    return importlib.util.find_spec("peft") is not None
+
+
+def with_lora_adapter(model: Any, lora: Mapping[str, Any]) -> Any:
+    """``model`` with peft's LoRA layers injected on ``lora["target_modules"]`` (``r``, ``lora_dropout``
+    as :func:`~lightning_memplan.model.lora.lora_adapter` gives them) and only the adapters trainable.
+
+    ``peft.inject_adapter_in_model`` builds the layers ``get_peft_model`` builds (``LoraModel``, which also
+    freezes every base parameter and sets ``fan_in_fan_out`` for GPT-2's ``Conv1D``) and leaves the model's
+    class as it is, so the traced step runs the forward a ``PeftModel`` runs around it.
+
+    Raises:
+        ValueError: peft is not installed, or no module of the model has one of the names (peft's own
+            message, with the fix).
+    """
+    if not peft_available():
+        raise ValueError("a LoRA adapter is traced with peft's layers; pip install peft (or drop with_lora)")
+    import peft
+
+    config = peft.LoraConfig(r=int(lora["r"]), target_modules=list(lora["target_modules"]),
+                             lora_dropout=float(lora.get("lora_dropout", 0.0)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "fan_in_fan_out is set to False but the target module is Conv1D"
+            return peft.inject_adapter_in_model(config, model)
+    except ValueError as exc:
+        raise ValueError(
+            f"LoRA target_modules={list(lora['target_modules'])!r} on {type(model).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}; pass with_lora(targets=...) names this model's linears have"
+        ) from exc
 
 
 def _head_dims(cfg: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -195,10 +241,20 @@ def length_steps(cfg: Mapping[str, Any]) -> list[int]:
     return sorted(found)
 
 
-def _stacks(cfg: Mapping[str, Any], t0: TracedStep) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Any]:
+def _stacks(cfg: Mapping[str, Any], t0: TracedStep,
+            lora: Mapping[str, Any] | None = None) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Any]:
     """``([(name, model, blocks)], plan)``: the copies to trace. Blocks all alike: the depth-1 and depth-2
     copies ``"1"``, ``"2"``. Mixed: ``"1"`` = [first block], ``"2"`` = [first, first] and, for every other
-    kind ``k``, ``"k<k>"`` = [first block, first block of kind k] (model/hf_build.py ``build_stack``)."""
+    kind ``k``, ``"k<k>"`` = [first block, first block of kind k] (model/hf_build.py ``build_stack``).
+    With ``lora`` every copy carries the adapter (:func:`with_lora_adapter`)."""
+    copies, plan = _plain_stacks(cfg, t0)
+    if lora is None:
+        return copies, plan
+    return [(name, with_lora_adapter(model, lora), blocks) for name, model, blocks in copies], plan
+
+
+def _plain_stacks(cfg: Mapping[str, Any], t0: TracedStep) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Any]:
+    """:func:`_stacks` without an adapter."""
     from lightning_memplan.model.hf_build import build_reduced, build_stack, full_model, layer_plan
 
     try:
@@ -217,7 +273,8 @@ def _stacks(cfg: Mapping[str, Any], t0: TracedStep) -> tuple[list[tuple[str, Any
 
 
 def trace_depths(
-    cfg: Mapping[str, Any], t0: TracedStep, *, seq_len: int | None = None, micro_batch: int | None = None
+    cfg: Mapping[str, Any], t0: TracedStep, *, seq_len: int | None = None, micro_batch: int | None = None,
+    lora: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Calibrations and parameter counts of the traced copies of ``cfg`` (a JSON-ready cache entry).
 
@@ -233,6 +290,9 @@ def trace_depths(
     Blocks of more than one kind (model/hf_build.py ``layer_plan``) give one traced copy per kind
     (``"kinds"``: each with the count the config has), so every kind is counted as often as it occurs.
 
+    ``lora``: peft ``LoraConfig`` keywords (``r``, ``target_modules``, ``lora_dropout``); every copy is
+    traced with that adapter (:func:`with_lora_adapter`), its ``"n_trainable"`` the adapter's count.
+
     Raises:
         ValueError: the copy cannot be built, or its fake step fails (names the class and what to do).
     """
@@ -247,7 +307,7 @@ def trace_depths(
     out: dict[str, Any] = {"depths": {}}
     probe_error = 0.0
     try:
-        copies, plan = _stacks(cfg, t0)
+        copies, plan = _stacks(cfg, t0, lora)
         for name, model, blocks in copies:
             input_fn, vision = input_fn_for(model, cfg)
             in_use = getattr(model.config, "_attn_implementation", t0.attention) or t0.attention

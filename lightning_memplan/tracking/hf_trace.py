@@ -41,15 +41,17 @@ import functools
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 from lightning_memplan.model.estimate import _estimate_stage
 from lightning_memplan.model.hf_build import canonical_config_json, model_class, vision_tokens
+from lightning_memplan.model.lora import lora_adapter
 from lightning_memplan.model.result import MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.model.traced import DepthTraces, TracedStep, traced_estimate
 from lightning_memplan.tracking.hf_cache import CACHE_ENV, cached, clear_cache, entry_key
-from lightning_memplan.tracking.hf_calibrate import TRACE_SHAPES, trace_depths
+from lightning_memplan.tracking.hf_calibrate import TRACE_SHAPES, peft_available, trace_depths
 
 __all__ = [
     "CACHE_ENV",
@@ -88,9 +90,31 @@ def _cuda_ok() -> bool:
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for the same (config, T0) under every plan
-def _entry(config_json: str, t0: TrainSpec) -> tuple[str, TracedStep]:
+def _entry(config_json: str, t0: TrainSpec, adapter_json: str | None) -> tuple[str, TracedStep, str]:
+    """``(cache key, traced step, the step's key part)``; a LoRA adapter (its peft keywords as JSON) is
+    part of what is traced, so of the key."""
     step = TracedStep.of(t0)
-    return entry_key(config_json, step.to_json()), step
+    knobs = step.to_json() + (f"\nlora={adapter_json}" if adapter_json is not None else "")
+    return entry_key(config_json, knobs), step, knobs
+
+
+def _adapter_json(model: ModelSpec) -> str | None:
+    """The spec's LoRA adapter as sorted JSON (``None`` without one). Without peft installed the adapter
+    cannot be traced: the base model is, with a warning (its frozen linears then keep full fine-tuning's
+    saved inputs, a few percent high)."""
+    adapter = lora_adapter(model)
+    if adapter is None:
+        return None
+    if not peft_available():
+        warnings.warn(
+            "the spec carries a LoRA adapter (with_lora) but peft is not installed, so the config-only estimate "
+            "traces the model without it: frozen layers are counted with full fine-tuning's saved inputs (a few "
+            "percent high); pip install peft",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    return json.dumps(adapter, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -118,8 +142,10 @@ class HFTraceSource:
         config_json = model.hf_config
         if config_json is None:
             return None
-        key, step = _entry(config_json, t0)
-        fitted = cached(key, lambda: trace_depths(json.loads(config_json), step), DepthTraces.from_entry)
+        adapter_json = _adapter_json(model)
+        lora = json.loads(adapter_json) if adapter_json is not None else None
+        key, step, knobs = _entry(config_json, t0, adapter_json)
+        fitted = cached(key, lambda: trace_depths(json.loads(config_json), step, lora=lora), DepthTraces.from_entry)
         if fitted.untrusted_at(t0.micro_batch, t0.seq_len) is None:
             return fitted
         # The fit cannot be trusted at this shape (DepthTraces.untrusted_at says why): trace at the
@@ -127,8 +153,8 @@ class HFTraceSource:
         # (b, s) for b > 2, so the answer is exact at the (b, s) asked for.
         s, b = t0.seq_len, t0.micro_batch
         wide = b if b > 2 else None
-        at_s = entry_key(config_json, f"{step.to_json()}\nseq_len={s}" + (f"\nmicro_batch={b}" if wide else ""))
-        return cached(at_s, lambda: trace_depths(json.loads(config_json), step, seq_len=s, micro_batch=wide),
+        at_s = entry_key(config_json, f"{knobs}\nseq_len={s}" + (f"\nmicro_batch={b}" if wide else ""))
+        return cached(at_s, lambda: trace_depths(json.loads(config_json), step, seq_len=s, micro_batch=wide, lora=lora),
                       DepthTraces.from_entry)
 
 

@@ -266,6 +266,23 @@ class TensorTracker(TorchDispatchMode):
             for value in obj:
                 self.track(value, component)
 
+    def hold(self, nbytes: int, component: str = "comm") -> None:
+        """Count ``nbytes`` as live in ``component`` from now until the tracker stops: storages no tensor
+        reachable from Python holds (DDP's gradient buckets, which its C++ ``Reducer`` owns), registered by
+        size because :meth:`track` cannot reach them.
+
+        Raises:
+            ValueError: an unknown component or a negative size.
+        """
+        if component not in COMPONENTS:
+            raise ValueError(f"component={component!r} must be one of {COMPONENTS}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes={nbytes!r} must be a non-negative int of bytes")
+        self._cur[component] += nbytes
+        self._total += nbytes
+        if self._active:
+            self._check_peak(self._effective_phase())
+
     def report(self) -> TrackerReport:
         """Bytes per component at the overall peak and at each phase's peak so far."""
         for opt in self.optimizers:

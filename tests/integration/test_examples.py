@@ -76,9 +76,9 @@ def test_hf_llama_example_trains_and_writes_the_report(tmp_path):
 @pytest.mark.distributed
 def test_gpt_example_on_two_processes_reports_both_ranks_within_tolerance(tmp_path):
     """The main job's ``--devices 2`` flag: memplan_auto plans plain data parallelism (FSDP2 replication),
-    the callback skips the fake-tensor calibration of the already sharded module and says so, and each
-    rank's measured peak stays within the callback's default 10 % of the analytic estimate (measured
-    here: 0.995 at the default sizes)."""
+    the callback calibrates with a fake-tensor trace of the copy memplan_auto kept from before it sharded
+    the module (``strategy.plain_module``), and each rank's measured peak stays within the callback's
+    default 10 % of that estimate."""
     out = _run(
         "examples/gpt/train.py", tmp_path,
         "--devices", "2", "--epochs", "1", "--steps-per-epoch", "4", "--corpus-chars", "200000",
@@ -87,7 +87,7 @@ def test_gpt_example_on_two_processes_reports_both_ranks_within_tolerance(tmp_pa
     assert "final train loss" in out and "memory report files" in out
     report = _report(tmp_path)
     assert report["run"]["plan"]["dp"] == 2
-    assert any(n.startswith("calibration skipped: the LightningModule is already parallelised") for n in report["notes"])
+    assert report["run"]["estimate_source"] == "calibrated", report["notes"]
     ranks = report["epochs"][0]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
@@ -140,8 +140,8 @@ def test_fabric_example_on_two_processes_reports_both_ranks(tmp_path, strategy):
     ranks = report["epochs"][0]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["measured_peak"] and r["estimated_peak"] for r in ranks)
-    # memplan_auto (FSDP2 replication, dp_replicate=2 x dp_shard=1) is estimated analytically (the module
-    # is sharded before the monitor sees it): measured/estimated 1.000 on both ranks; ddp is calibrated
+    # memplan_auto (FSDP2 replication, dp_replicate=2 x dp_shard=1) is calibrated through the copy the
+    # strategy kept before sharding the module (plain_module): measured/estimated 1.000 on both ranks
     tolerance = 0.05 if strategy == "memplan_auto" else 0.10
     for r in ranks:
         assert abs(r["measured_to_estimated"] - 1) <= tolerance, r

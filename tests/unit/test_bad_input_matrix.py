@@ -216,6 +216,7 @@ for name, ok in (("n_kv_heads", 2), ("head_dim", 16), ("ffn_hidden", 256), ("max
     add(name, "int", ok, optional=True)
 add("n_trainable_params", "int", 1000, optional=True)  # 2**80 exceeds the model's parameters: refused by name
 add("extra_layer_params", "int", 8)
+add("buffer_bytes", "int", 4096)
 add("dropout", "float", 0.5, int_ok=0, huge=REFUSED)
 for name in ("bias", "tied_embeddings", "qkv_fused", "qkv_bias"):
     add(name, "bool", True)
@@ -351,6 +352,7 @@ def _monitor_options(add: Callable[..., None]) -> None:
     add("track_tensors", "bool", True, optional=True)
     add("write_files", "bool", False)
     add("print_report", "bool", False)
+    add("generate_tokens", "int", 64, huge=REFUSED)
 
 
 _monitor_options(field_of("MemoryPlanCallback", MemoryPlanCallback))

@@ -194,3 +194,24 @@ def test_bad_input_raises() -> None:
         tracker.track(torch.ones(1), "misc")
     with tracker, pytest.raises(RuntimeError, match="already active"):
         tracker.__enter__()
+
+
+def test_held_bytes_count_in_every_phase_as_their_component() -> None:
+    """``hold`` (DDP's C++-owned gradient buckets, which no Python tensor reaches): the worked linear step
+    above plus a held 1,000-byte comm buffer, in every phase and at the peak."""
+    lin, opt, x = _linear_setup()
+    tracker = TensorTracker(lin, opt)
+    tracker.hold(1000, "comm")  # before entry, as the callback registers it
+    with tracker:
+        tracker.track(x, "other")
+        for _ in range(2):
+            tracker.reset_peaks()
+            run_training_step(lin, x, _sum_loss, opt, on_phase=tracker.set_phase)
+    report = tracker.report()
+    assert {phase: comps["comm"] for phase, comps in report.by_phase.items()} == dict.fromkeys(report.by_phase, 1000)
+    assert report.total == 1356 + 1000 and report.peak["comm"] == 1000
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="nbytes"):
+            tracker.hold(bad)
+    with pytest.raises(ValueError, match="component"):
+        tracker.hold(8, "buckets")
