@@ -19,9 +19,11 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_memplan.model.reserved import ReservedMargin
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.parallel.infer import batch_shape, infer_model_spec, infer_plan, infer_train_spec
-from lightning_memplan.planning.fit import LargestFit, largest_fit
+from lightning_memplan.planning.budget import caching_allocator_applies
+from lightning_memplan.planning.fit import LargestFit, check_reserved_margin, largest_fit
 from lightning_memplan.validation import check_number, check_optional_int, check_str
 
 __all__ = ["MemoryPlanBatchSizeFinder"]
@@ -37,8 +39,8 @@ class MemoryPlanBatchSizeFinder(Callback):
     :class:`ParallelPlan` (the running strategy: one device, DDP, FSDP, ``ModelParallelStrategy``,
     memplan_auto) the way :class:`~lightning_memplan.callbacks.MemoryPlanCallback` does, searches the
     largest micro-batch with :func:`~lightning_memplan.planning.fit.largest_fit` (the planner's fit test:
-    modelled reserved bytes on CUDA, allocated bytes on CPU, against ``memory_budget`` or the device's
-    memory less ``headroom``), and sets ``batch_arg_name`` with Lightning's ``lightning_setattr`` (the
+    reserved bytes on CUDA, allocated bytes on CPU, against ``memory_budget`` or the device's memory less
+    ``headroom``), and sets ``batch_arg_name`` with Lightning's ``lightning_setattr`` (the
     module, its ``hparams`` and the DataModule, as Lightning's ``BatchSizeFinder``). Every rank sets rank
     0's answer (broadcast). Under pipeline parallelism the dataloader batch is ``b * microbatches``.
 
@@ -46,7 +48,21 @@ class MemoryPlanBatchSizeFinder(Callback):
     ``example_input_array`` or one batch drawn from a fresh training dataloader (no step runs on it).
     No batch is traced: the estimate is the analytic one (or the Hugging Face class's traced terms).
 
-    **Logged**: ``rank_zero_info`` says the value and the binding phase and component; rank 0 logs
+    **Reserved margin on CUDA** (what the caching allocator holds beyond the allocated bytes), in this
+    order: ``reserved_margin=`` when given ("given"); else the margin a
+    :class:`~lightning_memplan.callbacks.MemoryPlanCallback` in ``trainer.callbacks`` measured, when its
+    report holds CUDA training steps: a fit resumed from a checkpoint restores the callback's state before
+    ``on_fit_start`` ("measured in the restored run"; :attr:`MemoryPlanCallback.reserved_margin`,
+    :func:`~lightning_memplan.report.margin.measured_reserved_margin`), unless that run had the other
+    ``expandable_segments`` setting; else the memory model's (``model.reserved``, with this process's
+    ``expandable_segments`` from ``PYTORCH_ALLOC_CONF``: "modelled"). A measured margin is carried to each
+    candidate batch by the estimate's batch-dependent bytes
+    (:class:`~lightning_memplan.model.reserved.ReservedMargin`). FSDP, DeepSpeed and
+    ``ModelParallelStrategy`` (memplan_auto) restore callback state only after ``on_fit_start``: there
+    pass ``reserved_margin=`` (e.g. ``2 * 2**30``, the "reserved - allocated" line of the run's report).
+
+    **Logged**: ``rank_zero_info`` says the value, the binding phase and component, and which reserved
+    margin was used (``reserved margin: given | measured in the restored run | modelled``); rank 0 logs
     ``memplan/max_micro_batch`` and ``memplan/batch_size`` to ``trainer.loggers`` (step 0).
 
     Args:
@@ -57,6 +73,10 @@ class MemoryPlanBatchSizeFinder(Callback):
         seq_len: the sequence length to size the batch for (see above).
         max_batch_size: largest batch size to set (default: the search bound, 2**20).
         model_spec, train_spec, plan: explicit specs for what cannot be inferred.
+        reserved_margin: the caching allocator's margin on CUDA: a
+            :class:`~lightning_memplan.model.reserved.ReservedMargin` (``MemoryPlanCallback.reserved_margin``
+            of an earlier run) or an int of bytes added at every batch size; ``None``: a restored
+            ``MemoryPlanCallback``'s measurement, else the modelled margin (see above).
 
     Raises:
         ValueError / TypeError: an argument of the wrong value or type (at construction).
@@ -65,7 +85,10 @@ class MemoryPlanBatchSizeFinder(Callback):
 
     Attributes:
         optimal_batch_size: the batch size set (``None`` before a fit).
-        fit_result: the :class:`~lightning_memplan.planning.fit.LargestFit` behind it.
+        fit_result: the :class:`~lightning_memplan.planning.fit.LargestFit` behind it (its
+            ``reserved_margin``: the measured or given margin used, ``None`` for the modelled one).
+        margin_source: which reserved margin the search used (``"given"``, ``"measured in the restored
+            run"``, ``"measured in an earlier fit"``, ``"modelled"``, or ``"none (...)"`` off CUDA).
 
     Example::
 
@@ -85,6 +108,7 @@ class MemoryPlanBatchSizeFinder(Callback):
         model_spec: ModelSpec | None = None,
         train_spec: TrainSpec | None = None,
         plan: ParallelPlan | None = None,
+        reserved_margin: ReservedMargin | int | None = None,
     ) -> None:
         if memory_budget is not None:
             memory_budget = int(check_number("memory_budget", memory_budget, minimum=1.0,
@@ -103,8 +127,12 @@ class MemoryPlanBatchSizeFinder(Callback):
             if value is not None and not isinstance(value, cls):
                 raise TypeError(f"{arg}={value!r:.200} must be a {cls.__name__} or None")
         self.model_spec, self.train_spec, self.plan = model_spec, train_spec, plan
+        margin = check_reserved_margin(reserved_margin)  # a ReservedMargin kept as given, bytes as a plain int
+        self.reserved_margin: ReservedMargin | int | None = (
+            margin if margin is None or isinstance(reserved_margin, ReservedMargin) else margin.overhead)
         self.optimal_batch_size: int | None = None
         self.fit_result: LargestFit | None = None
+        self.margin_source: str | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -131,7 +159,8 @@ class MemoryPlanBatchSizeFinder(Callback):
             from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
 
             _reset_dataloaders(trainer)  # Lightning's own finder reloads the same way
-        rank_zero_info(f"MemoryPlanBatchSizeFinder: {self.batch_arg_name}={size} ({found.describe()})")
+        rank_zero_info(f"MemoryPlanBatchSizeFinder: {self.batch_arg_name}={size} ({found.describe()}; "
+                       f"reserved margin: {self.margin_source})")
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
                 logger.log_metrics({"memplan/max_micro_batch": float(found.value), "memplan/batch_size": float(size)},
@@ -156,10 +185,37 @@ class MemoryPlanBatchSizeFinder(Callback):
             hardware = HardwareSpec.detect(device=root.index if root.type == "cuda" else None)
         from lightning_memplan.parallel.planner_bridge import expandable_segments_enabled
 
+        expandable = expandable_segments_enabled()
+        if caching_allocator_applies(hardware, train):
+            margin, self.margin_source = self._margin(trainer, expandable)
+        else:
+            margin, self.margin_source = None, f"none (a {train.device} step has no caching allocator: allocated bytes)"
         found = largest_fit(model, train, plan, axis="micro_batch", memory_budget=self.memory_budget,
-                            hardware=hardware, headroom=self.headroom,
-                            expandable_segments=expandable_segments_enabled())
+                            hardware=hardware, headroom=self.headroom, expandable_segments=expandable,
+                            reserved_margin=margin)
         return found, plan
+
+    def _margin(self, trainer: Trainer, expandable: bool) -> tuple[ReservedMargin | int | None, str]:
+        """The reserved margin on CUDA and where it came from (the class docstring's order)."""
+        if self.reserved_margin is not None:
+            shown = self.reserved_margin if isinstance(self.reserved_margin, ReservedMargin) \
+                else ReservedMargin(overhead=self.reserved_margin)
+            return self.reserved_margin, f"given, {shown.describe()}"
+        from lightning_memplan.callbacks.memory_plan import MemoryPlanCallback
+
+        monitor = next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, MemoryPlanCallback)), None)
+        measured = monitor.reserved_margin if monitor is not None else None
+        if measured is None:
+            if monitor is not None and trainer.strategy.restore_checkpoint_after_setup:
+                return None, (f"modelled (MemoryPlanCallback holds no CUDA steps at fit start, and "
+                              f"{type(trainer.strategy).__name__} restores a checkpoint's callback state only after "
+                              "it; pass MemoryPlanBatchSizeFinder(reserved_margin=...) to use a measured margin)")
+            return None, "modelled"
+        if measured.expandable_segments is not None and measured.expandable_segments != expandable:
+            return None, (f"modelled (the measured run had expandable_segments={measured.expandable_segments}, "
+                          f"this one {expandable})")
+        where = "measured in the restored run" if trainer.ckpt_path is not None else "measured in an earlier fit"
+        return measured, f"{where}, {measured.describe()}"
 
     def _sequence_length(self, trainer: Trainer, pl_module: LightningModule) -> int:
         if self.seq_len is not None:

@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memplan.model.reserved import ReservedMargin
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring import emit
@@ -186,6 +187,16 @@ class MemoryPlanCallback(Callback):
     @report.setter
     def report(self, value: MemoryReport) -> None:
         self._session.report = value
+
+    @property
+    def reserved_margin(self) -> ReservedMargin | None:
+        """The CUDA caching allocator's measured margin (reserved - allocated bytes at the worst rank's
+        allocated peak) of the report's latest run, the epoch under way included, for
+        ``MemoryPlanBatchSizeFinder(reserved_margin=...)`` or ``max_micro_batch(..., reserved_margin=...)``
+        (:func:`~lightning_memplan.report.margin.measured_reserved_margin`); ``None`` without CUDA training
+        steps. The epoch report shows it as "reserved - allocated"."""
+        self.report  # noqa: B018 - a spawned fit's report comes back through the property
+        return self._session.reserved_margin()
 
     @property
     def _spec(self) -> ModelSpec | None:

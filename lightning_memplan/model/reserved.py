@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_memplan.model import terms
-from lightning_memplan.model.result import MemoryEstimate
+from lightning_memplan.model.result import DYNAMIC_COMPONENTS, MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.validation import check_int
 
 __all__ = [
     "K_LARGE_BUFFER",
@@ -56,6 +58,8 @@ __all__ = [
     "K_SMALL_BUFFER",
     "K_SMALL_SIZE",
     "ReservedEstimate",
+    "ReservedMargin",
+    "batch_dependent_bytes",
     "default_stream_peak_bytes",
     "fsdp_stream_pool_bytes",
     "loss_segment_bytes",
@@ -169,9 +173,12 @@ def default_stream_peak_bytes(plan: ParallelPlan, estimate: MemoryEstimate, pool
 class ReservedEstimate:
     """Predicted peak reserved bytes of one rank and its terms (all integer bytes).
 
-    ``reserved = default_stream_peak + all_gather_pool + reduce_scatter_pool + loss_segment + rounding``
-    (the communication buffers and sharded gradients the allocated estimate counts live in FSDP2's
-    side-stream pools, so the default stream's own peak is added to the pools' peaks).
+    ``reserved = default_stream_peak + all_gather_pool + reduce_scatter_pool + loss_segment + rounding
+    + measured_margin`` (the communication buffers and sharded gradients the allocated estimate counts live
+    in FSDP2's side-stream pools, so the default stream's own peak is added to the pools' peaks).
+    ``measured_margin`` is 0 in the model; a need built from a :class:`ReservedMargin` (the allocator's
+    margin as a run measured it, ``planning.fit``'s ``reserved_margin=``) has it instead of the modelled
+    terms: ``default_stream_peak == allocated`` and the pools, loss segment and rounding 0.
     """
 
     allocated: int
@@ -181,11 +188,12 @@ class ReservedEstimate:
     loss_segment: int
     rounding: int
     expandable_segments: bool
+    measured_margin: int = 0
 
     @property
     def reserved(self) -> int:
         return (self.default_stream_peak + self.all_gather_pool + self.reduce_scatter_pool
-                + self.loss_segment + self.rounding)
+                + self.loss_segment + self.rounding + self.measured_margin)
 
     @property
     def overhead(self) -> int:
@@ -223,3 +231,128 @@ def reserved_memory(
         rounding=rounding,
         expandable_segments=expandable_segments,
     )
+
+
+def batch_dependent_bytes(estimate: MemoryEstimate) -> int:
+    """The estimate's batch-dependent bytes at its peak: the sum of its
+    :data:`~lightning_memplan.model.result.DYNAMIC_COMPONENTS` (activations, attention, logits, workspace,
+    other), what grows with ``b`` and ``s`` while the model states stay."""
+    return sum(getattr(estimate, name) for name in DYNAMIC_COMPONENTS)
+
+
+_MAX_BYTES = 2**63 - 1  # what the allocators count in (a signed 64-bit integer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReservedMargin:
+    """What PyTorch's CUDA caching allocator reserved beyond the allocated bytes, as a run measured it, and
+    the rule that carries it to another batch shape (``planning.fit``'s ``reserved_margin=``).
+
+    Measured (:func:`lightning_memplan.report.margin.measured_reserved_margin`): ``overhead = reserved -
+    allocated`` of the run's worst CUDA rank, both the allocator's own peak counters
+    (``max_memory_reserved``, ``max_memory_allocated``) at the shape ``micro_batch x seq_len`` it ran.
+    Given by hand (an int ``reserved_margin=``): ``overhead`` bytes at every shape (no reference shape).
+
+    Why bytes carried by the batch-dependent bytes, not a ratio of the totals. The overhead is made of
+    segments that do not depend on the batch (the model states' block rounding, FSDP2's side-stream
+    pools) and segments that grow with it (the loss's extra ``[N, V]`` segment, the rounding and split
+    blocks of the saved activations): ``overhead = c0 + c1 * D`` with ``c0, c1 >= 0``, ``D`` the
+    estimate's :func:`batch_dependent_bytes`. The margin at a candidate shape is
+
+        ``margin = overhead * max(1, D(candidate) / D(reference))`` (rounded up to a byte)
+
+    with both ``D`` estimated from the same specs (the search's own). For a larger shape (``k = D /
+    D_ref >= 1``) this is ``c0 k + c1 D >= c0 + c1 D``, never below the true overhead; at a smaller one
+    the measured bytes stay (the overhead is non-decreasing in the batch, so they bound it too). A ratio
+    ``reserved / allocated`` applied to the whole allocation would count the states' share as growing with
+    the batch, yet under-count a batch-driven overhead where large states dilute the ratio. The margin is
+    the allocator's alone: it is added to the estimate's allocated bytes, whose own error (measured /
+    estimated) is the calibration's business. With ``expandable_segments:True`` the run's allocator maps
+    pages into growing segments and the measured overhead already shows it (no loss segment, little
+    rounding); a margin measured under one setting does not describe the other (``planning.fit`` refuses
+    the mix when the margin records its setting).
+
+    Attributes:
+        overhead: reserved - allocated bytes at the reference shape (>= 0).
+        micro_batch, seq_len: the reference shape (one micro-batch, as :class:`TrainSpec` counts it);
+            both ``None`` for a fixed byte margin.
+        allocated, reserved: the measured peaks the overhead came from (``None`` when given by hand).
+        expandable_segments: the measured run's allocator setting (``None``: not recorded).
+        run, epoch, rank: where it was measured (``None`` when given by hand).
+    """
+
+    overhead: int
+    micro_batch: int | None = None
+    seq_len: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    expandable_segments: bool | None = None
+    run: int | None = None
+    epoch: int | None = None
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        fix = "use measured_reserved_margin(report) or ReservedMargin(overhead=bytes)"
+        object.__setattr__(self, "overhead", check_int("ReservedMargin.overhead", self.overhead, minimum=0,
+                                                        maximum=_MAX_BYTES, hint=fix))
+        if (self.micro_batch is None) != (self.seq_len is None):
+            raise ValueError(f"ReservedMargin(micro_batch={self.micro_batch!r}, seq_len={self.seq_len!r}): give "
+                             "both (the shape the overhead was measured at) or neither (a fixed byte margin)")
+        for name in ("micro_batch", "seq_len", "allocated", "reserved", "run", "epoch", "rank"):
+            value = getattr(self, name)
+            if value is not None:
+                low = 1 if name in ("micro_batch", "seq_len") else 0
+                object.__setattr__(self, name, check_int(f"ReservedMargin.{name}", value, minimum=low,
+                                                         maximum=_MAX_BYTES, hint=fix))
+        if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
+            raise TypeError(f"ReservedMargin.expandable_segments={self.expandable_segments!r:.80} must be a bool "
+                            "or None")
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured reserved / allocated (``None`` when given by hand or nothing was allocated)."""
+        if self.allocated is None or self.reserved is None or self.allocated <= 0:
+            return None
+        return self.reserved / self.allocated
+
+    def bytes_at(self, dynamic: int, reference_dynamic: int | None) -> int:
+        """The margin at a shape whose estimate has ``dynamic`` batch-dependent bytes, the reference shape's
+        being ``reference_dynamic`` (the class docstring's rule; ``None`` or a fixed margin: ``overhead``)."""
+        if reference_dynamic is None or self.micro_batch is None or reference_dynamic <= 0 \
+                or dynamic <= reference_dynamic:
+            return self.overhead
+        return -(-self.overhead * dynamic // reference_dynamic)
+
+    def need(self, estimate: MemoryEstimate, reference_dynamic: int | None, *,
+             expandable_segments: bool = False) -> ReservedEstimate:
+        """The device need of ``estimate`` with this margin: its allocated bytes plus :meth:`bytes_at`."""
+        total = estimate.total
+        return ReservedEstimate(
+            allocated=total, default_stream_peak=total, all_gather_pool=0, reduce_scatter_pool=0, loss_segment=0,
+            rounding=0, expandable_segments=expandable_segments,
+            measured_margin=self.bytes_at(batch_dependent_bytes(estimate), reference_dynamic),
+        )
+
+    def describe(self) -> str:
+        """``"1.2 GiB (9.5 % of 12.6 GiB allocated, at 8 x 2048, rank 0, epoch 3)"``, or ``"1.2 GiB"``."""
+        text = readable_bytes(self.overhead)
+        where = []
+        if self.ratio is not None and self.allocated is not None:
+            where.append(f"{100 * (self.ratio - 1):.1f} % of {readable_bytes(self.allocated)} allocated")
+        if self.micro_batch is not None:
+            where.append(f"at {self.micro_batch} x {self.seq_len}")
+        where += [f"{name} {getattr(self, name)}" for name in ("rank", "epoch") if getattr(self, name) is not None]
+        return f"{text} ({', '.join(where)})" if where else text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _MARGIN_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReservedMargin:
+        if not isinstance(data, dict):
+            raise TypeError(f"ReservedMargin.from_dict(data={data!r:.80}): pass what ReservedMargin.to_dict() returned")
+        return cls(**{name: data[name] for name in _MARGIN_FIELDS if name in data})
+
+
+_MARGIN_FIELDS = ("overhead", "micro_batch", "seq_len", "allocated", "reserved", "expandable_segments", "run", "epoch",
+                  "rank")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_memplan.model.reserved import ReservedMargin
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.advice import (
@@ -259,6 +260,10 @@ class MemorySession:
             )
         run_info = describe_run(run, spec, fit.train, plan, how, source, self.backend, fit.compiled)
         run_info["units"] = opts.units  # what `lightning-memplan report` re-renders in by default
+        if self.backend == "cuda":  # the allocator setting its measured reserved margin holds for (report/margin.py)
+            from lightning_memplan.parallel.planner_bridge import expandable_segments_enabled
+
+            run_info["expandable_segments"] = expandable_segments_enabled()
         self.report = replace(self.report, run=run_info)
 
     # ------------------------------------------------------------------------------------ estimates
@@ -687,6 +692,14 @@ class MemorySession:
                 self.report, directory, units=self.options.units,
                 rank_suffix=None if self.rank == 0 else self.rank, errors="warn",
             )
+
+    def reserved_margin(self) -> ReservedMargin | None:
+        """The CUDA caching allocator's margin (reserved - allocated) the report's latest run measured,
+        the epoch under way included (:func:`~lightning_memplan.report.margin.measured_reserved_margin`);
+        ``None`` without CUDA training steps."""
+        from lightning_memplan.report.margin import measured_reserved_margin
+
+        return measured_reserved_margin(self.report, in_progress=self.acc.summary() if self.acc is not None else None)
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,14 @@ Fits: the rule :func:`~lightning_memplan.planning.plan` applies to each candidat
 :func:`~lightning_memplan.planning.budget.memory_budget` (``memory * (1 - headroom) - CUDA context -
 NCCL``, or ``memory_budget=`` as given).
 
+Measured margin (``reserved_margin=``, CUDA only): the need is the estimate's allocated bytes plus the
+caching allocator's margin a run measured (:class:`~lightning_memplan.model.reserved.ReservedMargin`, from
+:func:`lightning_memplan.report.margin.measured_reserved_margin`) instead of the modelled reserved bytes:
+``need = total + overhead * max(1, D / D_ref)``, ``D`` the candidate's batch-dependent bytes and ``D_ref``
+those at the shape the margin was measured at, both estimated here from the same specs (one estimate more).
+It is non-decreasing in b and s as the rest, so the search stays exact. Where no caching allocator applies
+(a CPU step) it is ignored, as the modelled terms are.
+
 Every phase: the estimate's ``total`` is the largest of its per-phase peaks (``by_phase``: forward,
 backward, optimizer), so a fit holds in each; :attr:`LargestFit.binding_phase` names the phase whose peak
 misses first. A validation, test or predict step at the same (b, s) runs under ``no_grad``: it holds the
@@ -47,15 +55,15 @@ from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model.estimate import estimate_memory
-from lightning_memplan.model.reserved import ReservedEstimate
+from lightning_memplan.model.reserved import ReservedEstimate, ReservedMargin, batch_dependent_bytes
 from lightning_memplan.model.result import Calibration, MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import budget as rule
 from lightning_memplan.planning.budget import Budget, need_text
-from lightning_memplan.validation import check_bool, check_choice, check_number
+from lightning_memplan.validation import check_bool, check_choice, check_int, check_number
 
-__all__ = ["AXES", "MAX_MICRO_BATCH", "MAX_SEQ_LEN", "LargestFit", "largest_fit", "largest_true", "max_micro_batch",
-           "max_seq_len", "seq_len_unit"]
+__all__ = ["AXES", "MAX_MICRO_BATCH", "MAX_SEQ_LEN", "LargestFit", "check_reserved_margin", "largest_fit",
+           "largest_true", "max_micro_batch", "max_seq_len", "seq_len_unit"]
 
 #: Largest micro-batch searched (a bound that keeps the search to at most 41 estimates for any input).
 MAX_MICRO_BATCH = 2**20
@@ -79,7 +87,10 @@ class LargestFit:
         estimate, need: the worst rank's estimate and device need at ``value`` (``None`` when 0).
         miss_estimate, miss_need: at ``value + unit``, the first value that misses (``None`` when
             the bound binds).
-        evaluations: memory estimates made.
+        evaluations: memory estimates made (the search's, plus the reference shape's with a measured
+            margin).
+        reserved_margin: the measured margin the need was built from (``None``: the modelled reserved
+            bytes, or allocated bytes off CUDA).
     """
 
     axis: str
@@ -92,6 +103,7 @@ class LargestFit:
     miss_estimate: MemoryEstimate | None
     miss_need: ReservedEstimate | None
     evaluations: int
+    reserved_margin: ReservedMargin | None = None
 
     @property
     def bound_binds(self) -> bool:
@@ -116,9 +128,12 @@ class LargestFit:
         if self.miss_estimate is None or self.miss_need is None:
             return f"largest {name}: {self.value} (the search bound {self.bound}; memory does not bind)"
         shown = self.value + self.unit
+        margin = ""
+        if self.reserved_margin is not None:
+            margin = f" with a reserved margin of {readable_bytes(self.miss_need.measured_margin)}"
         return (
             f"largest {name}: {self.value}; at {shown} the {self.binding_phase} peak needs "
-            f"{need_text(self.miss_need)} > {readable_bytes(self.budget.budget)} budget (largest: "
+            f"{need_text(self.miss_need)}{margin} > {readable_bytes(self.budget.budget)} budget (largest: "
             f"{self.binding_component} {readable_bytes(getattr(self.miss_estimate, self.binding_component))})"
         )
 
@@ -132,6 +147,7 @@ class LargestFit:
             "miss_need_bytes": None if self.miss_need is None else self.miss_need.reserved,
             "miss_allocated_bytes": None if self.miss_estimate is None else self.miss_estimate.total,
             "evaluations": self.evaluations,
+            **({"reserved_margin": self.reserved_margin.to_dict()} if self.reserved_margin is not None else {}),
         }
 
 
@@ -173,6 +189,44 @@ def _check(model: Any, train: Any, plan: Any, memory_budget_: Any, hardware: Any
     return plan, budget, room, expandable
 
 
+def check_reserved_margin(value: Any, *, expandable_segments: bool | None = None,
+                          name: str = "reserved_margin") -> ReservedMargin | None:
+    """``reserved_margin=`` at the door: ``None``; a :class:`ReservedMargin`; or an int of bytes (a NumPy
+    integer or a 0-d integer tensor too), a fixed margin at every shape. A margin that records the
+    measured run's ``expandable_segments`` must match ``expandable_segments`` (when given): the two
+    allocator settings reserve differently, so one's margin does not describe the other.
+
+    Raises:
+        TypeError: neither (a float, a bool, a string, a dict). ValueError: a negative or >= 2**63 byte
+        count; a margin measured under the other ``expandable_segments`` setting.
+    """
+    if value is None:
+        return None
+    if isinstance(value, ReservedMargin):
+        margin = value
+    else:
+        try:
+            overhead = check_int(name, value, minimum=0, maximum=2**63 - 1)
+        except TypeError:
+            raise TypeError(
+                f"{name}={value!r:.120} must be a ReservedMargin (measured_reserved_margin(report), "
+                "MemoryPlanCallback.reserved_margin), an int of bytes (reserved - allocated, e.g. 2 * 2**30) or None "
+                "for the modelled reserved bytes"
+            ) from None
+        except ValueError:
+            raise ValueError(f"{name}={value!r:.120} must be a byte count in [0, 2**63), e.g. 2 * 2**30, or None "
+                             "for the modelled reserved bytes") from None
+        margin = ReservedMargin(overhead=overhead)
+    if (expandable_segments is not None and margin.expandable_segments is not None
+            and margin.expandable_segments != expandable_segments):
+        raise ValueError(
+            f"{name}={margin!r:.300} was measured with expandable_segments={margin.expandable_segments} but "
+            f"expandable_segments={expandable_segments}: the allocator reserves differently under the two settings; "
+            "measure a run with the setting you plan for, or pass reserved_margin=None for the modelled margin"
+        )
+    return margin
+
+
 def largest_fit(
     model: ModelSpec,
     train: TrainSpec,
@@ -184,6 +238,7 @@ def largest_fit(
     headroom: float = 0.1,
     expandable_segments: bool = False,
     calibration: Calibration | None = None,
+    reserved_margin: ReservedMargin | int | None = None,
 ) -> LargestFit:
     """The largest ``axis`` value (``train``'s other batch dimension kept) whose worst rank fits, with what
     binds it (module docstring: the rule, the search, the valid values).
@@ -200,14 +255,24 @@ def largest_fit(
         headroom: fraction of device memory kept free (with ``hardware`` and no ``memory_budget``).
         expandable_segments: the run sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         calibration: traced coefficients for this model (passed to ``estimate_memory``).
+        reserved_margin: on CUDA, the caching allocator's margin a run measured
+            (:class:`~lightning_memplan.model.reserved.ReservedMargin`, e.g.
+            ``measured_reserved_margin(report)``), or an int of bytes added at every shape: the need is
+            the allocated bytes plus it (module docstring) instead of the modelled reserved bytes.
+            ``None``: the modelled ones. Ignored off CUDA.
 
     Raises:
         TypeError: wrong argument types. ValueError: neither ``memory_budget`` nor ``hardware``, a
         budget < 1 byte, ``headroom`` outside [0, 1), an unknown ``axis``, a plan that cannot split this
-        model (tp not dividing the heads, pp > L).
+        model (tp not dividing the heads, pp > L), a negative ``reserved_margin`` or one measured under
+        the other ``expandable_segments`` setting.
     """
     plan, explicit, room, expandable = _check(model, train, plan, memory_budget, hardware, headroom,
                                               expandable_segments, calibration)
+    cuda = rule.caching_allocator_applies(hardware, train)
+    margin = check_reserved_margin(reserved_margin, expandable_segments=expandable if cuda else None)
+    if not cuda:
+        margin = None  # no caching allocator: the allocated bytes are the need
     axis = check_choice("axis", axis, AXES)
     budget = rule.memory_budget(hardware, plan, headroom=room, explicit=explicit)
     if axis == "micro_batch":
@@ -217,12 +282,16 @@ def largest_fit(
         cap = model.max_positions if model.max_positions is not None else MAX_SEQ_LEN
         bound = cap // unit * unit
     seen: dict[int, tuple[MemoryEstimate, ReservedEstimate, bool]] = {}
+    reference = _reference_dynamic(model, train, plan, margin, calibration)
 
     def probe(k: int) -> bool:
         value = k * unit
         shaped = train.replace(**{axis: value})
         est = estimate_memory(model, shaped, plan, calibration=calibration)  # the worst rank
-        need = rule.device_need(model, shaped, plan, est, hardware, expandable_segments=expandable)
+        if margin is not None:
+            need = margin.need(est, reference, expandable_segments=expandable)
+        else:
+            need = rule.device_need(model, shaped, plan, est, hardware, expandable_segments=expandable)
         fits = need.reserved <= budget.budget  # planning.search._Search.fits
         seen[k] = (est, need, fits)
         return fits
@@ -233,8 +302,24 @@ def largest_fit(
         axis=axis, value=k * unit, unit=unit, bound=bound, budget=budget,
         estimate=hit[0] if hit and k else None, need=hit[1] if hit and k else None,
         miss_estimate=miss[0] if miss else None, miss_need=miss[1] if miss else None,
-        evaluations=len(seen),
+        evaluations=len(seen) + (reference is not None), reserved_margin=margin,
     )
+
+
+def _reference_dynamic(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, margin: ReservedMargin | None,
+                       calibration: Calibration | None) -> int | None:
+    """The batch-dependent bytes of the estimate at the shape ``margin`` was measured at (``None`` for
+    no margin or a fixed one)."""
+    if margin is None or margin.micro_batch is None or margin.seq_len is None:
+        return None
+    try:
+        shaped = train.replace(micro_batch=margin.micro_batch, seq_len=margin.seq_len)
+        return batch_dependent_bytes(estimate_memory(model, shaped, plan, calibration=calibration))
+    except ValueError as exc:
+        raise ValueError(
+            f"reserved_margin was measured at {margin.micro_batch} x {margin.seq_len}, a shape this plan cannot "
+            f"estimate ({exc}); pass the margin of a run of this plan, an int of bytes, or None"
+        ) from None
 
 
 def largest_true(fits: Callable[[int], bool], limit: int) -> int:
@@ -270,12 +355,14 @@ def max_micro_batch(
     headroom: float = 0.1,
     expandable_segments: bool = False,
     calibration: Calibration | None = None,
+    reserved_margin: ReservedMargin | int | None = None,
 ) -> int:
     """The largest micro-batch b (at ``train.seq_len``) whose worst rank fits over every phase of the
     step; 0 when even b = 1 misses. Searched up to :data:`MAX_MICRO_BATCH`.
 
-    The fit test is the planner's (reserved bytes on CUDA, allocated elsewhere; see
-    :func:`largest_fit` for every argument and ``planning/fit.py`` for the search).
+    The fit test is the planner's (reserved bytes on CUDA, modelled or with a measured
+    ``reserved_margin``; allocated elsewhere; see :func:`largest_fit` for every argument and
+    ``planning/fit.py`` for the search).
 
     Example::
 
@@ -284,7 +371,8 @@ def max_micro_batch(
                             ParallelPlan(dp=8, zero=3), hardware=HardwareSpec.preset("h100-80gb"))
     """
     return largest_fit(model, train, plan, axis="micro_batch", memory_budget=memory_budget, hardware=hardware,
-                       headroom=headroom, expandable_segments=expandable_segments, calibration=calibration).value
+                       headroom=headroom, expandable_segments=expandable_segments, calibration=calibration,
+                       reserved_margin=reserved_margin).value
 
 
 def max_seq_len(
@@ -297,10 +385,12 @@ def max_seq_len(
     headroom: float = 0.1,
     expandable_segments: bool = False,
     calibration: Calibration | None = None,
+    reserved_margin: ReservedMargin | int | None = None,
 ) -> int:
     """The largest sequence length s (at ``train.micro_batch``) whose worst rank fits over every phase of
     the step; 0 when even the smallest valid s misses. Valid: multiples of :func:`seq_len_unit` (``2c``
     with context parallelism, ``c t`` with sequence parallelism), up to the model's ``max_positions``
     (else :data:`MAX_SEQ_LEN`). Arguments and the fit test as :func:`largest_fit`."""
     return largest_fit(model, train, plan, axis="seq_len", memory_budget=memory_budget, hardware=hardware,
-                       headroom=headroom, expandable_segments=expandable_segments, calibration=calibration).value
+                       headroom=headroom, expandable_segments=expandable_segments, calibration=calibration,
+                       reserved_margin=reserved_margin).value

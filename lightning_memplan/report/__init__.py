@@ -5,6 +5,7 @@ rendered again by ``lightning-memplan report PATH``."""
 
 from lightning_memplan.report.gather import gather_objects, gather_summaries
 from lightning_memplan.report.io import WrittenFiles, load_report, write_report
+from lightning_memplan.report.margin import measured_reserved_margin
 from lightning_memplan.report.paths import REPORT_BASENAME, report_paths
 from lightning_memplan.report.plot import matplotlib_available, render_png
 from lightning_memplan.report.records import (
@@ -36,6 +37,7 @@ __all__ = [
     "gather_summaries",
     "load_report",
     "matplotlib_available",
+    "measured_reserved_margin",
     "render_markdown",
     "render_png",
     "render_rich",

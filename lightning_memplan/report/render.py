@@ -20,6 +20,7 @@ from lightning_memplan.report.escape import (
     rich_text,
     terminal_text,
 )
+from lightning_memplan.report.margin import worst_cuda_summary
 from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary
 
 __all__ = [
@@ -179,6 +180,17 @@ def _across_line(epoch: EpochReport, units: str) -> str:
     return "; ".join(parts)
 
 
+def margin_line(epoch: EpochReport, units: str) -> str:
+    """``"reserved - allocated: 1.250 GiB (rank 1, 8.3% of its allocated peak)"``: the CUDA caching
+    allocator's measured margin at the epoch's worst rank (``report.margin``); ``""`` without CUDA ranks."""
+    worst = worst_cuda_summary(epoch.ranks)
+    if worst is None or worst.reserved is None or worst.measured_peak is None:
+        return ""
+    overhead = max(0, worst.reserved - worst.measured_peak)
+    return (f"reserved - allocated: {format_bytes(overhead, units)} (rank {worst.rank}, "
+            f"{overhead / worst.measured_peak:.1%} of its allocated peak)")
+
+
 def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = "GiB") -> Any:
     """A ``rich`` renderable (a group of two tables) for one epoch (the latest by default)."""
     from rich.console import Group
@@ -223,6 +235,9 @@ def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = 
     across = _across_line(chosen, units)
     if across:
         parts.append(Text("across ranks: " + across))
+    margin = margin_line(chosen, units)
+    if margin:
+        parts.append(Text(margin))
     for warning in chosen.warnings:  # Text is not markup: only the terminal's controls need escaping
         parts.append(Text("warning: " + terminal_text(warning), style="yellow"))
     return Group(*parts)
@@ -275,6 +290,9 @@ def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
     across = _across_line(epoch, units)
     if across:
         out += [f"Across ranks: {across}", ""]
+    margin = margin_line(epoch, units)
+    if margin:  # what MemoryPlanCallback.reserved_margin hands to MemoryPlanBatchSizeFinder(reserved_margin=)
+        out += [f"CUDA caching allocator, {margin}", ""]
     for warning in epoch.warnings:
         out.append(f"- **warning:** {markdown_text(warning)}")
     if epoch.warnings:

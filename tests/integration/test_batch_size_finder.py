@@ -175,3 +175,106 @@ def test_finder_says_when_nothing_fits(tmp_path) -> None:
     with pytest.raises(ValueError, match="not even a batch of 1 fits"):
         trainer.fit(module)
     assert module.training_steps == 0
+
+
+# ------------------------------------------------------------------------------ the reserved margin (issue 26)
+CUDA_TRAIN = TrainSpec(micro_batch=1, seq_len=SEQ, precision="32-true", optimizer="adamw", optimizer_impl="for_loop",
+                       device="cuda")  # the step compared as a CUDA one: the margin applies (no CUDA here)
+
+
+def _cuda_report():
+    """A report as MemoryPlanCallback keeps it after a CUDA run at batch 4: allocated peak 5 MiB, reserved 6.5 MiB."""
+    from lightning_memplan.report import EpochReport, MemoryReport, StepRecord, summarize_rank
+
+    records = [StepRecord(step=i, epoch=0, rank=0, micro_batch=4, seq_len=SEQ, measured_peak=5 * 2**20 - i,
+                          reserved=6 * 2**20 + 2**19, backend="cuda", measurement="cuda_allocator") for i in range(3)]
+    epoch = EpochReport(epoch=0, ranks=(summarize_rank(records, rank=0, epoch=0, backend="cuda"),))
+    return MemoryReport(run={"expandable_segments": False}, epochs=(epoch,))
+
+
+def _trainer(tmp_path, callbacks, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks,
+                     **{"max_steps": 1, "enable_checkpointing": False, **kw})
+
+
+def _expected(module, margin):
+    from lightning_memplan.planning.fit import largest_fit
+
+    spec = ModelSpec.from_module(module.model)
+    return largest_fit(spec, CUDA_TRAIN, memory_budget=BUDGET, reserved_margin=margin)
+
+
+def test_finder_uses_the_margin_a_resumed_memory_plan_callback_measured(tmp_path, caplog) -> None:
+    from lightning_memplan import MemoryPlanCallback
+    from lightning_memplan.report import measured_reserved_margin
+
+    # a checkpoint whose MemoryPlanCallback state holds the CUDA run's report (a CPU fit writes it, the
+    # report is swapped for the CUDA one: the state a CUDA run's checkpoint carries)
+    path = tmp_path / "cuda_run.ckpt"
+    checkpoint = torch.load(_save(CountingLM(batch_size=2), tmp_path, path), weights_only=False)
+    key = next(k for k in checkpoint["callbacks"] if "MemoryPlanCallback" in k)
+    checkpoint["callbacks"][key] = {**checkpoint["callbacks"][key], "report": _cuda_report().to_dict(),
+                                    "accumulator": None}
+    torch.save(checkpoint, path)
+
+    module = CountingLM()
+    monitor = MemoryPlanCallback(calibrate=False, print_report=False, write_files=False)
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET, train_spec=CUDA_TRAIN)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [finder, monitor], max_steps=2).fit(module, ckpt_path=str(path))
+    measured = measured_reserved_margin(_cuda_report())
+    assert measured is not None and measured.overhead == 3 * 2**19 and (measured.micro_batch, measured.seq_len) == (4, SEQ)
+    expected = _expected(module, measured)
+    assert finder.fit_result is not None and finder.fit_result.reserved_margin == measured
+    assert finder.optimal_batch_size == expected.value == module.batch_size
+    # the margin binds: a smaller one lets more fit, and the modelled CUDA margin (2 MiB per block tensor
+    # rounding) leaves nothing in an 8 MiB budget
+    assert 1 <= expected.value < _expected(module, 0).value and _expected(module, None).value == 0
+    assert finder.margin_source.startswith("measured in the restored run")
+    assert "reserved margin: measured in the restored run, 1.5 MiB" in caplog.text
+
+
+def _save(module, tmp_path, path):
+    """``path`` after a one-step fit of ``module`` with a MemoryPlanCallback saved a checkpoint there."""
+    from lightning_memplan import MemoryPlanCallback
+
+    trainer = _trainer(tmp_path, [MemoryPlanCallback(calibrate=False, print_report=False, write_files=False)])
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_finder_says_which_margin_it_used(tmp_path, caplog) -> None:
+    from lightning_memplan import MemoryPlanCallback
+    from lightning_memplan.report import measured_reserved_margin
+
+    # a state dict loaded into the callback before the fit (an earlier fit's, no checkpoint): measured
+    monitor = MemoryPlanCallback(calibrate=False, print_report=False, write_files=False)
+    monitor.load_state_dict({"report": _cuda_report().to_dict()})
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET, train_spec=CUDA_TRAIN)
+    module = CountingLM()
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [finder, monitor]).fit(module)
+    assert finder.margin_source.startswith("measured in an earlier fit")
+    assert module.batch_size == _expected(module, measured_reserved_margin(_cuda_report())).value
+    # given: wins over the callback's
+    caplog.clear()
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET, train_spec=CUDA_TRAIN, reserved_margin=2**20)
+    assert finder.reserved_margin == 2**20 and type(finder.reserved_margin) is int
+    module = CountingLM()
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [finder, MemoryPlanCallback(calibrate=False, print_report=False, write_files=False)]).fit(module)
+    assert module.batch_size == _expected(module, 2**20).value and "reserved margin: given, 1.0 MiB" in caplog.text
+    # no measured margin: modelled (here nothing fits an 8 MiB budget with it, so a larger one, capped)
+    finder = MemoryPlanBatchSizeFinder(memory_budget=2**30, train_spec=CUDA_TRAIN, max_batch_size=2)
+    _trainer(tmp_path, [finder]).fit(CountingLM())
+    assert finder.margin_source == "modelled" and finder.fit_result.reserved_margin is None
+    # a CPU step has no caching allocator: none is used, and the log says so
+    finder = MemoryPlanBatchSizeFinder(memory_budget=BUDGET, reserved_margin=2**20)
+    _trainer(tmp_path, [finder]).fit(CountingLM())
+    assert finder.margin_source.startswith("none (a cpu step") and finder.fit_result.reserved_margin is None
+    # bad values are refused at construction, naming the argument
+    for value, error in (("1GiB", TypeError), (-1, ValueError), (0.5, TypeError)):
+        with pytest.raises(error, match="reserved_margin="):
+            MemoryPlanBatchSizeFinder(reserved_margin=value)

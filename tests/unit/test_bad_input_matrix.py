@@ -298,6 +298,7 @@ for where, fit in (("max_micro_batch", max_micro_batch), ("max_seq_len", max_seq
     add("memory_budget", "float", 2.0**33, int_ok=2**33, optional=True, huge=ACCEPTED, stored_as=no_read)
     add("headroom", "float", 0.25, int_ok=0, huge=REFUSED, stored_as=no_read)
     add("expandable_segments", "bool", True, stored_as=no_read)
+    add("reserved_margin", "int", 2**30, optional=True, huge=REFUSED, stored_as=no_read)  # bytes below 2**63
 
 # trace_memory and calibrate (a fake-tensor step of a tiny token model)
 add = field_of("trace_memory", functools.partial(trace_memory, TOKENS), batch_shape=(2, 8))
@@ -367,6 +368,7 @@ add("memory_budget", "float", 2.0**30, int_ok=2**30, optional=True, huge=ACCEPTE
 add("headroom", "float", 0.25, int_ok=0, huge=REFUSED)
 add("seq_len", "int", 2048, optional=True, huge=ACCEPTED)
 add("max_batch_size", "int", 512, optional=True, huge=ACCEPTED)
+add("reserved_margin", "int", 2**30, optional=True, huge=REFUSED)  # bytes below 2**63 (or a ReservedMargin)
 
 # the strategies: the Trainer's and Fabric's front doors share PlanningOptions
 for where, make in (("MemplanAutoStrategy", _trainer_strategy), ("MemplanAutoFabricStrategy", _fabric_strategy)):
