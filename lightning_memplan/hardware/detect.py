@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "NVLINK_BW_PER_LINK",
@@ -38,6 +39,9 @@ NVLINK_BW_PER_LINK: dict[int, float] = {1: 20e9, 2: 25e9, 3: 25e9, 4: 25e9, 5: 5
 PCIE_BW_PER_LANE: dict[int, float] = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
 
 
+_T = TypeVar("_T")
+
+
 def _pynvml() -> Any | None:
     try:
         import pynvml  # provided by the nvidia-ml-py package
@@ -46,12 +50,10 @@ def _pynvml() -> Any | None:
     return pynvml
 
 
-def nvml_interconnect(device: int = 0, *, pci_bus_id: str | None = None) -> dict[str, Any] | None:
-    """Intra-node link of one GPU as NVML reports it, or ``None`` without ``nvidia-ml-py``/NVML.
-
-    Returns:
-        ``{"link": "nvlink"|"pcie", "active_links": n, "version": v, "bw": bytes/s per direction}``.
-    """
+def _with_nvml_handle(device: int, pci_bus_id: str | None, query: Callable[[Any, Any], _T | None]) -> _T | None:
+    """``query(nvml, handle)`` for one GPU (by PCI bus id when given, else by index) between
+    ``nvmlInit`` and ``nvmlShutdown``; ``None`` without ``nvidia-ml-py``, without a driver, or when NVML
+    raises (a query is best effort: the caller falls back to the sourced tables)."""
     nvml = _pynvml()
     if nvml is None:
         return None
@@ -68,6 +70,31 @@ def nvml_interconnect(device: int = 0, *, pci_bus_id: str | None = None) -> dict
                 handle = None
         if handle is None:
             handle = nvml.nvmlDeviceGetHandleByIndex(device)
+        return query(nvml, handle)
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _pcie_link(nvml: Any, handle: Any) -> tuple[int, int, float]:
+    """``(generation, width, bytes/s per direction)`` of the GPU's current PCIe link (0.0 for an unknown generation)."""
+    gen = int(nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
+    width = int(nvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+    return gen, width, width * PCIE_BW_PER_LANE.get(gen, 0.0)
+
+
+def nvml_interconnect(device: int = 0, *, pci_bus_id: str | None = None) -> dict[str, Any] | None:
+    """Intra-node link of one GPU as NVML reports it, or ``None`` without ``nvidia-ml-py``/NVML.
+
+    Returns:
+        ``{"link": "nvlink"|"pcie", "active_links": n, "version": v, "bw": bytes/s per direction}``.
+    """
+
+    def query(nvml: Any, handle: Any) -> dict[str, Any]:
         active, version = 0, 0
         for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
             try:
@@ -83,16 +110,11 @@ def nvml_interconnect(device: int = 0, *, pci_bus_id: str | None = None) -> dict
         if active:
             per_link = NVLINK_BW_PER_LINK.get(version, NVLINK_BW_PER_LINK[4])
             return {"link": "nvlink", "active_links": active, "version": version, "bw": active * per_link}
-        gen = int(nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
-        width = int(nvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
-        return {"link": "pcie", "active_links": width, "version": gen, "bw": width * PCIE_BW_PER_LANE.get(gen, 0.985e9)}
-    except Exception:
-        return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
+        gen, width, bw = _pcie_link(nvml, handle)
+        # an unknown (newer) generation is read as Gen3 lanes, the floor of any current GPU's link
+        return {"link": "pcie", "active_links": width, "version": gen, "bw": bw or width * PCIE_BW_PER_LANE[3]}
+
+    return _with_nvml_handle(device, pci_bus_id, query)
 
 
 def _host_memory_bytes() -> int:
@@ -112,33 +134,12 @@ def host_memory_bytes() -> int | None:
 def nvml_pcie_bw(device: int = 0, *, pci_bus_id: str | None = None) -> float | None:
     """Bytes/s per direction of one GPU's PCIe link to the host as NVML reports it (current generation x
     width x :data:`PCIE_BW_PER_LANE`), or ``None`` without ``nvidia-ml-py``/NVML."""
-    nvml = _pynvml()
-    if nvml is None:
-        return None
-    try:
-        nvml.nvmlInit()
-    except Exception:  # NVML present but no driver
-        return None
-    try:
-        handle = None
-        if pci_bus_id:
-            try:
-                handle = nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
-            except Exception:
-                handle = None
-        if handle is None:
-            handle = nvml.nvmlDeviceGetHandleByIndex(device)
-        gen = int(nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
-        width = int(nvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
-        bw = width * PCIE_BW_PER_LANE.get(gen, 0.0)
+
+    def query(nvml: Any, handle: Any) -> float | None:
+        bw = _pcie_link(nvml, handle)[2]
         return bw if bw > 0 else None
-    except Exception:
-        return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
+
+    return _with_nvml_handle(device, pci_bus_id, query)
 
 
 @dataclass(frozen=True, kw_only=True)
