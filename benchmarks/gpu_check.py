@@ -24,6 +24,11 @@ Sections shipped here (``loss``, ``callback`` and ``strategy`` added by those pa
   GPU with ``MemoryPlanCallback``, which reads the DeepSpeed config into ``TrainSpec(framework=
   "deepspeed")``: the estimate against the device's measured peak, and the host figure. Runs only when
   ``deepspeed`` imports and a CUDA GPU is present; otherwise it says why and passes (issue 27).
+- ``hf_mla``: a tiny DeepSeek-V3 (MLA: q/k head 24, v head 16) trained on the device: the config-only
+  estimate made from a CPU trace and scaled to CUDA by the SDPA kernel rule (CPU math path keeps the
+  ``[b, a, s, s]`` probabilities, CUDA's memory-efficient kernel does not; docs/concepts.md, "Which
+  attention kernel") and the one from a fake CUDA trace, against the tracker's and the allocator's peak
+  (issue 25). Needs ``transformers``; otherwise it says why and passes.
 
 Run: ``python benchmarks/gpu_check.py [--quick] [--sections estimate,...] [--out PATH]``. Without CUDA it
 prints why and exits 0; ``--allow-cpu`` runs the sections on the CPU (peaks from ``TensorTracker``) to
@@ -410,6 +415,70 @@ def deepspeed_section(ctx: Context) -> SectionResult:
     result.ok = bool(ratios) and all(abs(r - 1) <= 0.15 for r in ratios)
     result.notes.append("target: measured within 15% of the framework='deepspeed' estimate (first check on a "
                         "GPU; the CPU tests compare with DeepSpeed's own formulas)")
+    return result
+
+
+#: (b, s) of the ``hf_mla`` section: on the GPU long enough that the CPU math path's probabilities (the
+#: quadratic bytes the rule drops) dominate; on the CPU (--allow-cpu) one small shape exercises the script.
+HF_MLA_SHAPES = {"cuda": ((2, 1024), (4, 2048)), "cpu": ((2, 256),)}
+
+
+@section("hf_mla", "tiny DeepSeek-V3 (MLA) step: CPU trace scaled to the device by the SDPA kernel rule vs the device")
+def hf_mla_section(ctx: Context) -> SectionResult:
+    from unittest import mock
+
+    result = SectionResult("hf_mla")
+    try:
+        import transformers  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
+        result.notes.append(f"skipped: transformers does not import ({type(exc).__name__}: {exc}); pip install transformers")
+        return result
+    from lightning_memplan.model.specs import ModelSpec, TrainSpec
+    from lightning_memplan.testing.hf_architectures import (
+        SHAPE_ARCHITECTURES,
+        build_model,
+        example_batch,
+        loss_of,
+    )
+    from lightning_memplan.tracking import hf_trace
+
+    device = ctx.device.type
+    rows = ["| b, s | allocator (MiB) | tracker | CPU trace scaled | err (tracker) | err (allocator) | device trace | err |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    worst = 0.0
+    for b, s in HF_MLA_SHAPES["cuda" if device == "cuda" else "cpu"][: 1 if ctx.quick else None]:
+        if ctx.time_left() < 30:
+            result.notes.append(f"({b}, {s}): skipped to stay within the time budget")
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_model(SHAPE_ARCHITECTURES["deepseek_v3"], dropout=0.0, attention="sdpa", checkpointing=False)
+            spec = ModelSpec.from_hf_config(model.config)
+            train = TrainSpec(micro_batch=b, seq_len=s, precision="32-true", attention="sdpa", device=device,
+                              optimizer_impl="foreach" if device == "cuda" else "for_loop")
+            with mock.patch.object(hf_trace, "_cuda_ok", return_value=False):  # the path without a GPU
+                scaled = estimate_memory(spec, train).total
+            try:  # on the GPU a fake CUDA trace (what a GPU machine estimates)
+                direct: int | None = estimate_memory(spec, train).total
+            except ValueError as exc:
+                direct = None
+                result.notes.append(f"({b}, {s}) device trace: {str(exc)[:160]}")
+            ids = example_batch(model, b, s)["input_ids"]
+            allocator, tracked = measure_phase_peaks(
+                model, (ids, ids.clone()), lambda m, batch: loss_of(m, {"input_ids": batch[0], "labels": batch[1]}),
+                "32-true", ctx.device)
+        peak, tracker = max(allocator.values()), max(tracked.values())
+        worst = max(worst, abs(scaled - tracker) / tracker)
+        rows.append(f"| {b}, {s} | {peak / MiB:.1f} | {tracker / MiB:.1f} | {scaled / MiB:.1f} | {_err(scaled, tracker)} | "
+                    f"{_err(scaled, peak)} | {'n/a' if direct is None else f'{direct / MiB:.1f}'} | "
+                    f"{'n/a' if direct is None else _err(direct, tracker)} |")
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result.table = "\n".join(rows)
+    result.notes.append(f"worst |error| of the CPU trace scaled to the device against the tracker: {worst:.1%} (target 5%; "
+                        "the allocator adds the cuBLAS workspace, which no estimate counts)")
+    result.ok = worst <= 0.05
     return result
 
 

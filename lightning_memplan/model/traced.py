@@ -24,6 +24,16 @@ a chunked or vocab-parallel loss, CUDA kernels (traced on CPU when no GPU is vis
 ``grads_alive_in_forward=False``, master weights and byte overrides scale the traced bytes by the
 analytic ratio, and with ``plan=None`` and a traced ``train`` the estimate *is* the trace. A component
 the analytic terms put at zero on one rank but not on the plan (DDP buckets, p2p buffers) is added.
+
+The attention kernel is not a ratio: it decides whether the step keeps ``[b, a, s, s]`` probabilities
+at all. The tracer records, per device, whether SDPA keeps them for this config
+(``form["sdpa_keeps_scores"]``, from :func:`~lightning_memplan.tracking.hf_calibrate.sdpa_keeps_scores`:
+on the CPU the math path for MLA's unequal head sizes and for attention dropout; on CUDA the
+memory-efficient kernel for both). Where the trace device keeps them and the requested one does not, the
+fitted ``"attention"`` component (the tensors whose last two sizes are ``[s, s]``: all of the math path's
+``b*s^2`` bytes) is dropped before the device ratio, and the fused kernel's fp32 log-sum-exp
+(``terms.SDPA_LSE_BYTES`` per token, head and block) is added to the activations
+(:meth:`DepthTraces.drops_scores`, :func:`_on_device`; docs/concepts.md, "Which attention kernel").
 """
 
 from __future__ import annotations
@@ -58,6 +68,9 @@ TRACE_SHAPES: tuple[tuple[int, int], ...] = ((1, 64), (2, 128))
 TRACED_DEPTHS = (1, 2)
 #: What ``ModelSpec.from_hf_config(..., calibration=...)`` accepts besides a :class:`CoefficientSource`.
 CALIBRATION_CHOICES = ("auto", "analytic")
+
+#: The memory-efficient SDPA kernel allocates its logsumexp with the sequence padded to this multiple.
+_LSE_ALIGN = 32
 
 _TRACED_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum")
 _TRACED_RECOMPUTE = ("none", "full")
@@ -217,6 +230,49 @@ class DepthTraces:
         if steps:
             return f"s={seq_len} is past the config's step at s={steps[0]} (window/chunk), beyond the traced s<={checked}"
         return None
+
+    def drops_scores(self, traced_on: str, device: str, seq_len: int, *, vocab_size: int | None = None) -> bool:
+        """Whether the traced ``[s, s]`` tensors are attention probabilities the trace device's SDPA kernel
+        keeps (its math path) and ``device``'s fused kernel does not, at ``seq_len``.
+
+        ``form["sdpa_keeps_scores"]`` (``{device: bool}``, recorded by the tracer from
+        :func:`~lightning_memplan.tracking.hf_calibrate.sdpa_keeps_scores`) says which device keeps them;
+        an entry without it (eager attention, an older tracer) drops nothing. Nothing is dropped either
+        past a window or chunk step of the config (``form["steps"]`` below ``seq_len``: transformers passes
+        SDPA a ``[b, 1, s, s]`` mask, which CUDA's memory-efficient kernel keeps as its ``attn_bias``), or
+        at ``seq_len == vocab_size``, where the tracker cannot tell ``[..., s, V]`` logits from
+        ``[..., s, s]`` scores by their shape (the CPU's bytes are kept: an over-estimate).
+        """
+        form = self.form or {}
+        keeps = form.get("sdpa_keeps_scores")
+        if not isinstance(keeps, Mapping) or keeps.get(traced_on) is not True or keeps.get(device) is not False:
+            return False
+        if vocab_size is not None and seq_len == vocab_size:
+            return False
+        return not any(int(x) < seq_len for x in form.get("steps") or ())
+
+    def without_scores(self) -> DepthTraces:
+        """The same entry as a kernel that keeps no ``[s, s]`` tensor runs it (:meth:`drops_scores`): the
+        ``"attention"`` component -- every tensor the tracker saw with last two sizes ``[s, s]``: the math
+        path's probabilities, their gradients, dropout masks; all of the fit's math-path ``b*s^2`` bytes,
+        and in an entry traced at one length (``form["seq_len"]``, fitted as ``c0 + c1*(b*s)``) the same
+        bytes in its ``c1`` -- set to zero in every copy and phase. The other components keep their
+        coefficients, ``b*s^2`` ones included: what they hold is no score tensor and stays with a fused
+        kernel (DeepSeek-V3's fitted ``0.25*b*s^2`` activation bytes are measured in the fused-kernel step
+        too, ``tests/unit/test_sdpa_kernel_scaling.py``). Memoised."""
+        hit = self.memo.get(("without_scores",))
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+
+        def fused(cal: Calibration) -> Calibration:
+            coefficients = {phase: {comp: (0.0, 0.0, 0.0) if comp == "attention" else c for comp, c in comps.items()}
+                            for phase, comps in cal.coefficients.items()}
+            return replace(cal, coefficients=coefficients)
+
+        out = replace(self, one=fused(self.one), two=fused(self.two),
+                      kinds=tuple((n, fused(cal), p) for n, cal, p in self.kinds))
+        self.memo[("without_scores",)] = out
+        return out
 
     def full_depth(self, n_layers: int, b: int, s: int) -> dict[str, dict[str, int]]:
         """``{phase: {component: bytes}}`` of the full-depth model at ``(b, s)`` (a vision model's ``s``
@@ -383,13 +439,21 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
                steps: tuple[TrainSpec, TrainSpec], one_device: ParallelPlan,
                stage_estimate: StageEstimate) -> dict[str, dict[str, int]]:
     """The traced bytes at the full depth and ``train``'s batch shape, on ``train``'s device: a step
-    traced on the CPU for a CUDA one is scaled by the analytic CUDA/CPU ratio per component."""
+    traced on the CPU for a CUDA one is scaled by the analytic CUDA/CPU ratio per component.
+
+    Where the trace device's SDPA kernel keeps the ``[b, a, s, s]`` probabilities and ``train``'s does not
+    (:meth:`DepthTraces.drops_scores`: MLA or attention dropout traced on the CPU for CUDA), the traced
+    ``[s, s]`` tensors (the ``"attention"`` component, its ``b*s^2`` terms) are dropped first
+    (:meth:`DepthTraces.without_scores`) and, after the ratio scaling, the fused kernel's fp32 log-sum-exp
+    per (token, head) and block is added to the activations of the forward and backward phases."""
     t0, t0_dev = steps
     memo_key = ("on_device", model.n_layers, train.micro_batch, train.seq_len, t0_dev, traced_spec)
     hit = data.memo.get(memo_key)
     if hit is not None:
         return hit  # type: ignore[no-any-return]
-    traced = data.full_depth(model.n_layers, train.micro_batch, train.seq_len)
+    b, s = train.micro_batch, train.seq_len
+    drop = t0.device != train.device and data.drops_scores(t0.device, train.device, s, vocab_size=model.vocab_size)
+    traced = (data.without_scores() if drop else data).full_depth(model.n_layers, b, s)
     if t0.device != train.device:
         cpu_ref = _one_rank_terms(traced_spec, t0, one_device, stage_estimate)
         dev_ref = _one_rank_terms(traced_spec, t0_dev, one_device, stage_estimate)
@@ -400,6 +464,18 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
                 value, den = traced[phase][comp], cpu_ref.by_phase[phase].get(comp, 0)
                 num = dev_ref.by_phase[phase].get(comp, 0)
                 out[phase][comp] = round(value * num / den) if den else value + num
+        if drop:
+            # (imported here: terms imports specs, which imports this module)
+            from lightning_memplan.model.terms import SDPA_LSE_BYTES
+
+            # What the fused kernel saves instead of the probabilities: q, k, v and the output, which the
+            # math path's saved copies already counted, and one fp32 log-sum-exp per (token, head) per block
+            # (tools/autograd/derivatives.yaml: _scaled_dot_product_efficient_attention), its sequence
+            # padded to a multiple of 32 by the memory-efficient kernel (kAlignLSE, cuda/attention.cu;
+            # flash's is unpadded: at most 31 tokens more). Every block is counted.
+            lse = b * -(-s // _LSE_ALIGN) * _LSE_ALIGN * model.n_heads * SDPA_LSE_BYTES * model.n_layers
+            for phase in ("forward", "backward"):
+                out[phase]["activations"] = out[phase].get("activations", 0) + lse
         traced = out
     if len(data.memo) < 8192:
         data.memo[memo_key] = traced

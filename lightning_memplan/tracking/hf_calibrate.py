@@ -45,6 +45,7 @@ __all__ = [
     "primed_optimizer",
     "PROBE_SHAPE",
     "PROBE_TOLERANCE",
+    "SCORE_DEVICES",
     "length_steps",
     "peft_available",
     "sdpa_keeps_scores",
@@ -174,6 +175,23 @@ def sdpa_keeps_scores(cfg: Mapping[str, Any], *, device: str, precision: str) ->
     return drop or (qk is not None and v is not None and qk != v)
 
 
+#: Devices whose SDPA kernel choice :func:`sdpa_keeps_scores` answers for (an entry's ``form`` records each).
+SCORE_DEVICES = ("cpu", "cuda")
+
+
+def _score_kernels(cfg: Mapping[str, Any], t0: TracedStep, attention_in_use: str) -> dict[str, bool] | None:
+    """``{device: sdpa_keeps_scores(cfg, device, t0.precision)}`` for :data:`SCORE_DEVICES` when the copy
+    runs SDPA (``None`` otherwise: eager attention keeps its scores on every device).
+
+    Recorded in the entry's ``form["sdpa_keeps_scores"]``: where the trace device's kernel keeps the
+    ``[b, a, s, s]`` probabilities and the requested device's does not, the model layer's device scaling
+    (``model/traced.py``, ``_on_device``) drops the traced ``[s, s]`` tensors (the ``"attention"``
+    component, the fit's ``b*s^2`` bytes) and adds the fused kernel's log-sum-exp instead."""
+    if attention_in_use != "sdpa":
+        return None
+    return {device: sdpa_keeps_scores(cfg, device=device, precision=t0.precision) for device in SCORE_DEVICES}
+
+
 def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TracedStep, attention_in_use: str) -> bool | None:
     """Whether the traced step holds ``b*s^2`` bytes (``None``: let :func:`calibrate` decide from the
     traced attention bytes, for eager attention).
@@ -183,11 +201,14 @@ def _quadratic_in_seq(cfg: Mapping[str, Any], t0: TracedStep, attention_in_use: 
     tensors are live at a phase's peak between the traced shapes (a few hundred bytes per ``b*s^2``, of
     opposite sign in two components) into terabytes at long context, so the two-term fit is forced.
     Where :func:`sdpa_keeps_scores` says SDPA takes the math path (MLA's unequal head sizes, dropout),
-    the three-term fit is forced; eager attention keeps the quadratic term.
+    the three-term fit is forced; eager attention keeps the quadratic term. (An entry traced at one
+    length fits two terms: there the math path's bytes are the ``"attention"`` component, every tensor
+    whose last two sizes are ``[s, s]``.)
     """
-    if attention_in_use != "sdpa":
+    kernels = _score_kernels(cfg, t0, attention_in_use)
+    if kernels is None:
         return None
-    return True if sdpa_keeps_scores(cfg, device=t0.device, precision=t0.precision) else False
+    return kernels.get(t0.device, False)
 
 
 def primed_optimizer(name: str, impl: str | None) -> Any:
@@ -287,6 +308,9 @@ def trace_depths(
     model whose fit was not trusted need not be linear in ``b`` either: Mamba's sequential scan on the CPU
     was 4.8% off at b=4 from a line through b=1 and b=2).
 
+    Every copy run with SDPA: ``form["sdpa_keeps_scores"]`` is ``{device: bool}``, the rule's answer for
+    :data:`SCORE_DEVICES` (absent for eager attention and in older entries).
+
     Blocks of more than one kind (model/hf_build.py ``layer_plan``) give one traced copy per kind
     (``"kinds"``: each with the count the config has), so every kind is counted as often as it occurs.
 
@@ -306,6 +330,7 @@ def trace_depths(
     hf_logging.set_verbosity_error()  # its notes about the traced copies (use_cache, loss_type) are not the user's
     out: dict[str, Any] = {"depths": {}}
     probe_error = 0.0
+    kernels: list[dict[str, bool] | None] = []
     try:
         copies, plan = _stacks(cfg, t0, lora)
         for name, model, blocks in copies:
@@ -314,6 +339,7 @@ def trace_depths(
             shapes: tuple[tuple[int, int], ...] = TRACE_SHAPES
             extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0, in_use)}
             probe: tuple[int, int] | None = PROBE_SHAPE
+            kernels.append(_score_kernels(cfg, t0, in_use))
             if vision:
                 s = vision_tokens(cfg)
                 shapes, probe = ((1, s), (2, s)), None
@@ -377,6 +403,11 @@ def trace_depths(
             "quadratic": any(any(c[2] for comps in cal["calibration"]["coefficients"].values() for c in comps.values())
                              for cal in [out["depths"]["1"], out["depths"]["2"], *(out.get("stacks") or {}).values()]),
         }
+        first = kernels[0] if kernels else None
+        if first is not None and all(k == first for k in kernels):
+            # Every copy ran SDPA: per device, whether its kernel keeps the [b, a, s, s] probabilities, so
+            # whether the traced [s, s] tensors are the math path's (model/traced.py, _on_device).
+            out["form"]["sdpa_keeps_scores"] = dict(first)
     return out
 
 

@@ -139,7 +139,7 @@ def test_estimates_do_not_change_for_ordinary_micro_batch_counts() -> None:
     assert gpipe[0] < gpipe[1] < gpipe[2]
     ms = (4, 64, 10**6)
     ones = [estimate_memory(model, TRAIN, ParallelPlan(pp=2, microbatches=m)).to_dict() for m in ms]
-    for m, one in zip(ms, ones):
+    for m, one in zip(ms, ones, strict=True):
         batch = one["details"].pop("batch_input")
         assert batch == 16 * TRAIN.micro_batch * TRAIN.seq_len * m  # ids and targets, 8 B each per token
         one["other"] -= batch
