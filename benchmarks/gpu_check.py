@@ -363,6 +363,18 @@ def strategy_section(ctx: Context) -> SectionResult:
     return result
 
 
+def _imports(name: str, result: SectionResult) -> bool:
+    """Whether the optional package ``name`` imports; if not, the section notes why it is skipped."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
+        result.notes.append(f"skipped: {name} does not import ({type(exc).__name__}: {exc}); pip install {name}")
+        return False
+    return True
+
+
 #: (label, ZeRO stage, offload_optimizer) cases of the ``deepspeed`` section.
 DEEPSPEED_CASES = (("zero2", 2, False), ("zero3", 3, False), ("zero2_offload", 2, True))
 
@@ -373,10 +385,7 @@ def deepspeed_section(ctx: Context) -> SectionResult:
     import tempfile
 
     result = SectionResult("deepspeed")
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
-        result.notes.append(f"skipped: deepspeed does not import ({type(exc).__name__}: {exc}); pip install deepspeed")
+    if not _imports("deepspeed", result):
         return result
     if ctx.device.type != "cuda":
         result.notes.append("skipped: DeepSpeed needs a CUDA GPU")
@@ -428,10 +437,7 @@ def hf_mla_section(ctx: Context) -> SectionResult:
     from unittest import mock
 
     result = SectionResult("hf_mla")
-    try:
-        import transformers  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
-        result.notes.append(f"skipped: transformers does not import ({type(exc).__name__}: {exc}); pip install transformers")
+    if not _imports("transformers", result):
         return result
     from lightning_memplan.model.specs import ModelSpec, TrainSpec
     from lightning_memplan.testing.hf_architectures import (
