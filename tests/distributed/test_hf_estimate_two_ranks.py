@@ -23,6 +23,8 @@ from lightning_memplan.testing import run_distributed
 
 transformers = pytest.importorskip("transformers", reason="real Hugging Face models")
 
+pytestmark = pytest.mark.hf
+
 RTOL = 0.05
 VOCAB, SEQ, BATCH, STEPS = 512, 32, 2, 3
 

@@ -29,6 +29,8 @@ from lightning_memplan.testing import find_free_port
 
 pytest.importorskip("transformers", reason="real Hugging Face models")
 
+pytestmark = pytest.mark.hf
+
 RTOL = 0.05
 NODES, DEVICES = 2, 2
 #: Hard bound on the whole launch (both node processes and the children they start).

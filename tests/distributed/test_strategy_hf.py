@@ -19,6 +19,8 @@ from lightning_memplan.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.hf
+
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 64, 8, 4, 3
 LOSS_ATOL = 2e-5
 

@@ -20,6 +20,8 @@ from lightning_memplan.testing import run_distributed
 
 pytest.importorskip("transformers.masking_utils", reason="the built-in HF pipeline forward needs transformers >= 4.53")
 
+pytestmark = pytest.mark.hf
+
 
 class PipelinedHFLlamaLM(HFLlamaLM):
     """The single-process module of ``test_strategy_hf`` plus the pipeline's batch split and loss."""

@@ -23,6 +23,8 @@ from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, causal_lm_loss
 
+pytestmark = pytest.mark.hf
+
 VOCAB, SEQ, HIDDEN, BATCH, STEPS = 512, 128, 64, 4, 5
 
 

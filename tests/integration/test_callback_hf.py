@@ -15,6 +15,8 @@ from lightning_memplan.callbacks import MemoryPlanCallback
 
 transformers = pytest.importorskip("transformers", reason="real Hugging Face models")
 
+pytestmark = pytest.mark.hf
+
 
 class LitHF(L.LightningModule):
     """A Hugging Face causal LM trained on its own loss (``model(**batch).loss``)."""

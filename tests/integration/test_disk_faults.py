@@ -40,6 +40,8 @@ from lightning_memplan.report.records import MemoryReport
 from lightning_memplan.report.render import render_markdown
 from lightning_memplan.testing.zoo import GPT, gpt2_style
 
+pytestmark = pytest.mark.hf
+
 FILLER = "filler"
 #: What a report folder may hold afterwards: the report files, the writers' lock file and the test's filler.
 ALLOWED = {"memory_report.json", "memory_report.md", "memory_report.html", "memory_report.png", ".memory_report.lock", FILLER}

@@ -22,6 +22,8 @@ from lightning_memplan.report.render import PHASES_CAPTION, format_bytes
 from lightning_memplan.testing.zoo import gpt2_style
 from lightning_memplan.tracking.tracker import TensorTracker
 
+pytestmark = pytest.mark.hf
+
 TRAIN_B, VAL_B, SEQ = 2, 16, 32
 UNITS = "MiB"
 

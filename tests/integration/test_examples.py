@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.hf
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -30,6 +30,8 @@ from lightning_memplan.strategies import MemplanAutoStrategy, MeshLayout, find_l
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, MLPNet, causal_lm_loss, llama_style
 
+pytestmark = pytest.mark.hf
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

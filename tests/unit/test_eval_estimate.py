@@ -13,6 +13,8 @@ from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style, llama_style, random_tokens
 from lightning_memplan.tracking.tracker import TensorTracker
 
+pytestmark = pytest.mark.hf
+
 TOLERANCE = 0.05
 SHAPES = [(2, 40), (8, 72)]
 ZOO = {

@@ -34,6 +34,8 @@ from lightning_memplan.planning import Allow, plan
 from lightning_memplan.planning.offload import offload_step_time
 from lightning_memplan.testing.zoo import GPT, GPTConfig, causal_lm_loss
 
+pytestmark = pytest.mark.hf
+
 GiB = 2**30
 LLAMA7B = ModelSpec.preset("llama-7b")
 

@@ -44,6 +44,8 @@ from lightning_memplan.report.records import EpochReport, Incident, MemoryReport
 from lightning_memplan.report.render import render_markdown, render_rich
 from lightning_memplan.testing.reports import synthetic_report
 
+pytestmark = pytest.mark.hf
+
 HANG_GUARD_S = 20.0  # a generous guard against a blocking read, not a speed bound
 VICTIM_TEXT = "the victim's own data\n"
 

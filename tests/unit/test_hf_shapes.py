@@ -26,6 +26,8 @@ from lightning_memplan.testing.hf_architectures import (  # noqa: E402
     measure_step,
 )
 
+pytestmark = pytest.mark.hf
+
 # (family, b, s): a held-out shape each: b=4 is never traced (a shape the fit cannot trust is traced at (1, s) and
 # (2, s)), and s is past the window/chunk steps of the tiny configs.
 PINNED = [

@@ -15,6 +15,8 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec  # 
 from lightning_memplan.testing.hf_architectures import example_batch, measure_step  # noqa: E402
 from lightning_memplan.tracking import hf_trace  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 
 def _llama(**extra):
     from transformers import LlamaConfig

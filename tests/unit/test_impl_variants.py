@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers", reason="Hugging Face's RMSNor
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 B, S, H, A, L = 2, 64, 128, 4, 2
 DH = H // A
 F_HIDDEN = H  # a narrow MLP, so the norms are a large share of a block (~40%)

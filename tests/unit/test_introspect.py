@@ -12,6 +12,8 @@ from lightning_memplan.model.introspect import spec_from_hf_config, spec_from_mo
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.testing.zoo import GPT, ConvNet, MLPNet, gpt2_style, llama_style, tied_style
 
+pytestmark = pytest.mark.hf
+
 # config.json fields of published checkpoints and their parameter counts as reported by
 # sum(p.numel() for p in model.parameters()) on the Hugging Face models.
 HF_CONFIGS = {

@@ -29,6 +29,8 @@ from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
 from lightning_memplan.model.specs import ModelSpec, TrainSpec  # noqa: E402
 from lightning_memplan.testing.hf_architectures import example_batch, measure_step  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 HIDDEN, LAYERS, VOCAB, RANK = 64, 4, 2048, 8
 SHAPES = [(2, 128), (4, 96)]  # fitted; held out
 

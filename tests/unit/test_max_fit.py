@@ -25,6 +25,8 @@ from lightning_memplan.planning.fit import (
     seq_len_unit,
 )
 
+pytestmark = pytest.mark.hf
+
 MiB = 2**20
 CPU_TRAIN = dict(precision="32-true", optimizer="adamw", optimizer_impl="for_loop", device="cpu")
 

@@ -26,6 +26,8 @@ from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.planner import plan
 
+pytestmark = pytest.mark.hf
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "published_configs"
 BF16, FP32 = 2, 4
 BYTES_PER_PARAM = FP32 + FP32 + 2 * FP32  # fp32 params + fp32 grads + AdamW exp_avg, exp_avg_sq

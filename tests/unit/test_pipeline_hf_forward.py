@@ -13,6 +13,8 @@ from lightning_memplan.parallel.pipeline import _stage_parts, pipeline_blocker, 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")
 pytest.importorskip("transformers.masking_utils", reason="the built-in HF pipeline forward needs transformers >= 4.53")
 
+pytestmark = pytest.mark.hf
+
 
 def _llama(attn: str, layers: int = 4) -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,

@@ -18,6 +18,8 @@ from lightning_memplan.parallel.pipeline import PipelineRunner
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")
 
+pytestmark = pytest.mark.hf
+
 
 class PipelinedLlama(transformers.LlamaForCausalLM):
     """The pipeline contract on a Llama (``pipeline_forward``); first/last modules from the layout."""

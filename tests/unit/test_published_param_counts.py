@@ -17,6 +17,8 @@ import pytest
 
 from lightning_memplan.model.specs import ModelSpec
 
+pytestmark = pytest.mark.hf
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "published_configs"
 TOLERANCE = 0.005
 
