@@ -69,6 +69,9 @@ TRACED_DEPTHS = (1, 2)
 #: What ``ModelSpec.from_hf_config(..., calibration=...)`` accepts besides a :class:`CoefficientSource`.
 CALIBRATION_CHOICES = ("auto", "analytic")
 
+#: Bytes of one fp32 log-sum-exp per (token, head), ``terms.SDPA_LSE_BYTES`` (not imported: terms imports
+#: specs, which imports this module; tests/unit/test_sdpa_kernel_scaling.py keeps the two equal).
+_LSE_BYTES = 4
 #: The memory-efficient SDPA kernel allocates its logsumexp with the sequence padded to this multiple.
 _LSE_ALIGN = 32
 
@@ -465,15 +468,12 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
                 num = dev_ref.by_phase[phase].get(comp, 0)
                 out[phase][comp] = round(value * num / den) if den else value + num
         if drop:
-            # (imported here: terms imports specs, which imports this module)
-            from lightning_memplan.model.terms import SDPA_LSE_BYTES
-
             # What the fused kernel saves instead of the probabilities: q, k, v and the output, which the
             # math path's saved copies already counted, and one fp32 log-sum-exp per (token, head) per block
             # (tools/autograd/derivatives.yaml: _scaled_dot_product_efficient_attention), its sequence
             # padded to a multiple of 32 by the memory-efficient kernel (kAlignLSE, cuda/attention.cu;
             # flash's is unpadded: at most 31 tokens more). Every block is counted.
-            lse = b * -(-s // _LSE_ALIGN) * _LSE_ALIGN * model.n_heads * SDPA_LSE_BYTES * model.n_layers
+            lse = b * -(-s // _LSE_ALIGN) * _LSE_ALIGN * model.n_heads * _LSE_BYTES * model.n_layers
             for phase in ("forward", "backward"):
                 out[phase]["activations"] = out[phase].get("activations", 0) + lse
         traced = out

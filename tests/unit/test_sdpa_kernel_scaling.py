@@ -265,3 +265,11 @@ def test_cuda_estimate_against_a_memory_efficient_cpu_step(monkeypatch: pytest.M
             assert abs(estimated - change) <= max(0.03 * abs(change), 0.01 * fused), ((b, s), estimated, change, fused)
             assert abs(on_cuda.total / fused - 1) < 0.03, ((b, s), on_cuda.total, fused)
             assert on_cuda.attention == 0
+
+
+def test_the_traced_scaling_uses_the_terms_log_sum_exp_size() -> None:
+    """model/traced.py keeps its own copy of the fused kernel's log-sum-exp size (importing terms there
+    would close an import cycle); it must be the analytic term's."""
+    from lightning_memplan.model import traced
+
+    assert traced._LSE_BYTES == SDPA_LSE_BYTES
