@@ -8,7 +8,10 @@ from the second optimizer step on, when optimizer states exist):
    logits + autocast's weight copies + communication buffers. Peak at the loss.
 2. backward: starts with all activations and the loss's backward buffers (gradients exist only when
    accumulating); ends with every gradient allocated and the activations freed. A linear sweep over
-   layers peaks at one of the two ends, so both are evaluated.
+   layers peaks at one of the two ends, so both are evaluated, next to the last block's backward (its
+   rebuild under recompute) and, with eager attention, that block's softmax backward: its ``[b, a, s, s]``
+   temporaries, once autograd has released what the head and the block's nodes after the softmax saved
+   (``terms.eager_softmax_backward_*``).
 3. optimizer step: model states + the optimizer's temporaries; activations and logits are gone.
 
 Under a pipeline, every backward of the rank's schedule is a candidate for the backward peak
@@ -300,6 +303,11 @@ class _PerMicroBatch:
     copies: int
     rebuild: int
     eager_bwd_ws: int
+    softmax_point: bool  # the last block's eager softmax backward is a point of its own (_dynamic)
+    softmax_grads: int  # activation gradients beside the softmax backward's temporaries
+    softmax_freed_acts: int  # what the block's backward has released by then (one micro-batch)
+    softmax_freed_attn: int
+    softmax_freed_copies: int  # autocast weight copies released by then (pp = 1: the cache is gone)
     linear_bwd_ws: int
     rebuild_grads: int
     inflight: float
@@ -360,10 +368,26 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     # The routed experts run transformers' grouped_mm kernel, outside autocast: no 16-bit copy of them.
     matmul -= _routed_experts_local(model, t, layout.n_layers)
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
-    eager_bwd_ws = 0
-    if train.attention == "eager" and train.recompute == "none":
-        # grad of the probabilities and of the scores, fp32, for one layer [PT softmax_backward].
-        eager_bwd_ws = 2 * b * (model.n_heads // t) * s * s * terms.FP32_BYTES
+    # grad of the probabilities and of the scores for one layer [PT softmax_backward] (0 unless eager
+    # attention without recompute)
+    eager_bwd_ws = terms.eager_softmax_backward_bytes(model, train, b, s, t=t)
+    # The last block's softmax backward is its own point (_dynamic), except under activation offloading,
+    # where backward_layer holds the unpacked block and the temporaries beside it.
+    softmax_point = bool(eager_bwd_ws) and layout.n_layers > 0 and not train.offload_activations
+    freed = terms.eager_softmax_backward_freed_bytes(model, train, b, s, t=t, sp=sp)
+    freed_copies = 0
+    if softmax_point and copies and plan.pp == 1:
+        # Outside a pipeline the autocast region ends with the forward, so a weight copy lives only as
+        # long as the matmul node that saved it: the head's and the last block's output projection and
+        # MLP are gone once their backward ran (not the routed experts: never copied). A pipeline
+        # schedule runs its backwards inside the region, whose cache keeps every copy.
+        after_matmul, _ = param_counts.layer_params_after_scores(model)
+        freed_matmul = math.ceil(after_matmul / t) - math.ceil(param_counts.routed_expert_param_count(model) / t)
+        if layout.has_head:
+            freed_matmul += math.ceil(model.vocab_size * model.hidden / t)
+        if model.n_params is not None:  # rescaled as _local_params_of rescales the matmul weights
+            freed_matmul = round(freed_matmul * model.n_params / terms.param_count(model))
+        freed_copies = min(copies, terms.autocast_copy_bytes(max(freed_matmul, 0), train))
     linear_bwd_ws = tokens * max(model.hidden, model.ffn // t) * pb.compute
     # While a checkpointed block is rebuilt and runs its backward, the gradient of its output (residual
     # dtype) and the widest matmul's input gradient exist next to the rebuilt activations.
@@ -381,6 +405,11 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         copies=copies,
         rebuild=rebuild,
         eager_bwd_ws=eager_bwd_ws,
+        softmax_point=softmax_point,
+        softmax_grads=terms.eager_softmax_backward_grad_bytes(model, train, b, s, t=t, sp=sp),
+        softmax_freed_acts=freed["activations"],
+        softmax_freed_attn=freed["attention"],
+        softmax_freed_copies=freed_copies,
         linear_bwd_ws=linear_bwd_ws,
         rebuild_grads=rebuild_grads,
         inflight=inflight,
@@ -438,13 +467,14 @@ def _dynamic(
             "workspace": 0,
             "other": copies + batch_in,
         },
-        # the last block's backward: the loss buffers are gone, the block is rebuilt (full/selective-op)
-        # and eager attention's softmax backward makes its [b, a, s, s] temporaries.
+        # the last block's backward: the loss buffers are gone and the block is rebuilt (full/selective-op);
+        # eager attention's softmax backward is backward_softmax below (here only under activation
+        # offloading, next to the unpacked block: _offloaded_block_points)
         "backward_layer": {
             "activations": acts_bwd,
             "attention": attn_bwd,
             "logits": held_logits,
-            "workspace": rebuild + eager_bwd_ws + rebuild_grads,
+            "workspace": rebuild + (0 if mb.softmax_point else eager_bwd_ws) + rebuild_grads,
             "other": copies + batch_in,
         },
         "backward_end": {
@@ -461,6 +491,20 @@ def _dynamic(
         },
         "optimizer": {**{c: 0 for c in DYNAMIC_COMPONENTS}, "other": batch_in},
     }
+    if mb.softmax_point:
+        # The last block's eager softmax backward (terms.eager_softmax_backward_*): its [b, a, s, s]
+        # temporaries and the residual and value gradients beside them; by then autograd has released
+        # what the micro-batch's head (its final norm and lm_head input, when this backward ran the loss's)
+        # and the block's nodes after the softmax saved, and their autocast weight copies
+        # (terms.eager_softmax_backward_freed_bytes). The gradients of those parameters exist
+        # (_estimate_stage).
+        out["backward_softmax"] = {
+            "activations": acts_bwd - (head_acts if loss_backward else 0) - mb.softmax_freed_acts,
+            "attention": attn_bwd - mb.softmax_freed_attn,
+            "logits": held_logits,
+            "workspace": eager_bwd_ws + mb.softmax_grads,
+            "other": copies - mb.softmax_freed_copies + batch_in,
+        }
     # The module's buffers (litgpt's RoPE tables, ModelSpec.buffer_bytes) are whole on every rank in every
     # phase: TP and FSDP shard parameters only. Measured, litgpt GPT tp=2 with block_size 4096 (rotary 1.0):
     # without them the estimate was 15 % under (tests/distributed/test_strategy_litgpt_tp.py).
@@ -514,6 +558,7 @@ def _calibrated_dynamic(
         "forward_block": "forward",
         "backward_start": "backward",
         "backward_layer": "backward",
+        "backward_softmax": "backward",
         "backward_end": "backward",
         "optimizer": "optimizer",
     }
@@ -522,7 +567,7 @@ def _calibrated_dynamic(
         out[key] = {}
         for comp in DYNAMIC_COMPONENTS:
             fitted = calibration.bytes_for(phase, comp, b, s)
-            if key in ("backward_layer", "backward_end"):
+            if key in ("backward_layer", "backward_softmax", "backward_end"):
                 # The trace reports one backward peak; keep the analytic points inside the backward.
                 out[key][comp] = comps[comp]
             elif trivial:
@@ -689,6 +734,18 @@ def _estimate_stage(
         head_grads = round(head_params * model.trainable_fraction) * pb.grad if frozen else head_params * pb.grad
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard) if not pipelined_fsdp else head_grads
+    # At the last block's eager softmax backward (dynamic "backward_softmax") the gradients of that block's
+    # parameters after the scores exist too (output projection, second norm, MLP; split as the stage's
+    # parameters are). Under FSDP (zero >= 2, sharded) a unit's unsharded gradients are comm's (its block
+    # gradient waiting for the reduce-scatter).
+    softmax_grads = 0
+    if "backward_softmax" in dynamic and not (plan.zero >= 2 and shard > 1 and not pipelined_fsdp):
+        after_matmul, after_other = param_counts.layer_params_after_scores(model)
+        norm = terms.norm_param_count(model)
+        after = math.ceil(after_matmul / plan.tp) + math.ceil(max(after_other - norm, 0) / plan.tp) + norm
+        if model.n_params is not None:  # rescaled as _local_params_of rescales the stage's parameters
+            after = round(after * model.n_params / terms.param_count(model))
+        softmax_grads = (round(after * model.trainable_fraction) if frozen else after) * pb.grad
     static = {"params": params, "optimizer": optimizer, "master": master}
     points: dict[str, dict[str, int]] = {}
     if plan.pp == 1:
@@ -705,6 +762,11 @@ def _estimate_stage(
         points["backward_layer"] = {
             **static, "grads": max(grads_bwd_start, head_grads), "comm": comm_static + comm_bwd, **dynamic["backward_layer"]
         }
+        if "backward_softmax" in dynamic:
+            points["backward_softmax"] = {
+                **static, "grads": max(grads_bwd_start, head_grads + softmax_grads), "comm": comm_static + comm_bwd,
+                **dynamic["backward_softmax"],
+            }
         points["backward_end"] = {
             **static, "grads": grads_accum, "comm": comm_static + comm_bwd_end, **dynamic["backward_end"]
         }
@@ -754,11 +816,15 @@ def _estimate_stage(
                 # whole stage unsharded stands for them (-3.1 %; the reshard alone gave -5.6 %).
                 # Replication (shard group of 1) only copies, and matched the reshard (+2.0 %).
                 start_comm = max(comm_bwd_start, all_unsharded)
+            block_new = softmax_grads if not accumulating and mom.grads_after > mom.grads_before else 0
             for key, grads_now, comm_now in (
                 ("backward_start", before, start_comm),
                 ("backward_layer", before + head_new, comm_bwd),
+                ("backward_softmax", before + head_new + block_new, comm_bwd),
                 ("backward_end", after, comm_bwd_end),
             ):
+                if key not in dyn:
+                    continue
                 total = static_total + grads_now + comm_now + sum(dyn[key].values())
                 if total > best[0]:  # only the largest point is built (the planner evaluates many)
                     best = (total, {"grads": grads_now, "comm": comm_static + comm_now, **dyn[key]})
@@ -894,10 +960,14 @@ def _deepspeed_stage(
     pb = terms.precision_bytes(train)
     tp_buffer = train.micro_batch * train.seq_len * model.hidden * pb.compute if plan.tp > 1 else 0
     points: dict[str, dict[str, int]] = {}
-    for key in deepspeed.POINTS:
-        comm = zl.comm[key] + (tp_buffer if key != "optimizer" else 0)
+    # the last block's eager softmax backward (when it is a point) falls in DeepSpeed's backward_layer
+    keys = [(key, key) for key in deepspeed.POINTS]
+    if "backward_softmax" in dynamic:
+        keys.append(("backward_softmax", "backward_layer"))
+    for key, zero_key in keys:
+        comm = zl.comm[zero_key] + (tp_buffer if key != "optimizer" else 0)
         points[key] = {"params": zl.params, "optimizer": zl.optimizer, "master": zl.master,
-                       "grads": zl.grads[key], "comm": comm, **dynamic[key]}
+                       "grads": zl.grads[zero_key], "comm": comm, **dynamic[key]}
     if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
         points["optimizer"]["workspace"] += opt_ws
     points["optimizer"]["workspace"] += zl.workspace

@@ -43,6 +43,7 @@ __all__ = [
     "layer_bias_count",
     "layer_matmul_param_count",
     "layer_param_count",
+    "layer_params_after_scores",
     "moe_layer_param_count",
     "norm_param_count",
     "param_count",
@@ -162,6 +163,24 @@ def layer_param_count(model: ModelSpec, *, moe: bool | None = None) -> int:
         layer_matmul_param_count(model, moe=moe) + layer_bias_count(model, moe=moe) + 2 * norm_param_count(model)
         + model.extra_layer_params + _mla_norm_count(model)
     )
+
+
+def layer_params_after_scores(model: ModelSpec, *, moe: bool | None = None) -> tuple[int, int]:
+    """``(matmul weights, other parameters)`` of one block that come after its attention scores in the
+    forward, so that a backward reaches them before the scores' softmax: the output projection
+    (``a*d_h*h``; ``a*d_v*h`` under MLA) and everything behind it, the MLP (or MoE block, ``moe`` as
+    :func:`layer_matmul_param_count`), the second norm, the biases of the output projection and the MLP,
+    and ``extra_layer_params``. The rest of :func:`layer_param_count` (the first norm, the q/k/v (MLA:
+    latent) projections with their biases, MLA's latent norms) is what the block's backward reaches
+    after the softmax's. "Other" holds one norm (``norm_param_count``), replicated under tensor
+    parallelism, as the caller splits it."""
+    h, dh, a, k = model.hidden, model.dim_head, model.n_heads, model.kv_heads
+    out_proj = a * ((model.v_head_dim or 0) if model.kv_lora_rank is not None else dh) * h
+    matmul = layer_matmul_param_count(model, moe=moe) - attention_matmul_param_count(model) + out_proj
+    qkv_bias = a * dh + 2 * k * dh if (model.bias or model.qkv_bias) else 0
+    before_other = norm_param_count(model) + qkv_bias + _mla_norm_count(model)
+    other = layer_param_count(model, moe=moe) - layer_matmul_param_count(model, moe=moe) - before_other
+    return matmul, other
 
 
 def dense_layer_param_count(model: ModelSpec) -> int:

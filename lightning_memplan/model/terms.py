@@ -64,11 +64,16 @@ __all__ = [
     "ddp_bucket_bytes",
     "embedding_param_count",
     "eager_attention_bytes",
+    "eager_softmax_backward_bytes",
+    "eager_softmax_backward_freed_bytes",
+    "eager_softmax_backward_grad_bytes",
+    "eager_softmax_output_bytes",
     "fsdp_root_post_backward_bytes",
     "full_recompute_layer_bytes",
     "head_param_count",
     "korthikanti_layer_activation_bytes",
     "layer_activation_bytes",
+    "layer_activation_split_bytes",
     "layer_matmul_param_count",
     "layer_param_count",
     "norm_param_count",
@@ -323,13 +328,99 @@ def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t:
         return 0
     pb = precision_bytes(train)
     elems = b * (model.n_heads // t) * s * s
-    fp32_softmax = bool(pb.autocast_copy) and train.device == "cuda"
-    total = elems * (FP32_BYTES if fp32_softmax else pb.compute)
+    fp32_softmax = _fp32_softmax(train)
+    total = elems * _softmax_bytes(train)
     if model.dropout > 0:
         total += elems * (MASK_BYTES + pb.compute)
     elif fp32_softmax:
         total += elems * pb.compute
     return total
+
+
+def _softmax_bytes(train: TrainSpec) -> int:
+    """Bytes per element of eager attention's softmax output, and of the gradients its backward takes
+    and returns: fp32 under CUDA autocast (softmax is on autocast's fp32 list; the 16-bit gradient of
+    the P@V product is cast back to fp32 by the cast's backward), else the compute dtype (CPU autocast
+    leaves softmax in bf16; ``_softmax_backward_data`` returns its input's dtype) [PT]."""
+    return FP32_BYTES if _fp32_softmax(train) else precision_bytes(train).compute
+
+
+def _fp32_softmax(train: TrainSpec) -> bool:
+    """Whether eager attention's softmax runs in fp32 under a 16-bit compute dtype: CUDA autocast."""
+    return bool(precision_bytes(train).autocast_copy) and train.device == "cuda"
+
+
+def eager_softmax_output_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+    """The softmax output of one layer, ``b*(a/t)*s^2`` elements of :func:`_softmax_bytes`: the part of
+    :func:`eager_attention_bytes` that the softmax saves for its own backward (the P@V product's 16-bit
+    copy under CUDA autocast, and dropout's mask and dropped probabilities, are saved by the nodes after
+    it). Zero where :func:`eager_attention_bytes` is."""
+    if train.attention != "eager" or train.recompute != "none":
+        return 0
+    return b * (model.n_heads // t) * s * s * _softmax_bytes(train)
+
+
+def eager_softmax_backward_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+    """The two ``[b, a/t, s, s]`` tensors of one layer's eager softmax backward, ``2*b*(a/t)*s^2``
+    elements of :func:`_softmax_bytes`: the gradient of the probabilities (``grad_y @ V^T`` from the P@V
+    backward; under CUDA autocast its fp32 cast, the 16-bit product freed by then) and the gradient of
+    the scores that ``_softmax_backward_data`` allocates while the first is alive [PT softmax_backward].
+    Zero where :func:`eager_attention_bytes` is."""
+    if train.attention != "eager" or train.recompute != "none":
+        return 0
+    return 2 * b * (model.n_heads // t) * s * s * _softmax_bytes(train)
+
+
+def eager_softmax_backward_grad_bytes(
+    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+) -> int:
+    """Activation gradients alive next to :func:`eager_softmax_backward_bytes` while one block's softmax
+    backward runs (zero where that is):
+
+    - the residual stream's gradient ``[b, s, h]`` in the residual dtype (``1/t`` of the sequence under
+      sequence parallelism): the block's output gradient plus the MLP branch's input gradient,
+      accumulated into one buffer at the attention's residual add, alive until the attention branch's
+      input gradient is added to it;
+    - the value gradient ``P^T @ grad_y``, ``[b, a/t, s, d_v]`` in the compute dtype (eager attention
+      expands grouped key/value heads to ``a``): autograd runs the graph's nodes in reverse order of
+      creation, and the value path (``v_proj``, its view, ``repeat_interleave``) was created before the
+      scores, so its backward comes after the softmax's [PT torch/csrc/autograd/engine.cpp,
+      ``ReadyQueue`` ordered by sequence number].
+
+    The output projection's input gradient is gone by then: the P@V backward consumed it.
+    """
+    if train.attention != "eager" or train.recompute != "none":
+        return 0
+    pb = precision_bytes(train)
+    tokens = b * s
+    dv = (model.v_head_dim or model.dim_head) if model.kv_lora_rank is not None else model.dim_head
+    residual = tokens * model.hidden * pb.residual // (t if sp else 1)
+    return residual + tokens * (model.n_heads // t) * dv * pb.compute
+
+
+def eager_softmax_backward_freed_bytes(
+    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+) -> dict[str, int]:
+    """What one block no longer holds when its eager softmax backward starts, as
+    ``{"activations": ..., "attention": ...}`` (zero where :func:`eager_attention_bytes` is).
+
+    Autograd releases a node's saved tensors as soon as that node's backward has run (the engine calls
+    ``Node::release_variables()`` after each function unless ``retain_graph``; each generated node's
+    ``release_variables`` resets its ``SavedVariable`` members) [PT torch/csrc/autograd/engine.cpp
+    ``call_function``, torch/csrc/autograd/generated/Functions.h]. Every node of the block after the
+    scores' softmax has run its backward by then, so what only those nodes saved is freed:
+
+    - activations: the second part of :func:`layer_activation_split_bytes` (the value tensor as P@V
+      received it, the output projection's input, the second norm, the MLP, the residual dropout masks);
+    - attention: :func:`eager_attention_bytes` less the softmax's own output
+      (:func:`eager_softmax_output_bytes`): the 16-bit copy P@V saved under CUDA autocast, the dropout
+      mask and the dropped probabilities.
+    """
+    if train.attention != "eager" or train.recompute != "none":
+        return {"activations": 0, "attention": 0}
+    _, after = layer_activation_split_bytes(model, train, b, s, t=t, sp=sp)
+    attention = eager_attention_bytes(model, train, b, s, t=t) - eager_softmax_output_bytes(model, train, b, s, t=t)
+    return {"activations": after, "attention": attention}
 
 
 def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: int = 1) -> int:
@@ -467,6 +558,45 @@ def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int
     moe = moe_terms.moe_mlp_saved_bytes(model, tokens, c, t=t, cast=bool(pb.autocast_copy),
                                         swiglu_saved=swiglu_saved, expert_bytes=pb.param) if is_moe(model) else dense
     return attn_inputs + attention + moe_terms.mean_mlp_saved_bytes(model, dense, moe)
+
+
+def layer_activation_split_bytes(
+    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+) -> tuple[int, int]:
+    """:func:`layer_activation_bytes` split at the attention scores: ``(through the scores, after them)``,
+    the two adding up to it.
+
+    Through the scores: what the block saved up to the ``q k^T`` product, in the same accounting as
+    :func:`layer_activation_bytes`: the first norm (:func:`norm_saved_bytes`), the attention input
+    copies its projections save, and q and k as the scores' product receives them (``a`` and, under
+    eager attention, ``a`` expanded key heads; sdpa's kernel ``k/t``); under MLA the latents twice and q
+    and k at ``a*(d_n + d_r)``. After them: the rest, the value tensor, the attention output, the second
+    norm, the MLP (an MoE stack's mean MLP) and the residual dropout masks, the tensors the block's
+    backward has released by the time it reaches an eager softmax
+    (:func:`eager_softmax_backward_freed_bytes`).
+    """
+    from lightning_memplan.model.frameworks import framework_facts
+
+    pb = precision_bytes(train)
+    c, h = pb.compute, model.hidden
+    tokens = b * s
+    total = layer_activation_bytes(model, train, b, s, t=t, sp=sp)
+    attn_in_copies = 3 if (pb.autocast_copy and not model.qkv_fused) else 1
+    norm = norm_saved_bytes(model, train, tokens, split=t if sp else 1)
+    a = model.n_heads // t
+    mla = uses_mla(model)
+    if mla:
+        attn_in_copies = min(attn_in_copies, 2)
+        qk = (model.qk_nope_head_dim or 0) + (model.qk_rope_head_dim or 0)
+        scores = (2 * tokens * ((model.q_lora_rank or 0) + (model.kv_lora_rank or 0)) + tokens * a * 2 * qk) * c
+    else:
+        kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
+        scores = (a + kv_heads) * tokens * model.dim_head * c
+    attn_inputs = attn_in_copies * tokens * h * c
+    if sp and framework_facts(train.framework).sp_saves_shard:
+        attn_inputs //= t
+    through = min(total, norm + attn_inputs + scores)
+    return through, total - through
 
 
 def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:

@@ -76,16 +76,49 @@ def _with_the_batch(key: str, old: dict[str, Any], plan: ParallelPlan) -> dict[s
             "_backward_positions": (0, (plan.microbatches if plan.pp > 1 else 1) * positions)}
 
 
+#: Since 8bf0700 the last block's eager softmax backward is a point of its own (``backward_softmax`` in
+#: ``model/estimate.py``; ``terms.eager_softmax_backward_*``): its ``[b, a, s, s]`` temporaries used to sit
+#: on every saved activation, though autograd has released the head's and the block's saves after the
+#: softmax by then. Only eager attention without recompute can move, only its backward phase, and only
+#: down on this grid (bf16-mixed on CUDA): by 0.10 % to 2.92 % of the backward peak in 162 cases (worked
+#: against a real CPU step in tests/unit/test_eager_chunked_backward.py). Bounded here, counted exactly.
+_SOFTMAX_POINT_KEY = "|none|eager|"
+_SOFTMAX_POINT_MAX_DROP = 0.03
+_SOFTMAX_POINT_CASES = 162
+
+
+def _peak_of(want: dict[str, Any]) -> dict[str, Any]:
+    # the first of the largest, in step order, as estimate_memory picks it (a tie is common: a pipeline
+    # stage's backward can start with exactly its forward's bytes)
+    peak = max(("forward", "backward", "optimizer"), key=lambda p: sum(want["by_phase"][p].values()))
+    want.update(want["by_phase"][peak], peak_phase=peak, total=sum(want["by_phase"][peak].values()))
+    return want
+
+
+def _softmax_point_moved(key: str, want: dict[str, Any], got: dict[str, Any], high: int) -> bool:
+    """``got`` is ``want`` (the 8bf0700 row with the batch, before the backward's position ids) except for a
+    backward phase the eager softmax point lowered by at most :data:`_SOFTMAX_POINT_MAX_DROP`."""
+    if _SOFTMAX_POINT_KEY not in key:
+        return False
+    old = sum(want["by_phase"]["backward"].values())
+    new = sum(got["by_phase"]["backward"].values())
+    if not (1 - _SOFTMAX_POINT_MAX_DROP) * old <= new <= old + high:
+        return False
+    moved = {**want, "by_phase": {**want["by_phase"], "backward": got["by_phase"]["backward"]}}
+    return _canonical(got) == _canonical(_peak_of(moved))
+
+
 def test_the_analytic_table_is_the_snapshot_plus_the_batch() -> None:
     """Every case of the 8bf0700 table, byte for byte, once the batch (issue 26) is added as worked above:
-    the other components, the phase peaks and the refusals are untouched."""
+    the other components, the phase peaks and the refusals are untouched, except the backward phase of
+    the eager cases the last block's softmax point lowers (:data:`_SOFTMAX_POINT_CASES`, bounded)."""
     module = _snapshot_module()
     plans = {name: plan for name, plan, _ in module.LAYOUTS}
     expected = _snapshot()["analytic"]
     table = module.analytic_table()
     assert len(table) == len(expected) == 2304
     assert sum(v.get("source") == "analytic" for v in table.values()) == 2304
-    differ = []
+    differ, softmax_moved = [], 0
     for key, old in expected.items():
         got = table.get(key)
         if "error" in old or got is None or "error" in got:
@@ -95,17 +128,17 @@ def test_the_analytic_table_is_the_snapshot_plus_the_batch() -> None:
         want = _with_the_batch(key, old, plans[key.split("|")[4]])
         low, high = want.pop("_backward_positions")
         extra = got["by_phase"]["backward"]["activations"] - want["by_phase"]["backward"]["activations"]
-        if not low <= extra <= high:
-            differ.append(key)
+        if low <= extra <= high:
+            with_positions = {**want, "by_phase": {**want["by_phase"], "backward": dict(
+                want["by_phase"]["backward"], activations=want["by_phase"]["backward"]["activations"] + extra)}}
+            if _canonical(got) == _canonical(_peak_of(with_positions)):
+                continue
+        if _softmax_point_moved(key, want, got, high):
+            softmax_moved += 1
             continue
-        want["by_phase"]["backward"]["activations"] += extra
-        # the first of the largest, in step order, as estimate_memory picks it (a tie is common: a pipeline
-        # stage's backward can start with exactly its forward's bytes)
-        peak = max(("forward", "backward", "optimizer"), key=lambda p: sum(want["by_phase"][p].values()))
-        want.update(want["by_phase"][peak], peak_phase=peak, total=sum(want["by_phase"][peak].values()))
-        if _canonical(got) != _canonical(want):
-            differ.append(key)
+        differ.append(key)
     assert not differ, f"{len(differ)} of {len(expected)} cases changed beyond the batch, e.g. {differ[:3]}"
+    assert softmax_moved == _SOFTMAX_POINT_CASES
 
 
 @dataclass(frozen=True)
