@@ -310,6 +310,9 @@ class _PerMicroBatch:
     softmax_freed_copies: int  # autocast weight copies released by then (pp = 1: the cache is gone)
     linear_bwd_ws: int
     rebuild_grads: int
+    first_rebuild: int  # full recompute: the first block rebuilt and running its backward (backward_first)
+    checkpointed_attn: int  # full recompute, eager: a block's [b, a, s, s] forward transients
+    checkpointed_acts: int  # ... and its saves up to the scores, alive beside them
     inflight: float
     inflight_head: float
     batch_in: int  # the dataloader batch this rank holds for the whole step (other)
@@ -392,6 +395,24 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     # While a checkpointed block is rebuilt and runs its backward, the gradient of its output (residual
     # dtype) and the widest matmul's input gradient exist next to the rebuilt activations.
     rebuild_grads = tokens * model.hidden * pb.residual // (t if sp else 1) + linear_bwd_ws if rebuild else 0
+    # Full recompute: the first block is rebuilt for its backward after every other block's backward
+    # ran, so its rebuilt activations and gradients sit beside (almost) every parameter gradient
+    # (backward_first). Measured on a CPU step (tests/unit/test_recompute_first_block.py): without it the
+    # backward was 4-11 % under with the chunked loss, whose buffers leave no larger point.
+    first_rebuild = rebuild + rebuild_grads if train.recompute == "full" and layout.n_layers else 0
+    checkpointed_attn = terms.eager_checkpointed_forward_bytes(model, train, b, s, t=t) if layout.n_layers else 0
+    checkpointed_acts = 0
+    if checkpointed_attn:
+        # Eager attention: the rebuilt block's softmax backward is its peak (as backward_softmax without
+        # recompute): what the block saves up to its scores, the probabilities, the two [b, a, s, s]
+        # temporaries and the residual and value gradients; in its forward the same saves up to the
+        # scores are alive beside the scores and probabilities.
+        plain = train.replace(recompute="none")
+        checkpointed_acts, _ = terms.layer_activation_split_bytes(model, plain, b, s, t=t, sp=sp)
+        first_rebuild = max(first_rebuild, checkpointed_acts
+                            + terms.eager_softmax_output_bytes(model, plain, b, s, t=t)
+                            + terms.eager_softmax_backward_bytes(model, plain, b, s, t=t)
+                            + terms.eager_softmax_backward_grad_bytes(model, plain, b, s, t=t, sp=sp))
     return _PerMicroBatch(
         batch_in=terms.batch_input_bytes(_batch_tokens(train, plan)),
         positions=terms.position_ids_bytes(model, s) if layout.has_embedding else 0,
@@ -412,6 +433,9 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         softmax_freed_copies=freed_copies,
         linear_bwd_ws=linear_bwd_ws,
         rebuild_grads=rebuild_grads,
+        first_rebuild=first_rebuild,
+        checkpointed_attn=checkpointed_attn,
+        checkpointed_acts=checkpointed_acts,
         inflight=inflight,
         inflight_head=inflight_head,
     )
@@ -491,6 +515,23 @@ def _dynamic(
         },
         "optimizer": {**{c: 0 for c in DYNAMIC_COMPONENTS}, "other": batch_in},
     }
+    if mb.first_rebuild:
+        # Full recompute: the first block rebuilt (its saves, as backward_layer's rebuild) and running its
+        # backward, with its output gradient and the widest matmul's input gradient; every later block's
+        # saved input is gone. The parameter gradients of every block exist (_estimate_stage).
+        out["backward_first"] = {**out["backward_end"], "workspace": mb.first_rebuild}
+    if mb.checkpointed_attn:
+        # Full recompute with eager attention: inside the last block's forward its scores and
+        # probabilities exist (terms.eager_checkpointed_forward_bytes) beside every block's saved input,
+        # before the head and the loss run.
+        out["forward_checkpoint"] = {
+            "activations": round(fwd_inflight * (block_acts + positions)
+                                 + max(0.0, fwd_inflight_head - 1) * head_acts) + mb.checkpointed_acts,
+            "attention": mb.checkpointed_attn,
+            "logits": round(max(0.0, fwd_inflight_head - 1) * lg["held"]),
+            "workspace": 0,
+            "other": copies + batch_in,
+        }
     if mb.softmax_point:
         # The last block's eager softmax backward (terms.eager_softmax_backward_*): its [b, a, s, s]
         # temporaries and the residual and value gradients beside them; by then autograd has released
@@ -556,10 +597,12 @@ def _calibrated_dynamic(
     phase_map = {
         "forward": "forward",
         "forward_block": "forward",
+        "forward_checkpoint": "forward",
         "backward_start": "backward",
         "backward_layer": "backward",
         "backward_softmax": "backward",
         "backward_end": "backward",
+        "backward_first": "backward",
         "optimizer": "optimizer",
     }
     for key, comps in analytic.items():
@@ -567,7 +610,7 @@ def _calibrated_dynamic(
         out[key] = {}
         for comp in DYNAMIC_COMPONENTS:
             fitted = calibration.bytes_for(phase, comp, b, s)
-            if key in ("backward_layer", "backward_softmax", "backward_end"):
+            if key in ("backward_layer", "backward_softmax", "backward_end", "backward_first"):
                 # The trace reports one backward peak; keep the analytic points inside the backward.
                 out[key][comp] = comps[comp]
             elif trivial:
@@ -746,6 +789,16 @@ def _estimate_stage(
         if model.n_params is not None:  # rescaled as _local_params_of rescales the stage's parameters
             after = round(after * model.n_params / terms.param_count(model))
         softmax_grads = (round(after * model.trainable_fraction) if frozen else after) * pb.grad
+    # At the first block's rebuilt backward (dynamic "backward_first", pp = 1) the embedding's gradient
+    # does not exist yet (its backward comes last); a tied embedding's is the head's, already there.
+    first_missing = 0
+    if "backward_first" in dynamic and layout.has_embedding and not model.tied_embeddings:
+        emb = math.ceil(terms.embedding_param_count(model) / plan.tp)
+        if model.n_params is not None:  # rescaled as _local_params_of rescales the stage's parameters
+            emb = round(emb * model.n_params / terms.param_count(model))
+        first_missing = (round(emb * model.trainable_fraction) if frozen else emb) * pb.grad
+        if plan.zero >= 2 and not pipelined_fsdp:
+            first_missing = math.ceil(first_missing / shard)
     static = {"params": params, "optimizer": optimizer, "master": master}
     points: dict[str, dict[str, int]] = {}
     if plan.pp == 1:
@@ -753,9 +806,9 @@ def _estimate_stage(
         grads_fwd = grads if (train.grads_alive_in_forward or accumulating) else 0
         grads_bwd_start = grads if accumulating else 0
         points["forward"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic["forward"]}
-        if "forward_block" in dynamic:  # activation offloading: inside the last block's forward
-            points["forward_block"] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd,
-                                       **dynamic["forward_block"]}
+        for key in ("forward_block", "forward_checkpoint"):  # inside the last block's forward
+            if key in dynamic:  # (activation offloading; full recompute with eager attention)
+                points[key] = {**static, "grads": grads_fwd, "comm": comm_static + comm_fwd, **dynamic[key]}
         points["backward_start"] = {
             **static, "grads": grads_bwd_start, "comm": comm_static + comm_bwd_start, **dynamic["backward_start"]
         }
@@ -770,6 +823,11 @@ def _estimate_stage(
         points["backward_end"] = {
             **static, "grads": grads_accum, "comm": comm_static + comm_bwd_end, **dynamic["backward_end"]
         }
+        if "backward_first" in dynamic:  # full recompute: the first block's rebuilt backward
+            points["backward_first"] = {
+                **static, "grads": max(grads_bwd_start, grads_accum - first_missing),
+                "comm": comm_static + comm_bwd, **dynamic["backward_first"],
+            }
     else:
         # A pipeline step drops the previous step's gradients before its schedule runs (the optimizer
         # has consumed them); each local chunk's gradients appear at its first backward of the step.
@@ -822,6 +880,7 @@ def _estimate_stage(
                 ("backward_layer", before + head_new, comm_bwd),
                 ("backward_softmax", before + head_new + block_new, comm_bwd),
                 ("backward_end", after, comm_bwd_end),
+                ("backward_first", after, comm_bwd),
             ):
                 if key not in dyn:
                     continue
@@ -964,6 +1023,8 @@ def _deepspeed_stage(
     keys = [(key, key) for key in deepspeed.POINTS]
     if "backward_softmax" in dynamic:
         keys.append(("backward_softmax", "backward_layer"))
+    if "backward_first" in dynamic:  # full recompute's first block rebuilt: every gradient as at the end
+        keys.append(("backward_first", "backward_end"))
     for key, zero_key in keys:
         comm = zl.comm[zero_key] + (tp_buffer if key != "optimizer" else 0)
         points[key] = {"params": zl.params, "optimizer": zl.optimizer, "master": zl.master,

@@ -360,6 +360,20 @@ def eager_softmax_output_bytes(model: ModelSpec, train: TrainSpec, b: int, s: in
     return b * (model.n_heads // t) * s * s * _softmax_bytes(train)
 
 
+def eager_checkpointed_forward_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+    """The ``[b, a/t, s, s]`` tensors alive while a checkpointed block (``recompute="full"``) runs its
+    eager attention forward: the softmax's input (the masked scores, compute dtype) and its output
+    (:func:`_softmax_bytes`), ``b*(a/t)*s^2`` elements each. The non-reentrant ``checkpoint`` saves
+    nothing of them, so they are freed when the block returns [PT torch/utils/checkpoint.py], but the
+    block's own forward holds both (measured with the tracker on the zoo's eager llama, 32-true,
+    b=2, s=256: the forward's peak is the last block's ``probs @ v``, 17.6 % over the loss's point).
+    Zero for ``attention="sdpa"`` and for ``recompute`` other than ``"full"``."""
+    if train.attention != "eager" or train.recompute != "full":
+        return 0
+    elems = b * (model.n_heads // t) * s * s
+    return elems * (precision_bytes(train).compute + _softmax_bytes(train))
+
+
 def eager_softmax_backward_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
     """The two ``[b, a/t, s, s]`` tensors of one layer's eager softmax backward, ``2*b*(a/t)*s^2``
     elements of :func:`_softmax_bytes`: the gradient of the probabilities (``grad_y @ V^T`` from the P@V
