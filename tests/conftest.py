@@ -19,6 +19,16 @@ except ImportError:  # hypothesis is a dev extra; the tests that need it skip wi
     pass
 
 
+@pytest.fixture
+def two_threads():
+    """At most two intra-op threads for the test (a real step's allocation order is then that of the
+    2-core CI machine), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

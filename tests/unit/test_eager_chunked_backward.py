@@ -53,11 +53,8 @@ def _step(name: str, precision: str, b: int, s: int, chunk: int, **trace: object
 
 
 @pytest.fixture(autouse=True)
-def _two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))
-    yield
-    torch.set_num_threads(threads)
+def _two_threads(two_threads):
+    """Real steps on at most two threads (tests/conftest.py)."""
 
 
 @pytest.mark.parametrize(("b", "s", "chunk"), HELD_OUT, ids=[f"b{b}-s{s}-chunk{c}" for b, s, c in HELD_OUT])

@@ -45,11 +45,8 @@ class _Checkpointed(torch.nn.Module):
 
 
 @pytest.fixture(autouse=True)
-def _two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))
-    yield
-    torch.set_num_threads(threads)
+def _two_threads(two_threads):
+    """Real steps on at most two threads (tests/conftest.py)."""
 
 
 @pytest.mark.parametrize(("name", "attention", "precision", "b", "s", "chunk"), CASES,
