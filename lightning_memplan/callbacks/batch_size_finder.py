@@ -3,7 +3,7 @@ step, with no trial step.
 
 The Trainer's front door over :func:`lightning_memplan.planning.fit.largest_fit` (the planner's fit test).
 The specs are inferred as :class:`~lightning_memplan.callbacks.MemoryPlanCallback` infers them
-(:mod:`lightning_memplan.parallel.infer`); the batch size attribute is found and set with Lightning's
+(:mod:`lightning_memplan.live`); the batch size attribute is found and set with Lightning's
 own utilities (``lightning_hasattr`` / ``lightning_getattr`` / ``lightning_setattr``, as its
 ``BatchSizeFinder``).
 """
@@ -19,9 +19,9 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_memplan.live import batch_shape, infer_model_spec, infer_plan, infer_train_spec
 from lightning_memplan.model.reserved import ReservedMargin
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.parallel.infer import batch_shape, infer_model_spec, infer_plan, infer_train_spec
 from lightning_memplan.planning.budget import caching_allocator_applies
 from lightning_memplan.planning.fit import LargestFit, check_reserved_margin, largest_fit
 from lightning_memplan.validation import check_number, check_optional_int, check_str

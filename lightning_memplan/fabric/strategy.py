@@ -38,6 +38,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_memplan.live.layouts import TransformerLayout, find_layout
 from lightning_memplan.model.specs import TrainSpec
 from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
 from lightning_memplan.parallel.decision import Resolution, ResolvedStrategy
@@ -47,7 +48,6 @@ from lightning_memplan.parallel.inputs import (
     optimizer_spec,
     peek_loader,
 )
-from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, alias_mesh
 from lightning_memplan.parallel.record import publish, record
 from lightning_memplan.parallel.resolve import PlanningOptions, plan_on_every_rank, resolve
@@ -217,7 +217,7 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
                 "memplan_auto plans one model per Fabric, and one is already set up; put the models in one "
                 "nn.Module, or use another strategy for the second"
             )
-        from lightning_memplan.parallel.infer import parallelised_by
+        from lightning_memplan.live import parallelised_by
 
         already = parallelised_by(module)
         if already is not None:
@@ -283,11 +283,11 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
     def _read_train(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> TrainSpec:
         """The run's TrainSpec: shape from ``train=``, ``example_input_array`` or the first loader's batch;
         precision from Fabric's precision plugin; the optimizer given to ``fabric.setup`` (AdamW if none)."""
-        from lightning_memplan.parallel.infer import InferenceError
+        from lightning_memplan.live import InferenceError
 
         base = self._options.train
         shape = (base.micro_batch, base.seq_len) if base is not None else self._batch_shape(module)
-        device = "cpu" if self.root_device.type == "cpu" else "cuda"  # as callbacks.infer.kernel_device
+        device = "cpu" if self.root_device.type == "cpu" else "cuda"  # as live.kernel_device
         optimizer = ("adamw", "for_loop" if device == "cpu" else "foreach")  # optimizer_of's fallback
         if optimizers:
             try:
@@ -300,7 +300,7 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
         )
 
     def _batch_shape(self, module: nn.Module) -> tuple[int, int]:
-        from lightning_memplan.parallel.infer import InferenceError, batch_shape
+        from lightning_memplan.live import InferenceError, batch_shape
 
         sample = getattr(module, "example_input_array", None)
         if sample is None and self._loaders:

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_memplan.live import (
+    batch_factory,
+    calibration_shapes,
+    optimizer_factory,
+    parallelised_by,
+    pipeline_split,
+    unwrap_optimizer,
+)
 from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.manual import manual_optimization_trace
-from lightning_memplan.parallel.infer import (
-    _calibration_shapes,
-    _optimizer_factory,
-    _unwrap,
-    batch_factory,
-    parallelised_by,
-    pipeline_split,
-)
 from lightning_memplan.tracking.compiled import eager_view
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ def run_calibration(
         )
         return None
     b, s = train.micro_batch, train.seq_len
-    shapes = _calibration_shapes(b, s, spec.dim_head if spec is not None else None)
+    shapes = calibration_shapes(b, s, spec.dim_head if spec is not None else None)
     optimizer: Any = train.optimizer
     if run.optimizers:
-        optimizer = _optimizer_factory(_unwrap(run.optimizers[0]))
+        optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
     extra: dict[str, Any] = {}
     if run.loss_fn is not None:
         extra["loss_fn"] = run.loss_fn

@@ -81,11 +81,11 @@ class _Measurement:
         if fit.probe is None or fit.current is not None:  # no fit set up, or inside a step: do not disturb it
             return
         if fit.tracking_enabled:
-            from lightning_memplan.parallel.infer import _unwrap
+            from lightning_memplan.live import unwrap_optimizer
             from lightning_memplan.tracking.tracker import TensorTracker
 
             device = getattr(run.strategy, "root_device", None)
-            self.tracker = TensorTracker(run.module, [_unwrap(o) for o in run.optimizers], device=device,
+            self.tracker = TensorTracker(run.module, [unwrap_optimizer(o) for o in run.optimizers], device=device,
                                          timeline_points=None)
             self.tracker.start()
             self.tracker.set_phase("optimizer")

@@ -7,7 +7,7 @@ rank, device) and drives the session through one training step at a time: :meth:
 with the batch, :meth:`~MemorySession.enter_phase` at backward and the optimizer step,
 :meth:`~MemorySession.end_step`; :meth:`~MemorySession.end_epoch` gathers every rank's figures (a
 collective) into the epoch report. Logging, the report folders and the Trainer's spawn hand-off stay
-with the front doors. The inference helpers (:mod:`~lightning_memplan.parallel.infer`) read a
+with the front doors. The inference helpers (:mod:`~lightning_memplan.live`) read a
 ``RunContext`` and a ``Trainer`` alike: the context carries the attributes they read under the
 Trainer's names.
 """
@@ -22,6 +22,17 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_memplan.live import (
+    InferenceError,
+    batch_shape,
+    ddp_bucket_bytes,
+    fsdp1_notes,
+    infer_model_spec,
+    infer_plan,
+    infer_train_spec,
+    stage_micro_batch,
+    unwrap_optimizer,
+)
 from lightning_memplan.model.reserved import ReservedMargin
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
@@ -36,17 +47,6 @@ from lightning_memplan.monitoring.eval_steps import EvalState
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.step_record import build_incident, build_step_record
-from lightning_memplan.parallel.infer import (
-    InferenceError,
-    _unwrap,
-    batch_shape,
-    ddp_bucket_bytes,
-    fsdp1_notes,
-    infer_model_spec,
-    infer_plan,
-    infer_train_spec,
-    stage_micro_batch,
-)
 from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.records import (
     EpochReport,
@@ -331,7 +331,7 @@ class MemorySession:
     def _start_measuring(self, run: RunContext, batch: Any, shape: tuple[int, int] | None) -> None:
         """The tensor tracker (or a compiled CPU step's allocation meter) for a tracked step."""
         fit = self.fit
-        optimizers = [_unwrap(o) for o in run.optimizers]
+        optimizers = [unwrap_optimizer(o) for o in run.optimizers]
         if fit.compiled:
             if fit.probe is not None and fit.probe.kind == "cpu":
                 fit.meter = AllocationMeter("cpu")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_memplan.live.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.decision import Resolution
 from lightning_memplan.parallel.fsdp import (
     apply_activation_checkpointing,
@@ -22,7 +23,6 @@ from lightning_memplan.parallel.fsdp import (
     apply_data_parallel,
     data_parallel_mesh,
 )
-from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.mesh import MeshAxis
 from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.tensor_parallel import apply_tensor_parallel, find_linear_cross_entropy
@@ -185,7 +185,7 @@ def planned_optimizer_mismatch(decision: Any, optimizer: Any, *, fix: str) -> st
         fix: how to plan for it, e.g. ``"MemplanAutoStrategy(train=TrainSpec(..., optimizer={kind!r}))"``
             (formatted with ``kind``).
     """
-    from lightning_memplan.parallel.infer import InferenceError, infer_optimizer
+    from lightning_memplan.live import InferenceError, infer_optimizer
 
     planned = getattr(getattr(decision, "train", None), "optimizer", None)
     if planned is None or optimizer is None:

@@ -15,9 +15,9 @@ from typing import Any, cast
 
 from torch import nn
 
+from lightning_memplan.live.layouts import TransformerLayout
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.parallel.fsdp import own_units
-from lightning_memplan.parallel.layouts import TransformerLayout
 from lightning_memplan.parallel.mesh import MeshLayout
 from lightning_memplan.parallel.pipeline import pipeline_blocker
 from lightning_memplan.parallel.tensor_parallel import (

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_memplan.parallel.layouts import TransformerLayout
+from lightning_memplan.live.layouts import TransformerLayout
 from lightning_memplan.parallel.mesh import MeshAxis, MeshLayout
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memplan.live.layouts import TransformerLayout
 from lightning_memplan.model.introspect import norm_impl_of
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
-from lightning_memplan.parallel.layouts import TransformerLayout
 
 __all__ = [
     "RUN_FIELDS",
@@ -108,7 +108,7 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
         BatchShapeUnknown: neither ``base``, ``example_input_array`` nor a batch gives the shape.
     """
     shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(trainer, lightning_module)
-    from lightning_memplan.parallel.infer import kernel_device
+    from lightning_memplan.live import kernel_device
 
     device = kernel_device(trainer)
     optimizer, impl = optimizer_of(lightning_module, device)
@@ -172,7 +172,7 @@ def compose_train_spec(
 
 
 def _batch_shape_of(trainer: Any, lightning_module: Any) -> tuple[int, int]:
-    from lightning_memplan.parallel.infer import InferenceError, batch_shape
+    from lightning_memplan.live import InferenceError, batch_shape
 
     sample = getattr(lightning_module, "example_input_array", None)
     if sample is None:
@@ -229,7 +229,7 @@ def optimizer_spec(optimizer: Any, device: str) -> tuple[str, str]:
     Raises:
         InferenceError: an optimizer the memory model does not know.
     """
-    from lightning_memplan.parallel.infer import infer_optimizer
+    from lightning_memplan.live import infer_optimizer
 
     kind, impl = infer_optimizer(optimizer)
     defaults = getattr(optimizer, "defaults", {}) or {}

@@ -1,7 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` inside the ordinary ``Trainer.fit`` loop.
 
 **Contract.** A transformer can be split into stages when memplan_auto recognises its block list (see
-:mod:`~lightning_memplan.parallel.layouts`) and it knows how to run a slice of it:
+:mod:`~lightning_memplan.live.layouts`) and it knows how to run a slice of it:
 
 * the zoo GPT and Hugging Face ``LlamaForCausalLM`` (transformers >= 4.53; the LightningModule must
   define ``pipeline_loss``: Hugging Face shifts labels inside the model) are built in;
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memplan.parallel.layouts import TransformerLayout, get_submodule_or_none
+from lightning_memplan.live.layouts import TransformerLayout, get_submodule_or_none
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_memplan.live.layouts import TransformerLayout
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.parallel.decision import Resolution, decide
 from lightning_memplan.parallel.inputs import BatchShapeUnknown, model_spec_for
-from lightning_memplan.parallel.layouts import TransformerLayout
 from lightning_memplan.parallel.mesh import build_device_mesh
 from lightning_memplan.parallel.record import explain
 from lightning_memplan.parallel.stall import RankRendezvous

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_memplan.parallel.layouts import TransformerLayout, get_submodule_or_none
+from lightning_memplan.live.layouts import TransformerLayout, get_submodule_or_none
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

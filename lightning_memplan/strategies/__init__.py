@@ -10,8 +10,8 @@ composition root's wiring; this package knows nothing of it). With LightningCLI 
 
 from __future__ import annotations
 
+from lightning_memplan.live.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.decision import ForcedDecision, Resolution
-from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.mesh import MeshAxis, MeshLayout
 from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.record import PLAN_FILENAME

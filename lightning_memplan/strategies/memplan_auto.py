@@ -39,12 +39,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_memplan.live import has_fsdp2, parallelised_by
+from lightning_memplan.live.layouts import TransformerLayout, find_layout
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
 from lightning_memplan.parallel.decision import Resolution, ResolvedStrategy
-from lightning_memplan.parallel.infer import has_fsdp2, parallelised_by
 from lightning_memplan.parallel.inputs import train_spec_for
-from lightning_memplan.parallel.layouts import TransformerLayout, find_layout
 from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh
 from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.record import (

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
+from lightning_memplan.tracking.batch import first_tensor
 from lightning_memplan.tracking.fake_fidelity import real_step_branches
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
@@ -166,17 +167,6 @@ def _token_batch(module: nn.Module, micro_batch: int, seq_len: int) -> torch.Ten
             "nn.Embedding to take the vocabulary from; pass example_input= or input_fn=(b, s) -> batch"
         )
     return torch.randint(0, vocab, (micro_batch, seq_len))
-
-
-def _first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -391,7 +381,7 @@ def trace_memory(
         def make_batch() -> Any:
             return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
     else:
-        first = _first_tensor(example_input)
+        first = first_tensor(example_input)
         if first is None:
             raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
         micro_batch = int(first.shape[0]) if first.dim() else 1

@@ -123,7 +123,7 @@ def fsdp_finder_worker(rank: int, world: int, root: str) -> dict:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_memplan import MemoryPlanBatchSizeFinder
-    from lightning_memplan.parallel.infer import infer_plan
+    from lightning_memplan.live import infer_plan
 
     module, finder, meter = FullyShardedLM(), MemoryPlanBatchSizeFinder(memory_budget=BUDGET), PeakMeter()
     trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False,

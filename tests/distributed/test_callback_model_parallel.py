@@ -21,7 +21,7 @@ ESTIMATE_RTOL = 0.05
 
 class SelfShardingLM(TinyLM):
     def configure_model(self) -> None:
-        from lightning_memplan.parallel.layouts import find_layout
+        from lightning_memplan.live.layouts import find_layout
         from lightning_memplan.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(self, find_layout(self), self.device_mesh["tensor_parallel"])

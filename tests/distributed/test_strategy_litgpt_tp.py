@@ -37,8 +37,8 @@ from test_strategy_budget import ESTIMATE_RTOL  # noqa: I001
 from test_strategy_parity import make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.parallel.layouts import find_layout
 from lightning_memplan.parallel.tensor_parallel import litgpt_qkv_rows, tensor_parallel_blocker
 from lightning_memplan.testing import run_distributed
 

@@ -360,7 +360,7 @@ def _loader():
 def single_device_worker(rank: int, world: int, root: str) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_memplan.parallel.infer import infer_plan
+    from lightning_memplan.live import infer_plan
 
     strategy = MemplanAutoStrategy(memory_budget=2**30)
     logger = CSVLogger(root, name="run")

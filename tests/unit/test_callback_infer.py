@@ -11,10 +11,7 @@ import pytest
 import torch
 
 from lightning_memplan.callbacks import MemoryPlanCallback, is_out_of_memory
-from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.monitoring.advice import REMEDIES, culprit, headroom_message, mismatch_message, remedy
-from lightning_memplan.monitoring.measure import PhaseProbe, read_rss
-from lightning_memplan.parallel.infer import (
+from lightning_memplan.live import (
     InferenceError,
     batch_factory,
     batch_shape,
@@ -22,6 +19,9 @@ from lightning_memplan.parallel.infer import (
     infer_plan,
     infer_train_spec,
 )
+from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.monitoring.advice import REMEDIES, culprit, headroom_message, mismatch_message, remedy
+from lightning_memplan.monitoring.measure import PhaseProbe, read_rss
 from lightning_memplan.report import StepRecord
 
 IDS = torch.zeros(3, 17, dtype=torch.long)
@@ -400,8 +400,38 @@ def test_report_text_goes_to_tensorboard_and_the_wandb_table_is_numeric():
 
 
 def test_calibration_shapes_stay_within_the_real_sequence_and_avoid_the_head_width():
-    from lightning_memplan.parallel.infer import _calibration_shapes
+    from lightning_memplan.live import calibration_shapes
 
-    assert _calibration_shapes(2, 32, 16) == [(2, 32), (2, 24), (4, 32)]
-    assert _calibration_shapes(2, 32, 24) == [(2, 32), (2, 23), (4, 32)]  # 24 would look like [.., s, s]
-    assert _calibration_shapes(8, 1, None) == [(8, 1), (16, 1)]  # one position per sample: vary b only
+    assert calibration_shapes(2, 32, 16) == [(2, 32), (2, 24), (4, 32)]
+    assert calibration_shapes(2, 32, 24) == [(2, 32), (2, 23), (4, 32)]  # 24 would look like [.., s, s]
+    assert calibration_shapes(8, 1, None) == [(8, 1), (16, 1)]  # one position per sample: vary b only
+
+
+def test_tracer_and_callback_read_the_same_tensor_of_an_encoder_decoder_batch() -> None:
+    """One rule (``tracking.batch.first_tensor``) for the tracer and the callback. An encoder-decoder batch
+    whose decoder ``labels`` come first in the mapping used to split them: the callback's reader took the
+    token key (``input_ids``, s = 12), the tracer's own helper the first tensor in order (``labels``, s = 5),
+    so ``trace_memory(example_input=batch)`` traced another sequence length than the callback estimated."""
+    from lightning_memplan.tracking.batch import first_tensor
+
+    batch = {"labels": torch.zeros(2, 5, dtype=torch.long), "input_ids": torch.ones(2, 12, dtype=torch.long)}
+    assert first_tensor(batch) is batch["input_ids"]
+    assert batch_shape(batch) == (2, 12)
+    # the tracer reads its example batch with the same rule: a tiny encoder-decoder traced on that batch
+    from lightning_memplan.tracking.trace import trace_memory
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, batch):
+            memory = self.emb(batch["input_ids"]).mean(1, keepdim=True)
+            return self.head(self.emb(batch["labels"]) + memory)
+
+    def loss_fn(module, batch):
+        return torch.nn.functional.cross_entropy(module(batch).flatten(0, 1), batch["labels"].flatten())
+
+    result = trace_memory(Seq2Seq(), example_input=batch, loss_fn=loss_fn)
+    assert (result.micro_batch, result.seq_len) == batch_shape(batch) == (2, 12)

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from lightning_memplan.cli import main
+from lightning_memplan.live import InferenceError, infer_plan, infer_train_spec, is_deepspeed
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.frameworks import ZeroConfig, zero_settings_from_deepspeed_config
 from lightning_memplan.model.result import MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.parallel.infer import InferenceError, infer_plan, infer_train_spec, is_deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 

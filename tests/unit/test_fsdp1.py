@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_memplan.live import fsdp1_notes, infer_plan, infer_train_spec, is_fsdp1
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.parallel.infer import fsdp1_notes, infer_plan, infer_train_spec, is_fsdp1
 
 IDS = torch.zeros(2, 8, dtype=torch.long)
 

@@ -201,7 +201,7 @@ def test_norm_impl_is_validated_and_read_by_the_front_doors():
     # the callback's inference at fit start reads it from the LightningModule's tree
     from types import SimpleNamespace
 
-    from lightning_memplan.parallel.infer import infer_train_spec
+    from lightning_memplan.live import infer_train_spec
 
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     trainer = SimpleNamespace(strategy=None, world_size=1, precision="bf16-true", accumulate_grad_batches=1,

@@ -15,11 +15,11 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.parallel.decision import decide
 from lightning_memplan.parallel.fsdp import own_units
-from lightning_memplan.parallel.layouts import find_layout
 from lightning_memplan.testing.zoo import GPT, GPTConfig
 
 SPEC = ModelSpec(2, 64, 4, 512, n_kv_heads=2, ffn_hidden=172, ffn_kind="swiglu", norm="rmsnorm")

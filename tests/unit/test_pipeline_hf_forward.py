@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memplan.parallel.layouts import find_layout
+from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.parallel.pipeline import _stage_parts, pipeline_blocker, split_blocks
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")

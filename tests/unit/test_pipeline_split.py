@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_memplan.parallel.layouts import find_layout
+from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.parallel.pipeline import PipelineRunner
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Llama layout needs transformers")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.model import checkpointing as ck
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.specs import RECOMPUTE_MODES, TrainSpec
 from lightning_memplan.parallel.fsdp import apply_activation_checkpointing
-from lightning_memplan.parallel.layouts import find_layout
 from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style, llama_style
 from lightning_memplan.tracking.trace import trace_memory
 

@@ -1,0 +1,62 @@
+"""The optimizer of a running fit: its :class:`~lightning_memplan.model.specs.TrainSpec` strings, a
+factory that rebuilds it for a trace, and the ``torch.optim.Optimizer`` inside Lightning's wrapper."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_memplan.live.batch import InferenceError
+
+__all__ = ["infer_optimizer", "optimizer_factory", "unwrap_optimizer"]
+
+
+def infer_optimizer(optimizer: Any) -> tuple[str, str]:
+    """``(optimizer, optimizer_impl)`` TrainSpec strings for a ``torch.optim.Optimizer`` (possibly
+    wrapped by Lightning's ``LightningOptimizer``).
+
+    Raises:
+        InferenceError: an optimizer class the memory model does not know.
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
+    name = type(opt).__name__.lower()
+    defaults = getattr(opt, "defaults", {}) or {}
+    if "8bit" in name and "adam" in name:
+        kind = "adamw8bit"
+    elif name in ("adamw", "adam", "lion", "adafactor"):
+        kind = name
+    elif name == "sgd":
+        kind = "sgd_momentum" if float(defaults.get("momentum", 0.0) or 0.0) > 0.0 else "sgd"
+    else:
+        raise InferenceError(
+            f"optimizer {type(opt).__name__!r} has no entry in the memory model (known: Adam, AdamW, SGD, "
+            "Lion, Adafactor, 8-bit Adam); pass MemoryPlanCallback(train_spec=TrainSpec(..., "
+            "optimizer_bytes_per_param=...)) with its state bytes per parameter"
+        )
+    if defaults.get("fused"):
+        impl = "fused"
+    elif defaults.get("foreach") is False:
+        impl = "for_loop"
+    elif defaults.get("foreach"):
+        impl = "foreach"
+    else:
+        # torch.optim's default (_default_to_fused_or_foreach): foreach only when every parameter is a
+        # CUDA tensor, the single-tensor loop otherwise.
+        params = [p for g in opt.param_groups for p in g["params"]]
+        impl = "foreach" if params and all(p.is_cuda for p in params) else "for_loop"
+    return kind, impl
+
+def optimizer_factory(opt: torch.optim.Optimizer) -> Any:
+    """``params -> Optimizer`` rebuilding ``opt``'s class with its defaults (only the keywords its
+    constructor accepts: ``defaults`` also holds derived entries such as ``decoupled_weight_decay``)."""
+    import inspect
+
+    cls = type(opt)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
+    return lambda params: cls(params, **kwargs)
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside a ``LightningOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)
