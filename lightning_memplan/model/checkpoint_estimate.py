@@ -49,9 +49,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_memplan.model import terms
-from lightning_memplan.model.estimate import _local_params_of, estimate_memory, stage_layout
+from lightning_memplan.model.estimate import estimate_memory, stage_layout
+from lightning_memplan.model.sizes import optimizer_bytes, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.model.stage_layout import stage_params
 from lightning_memplan.validation import check_bool, check_choice, check_optional_int
 
 __all__ = [
@@ -190,10 +191,11 @@ def estimate_checkpoint_memory(
     resident += kept["optimizer"] if (optimizer_states or creates_states) else 0
     local_state = kept["params"] + kept["master"] + (kept["optimizer"] if (optimizer_states or creates_states) else 0)
 
-    pb = terms.precision_bytes(train)
-    state_per_param = terms.optimizer_state_bytes_per_param(train)
+    pb = precision_bytes(train)
+    state_per_param = optimizer_bytes(train).per_param
     layout = stage_layout(model, plan, training.stage, train.framework)
-    full_params, _, largest = _local_params_of(model, 1, plan.pp > 1, layout)
+    full = stage_params(model, 1, plan.pp > 1, layout)
+    full_params, largest = full.local, full.largest
     has_states = optimizer_states or creates_states
     full_state = full_params * pb.param + (round(full_params * state_per_param) if has_states else 0)
     largest_bytes = largest * max(pb.param, pb.state if (has_states and state_per_param) else 0)

@@ -13,6 +13,7 @@ from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.offload import host_need_bytes
 from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget, device_need, memory_budget, need_text
 from lightning_memplan.planning.decision import Candidate, Rejection
@@ -118,7 +119,8 @@ class _Search:
         if train is None:
             chunk = self.train.loss_chunk_size
             if loss == "chunked" and chunk is None:
-                chunk = terms.planned_loss_chunk_tokens(self.model, self.train, lc.b * self.train.seq_len // lc.cp)
+                chunk = terms.planned_loss_chunk_tokens(self.model, kernels_of(self.train),
+                                                        lc.b * self.train.seq_len // lc.cp)
             train = self._trains[tkey] = self.train.replace(
                 micro_batch=lc.b, grad_accumulation=tkey[1], recompute=rc, loss=loss, loss_chunk_size=chunk
             )

@@ -49,6 +49,7 @@ from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model import frameworks, terms
+from lightning_memplan.model.sizes import kernels_of, optimizer_bytes, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import efficiency as E
 from lightning_memplan.planning import flops as F
@@ -292,7 +293,7 @@ class StepTimeModel:
         self.model, self.train, self.hardware = model, train, hardware
         self.recomputes, self.zeros, self.losses = recomputes, zeros, losses
         s = train.seq_len
-        self.pb = terms.precision_bytes(train)
+        self.pb = precision_bytes(train)
         self.peak = hardware.flops_for(train.precision)
         self.modelled = time_model_applies(hardware, train)
         self.gemm_f = F.layer_matmul_flops_per_token(model)
@@ -312,7 +313,7 @@ class StepTimeModel:
         self.head_p = terms.head_param_count(model) * scale
         self.tied_extra = model.vocab_size * model.hidden * scale if model.tied_embeddings else 0.0
         self.total_p = terms.param_count(model) * scale
-        state_b = terms.optimizer_state_bytes_per_param(train)
+        state_b = optimizer_bytes(train).per_param
         # read + write of params, states and master, read of grads
         self.traffic = 2 * (self.pb.param + state_b + self.pb.master) + self.pb.grad
         self.mem_bw = hardware.resolved("memory_bw") * E.MEMORY_BW_EFFICIENCY
@@ -465,7 +466,7 @@ class StepTimeModel:
                 logits = tok_rank * model.vocab_size * pb.logits
                 cost += all_gather_time(logits, t, tp_link) + reduce_scatter_time(logits, t, tp_link)
             if lm == "chunked":
-                chunk = train.loss_chunk_size or terms.planned_loss_chunk_tokens(model, train, tok_rank)
+                chunk = train.loss_chunk_size or terms.planned_loss_chunk_tokens(model, kernels_of(train), tok_rank)
                 cost += math.ceil(tok_rank / chunk) * CHUNK_OVERHEAD_S
             loss_mb[lm] = cost
 
