@@ -367,13 +367,18 @@ def calibrated_points(
     out: dict[str, dict[str, int]] = {}
     for key, comps in analytic.items():
         phase = PHASE_OF_POINT[key]
+        if key in ("backward_layer", "backward_softmax", "backward_end", "backward_first") or (
+            single is not None and key not in single
+        ):
+            # The trace reports one backward peak; keep the analytic points inside the backward. A point the
+            # traced step has no counterpart of (one offloaded block's forward, ``forward_block``: the trace
+            # ran without activation offloading) stays analytic too.
+            out[key] = {comp: comps[comp] for comp in DYNAMIC_COMPONENTS}
+            continue
         out[key] = {}
         for comp in DYNAMIC_COMPONENTS:
             fitted = calibration.bytes_for(phase, comp, b, s)
-            if key in ("backward_layer", "backward_softmax", "backward_end", "backward_first"):
-                # The trace reports one backward peak; keep the analytic points inside the backward.
-                out[key][comp] = comps[comp]
-            elif single is None:
+            if single is None:
                 out[key][comp] = fitted
             else:
                 base = single[key][comp]

@@ -169,7 +169,19 @@ def test_every_table_is_the_223c039_snapshot_byte_for_byte(table: str) -> None:
         got = module.coverage_tables([table], _snapshot()["hf"], _entries())[table]
     assert sorted(got) == sorted(expected), f"{table}: the case keys changed"
     differ = [key for key in expected if _canonical(got[key]) != _canonical(expected[key])]
-    assert not differ, f"{table}: {len(differ)} of {len(expected)} cases changed, e.g. {differ[:3]}"
+    fixed = [key for key in differ if expected[key] == _FORWARD_BLOCK_KEY_ERROR]
+    assert not set(differ) - set(fixed), f"{table}: {len(differ)} of {len(expected)} cases changed, e.g. {differ[:3]}"
+    # 223c039 raised KeyError for a calibration under activation offloading (the traced step has no
+    # offloaded block's point); since, that point stays analytic (tests/unit/test_estimate_stages.py
+    # checks the answer against the analytic estimate)
+    assert len(fixed) == (_FORWARD_BLOCK_FIXED if table == "calibrated" else 0)
+    assert all(got[key]["source"] == "calibrated" and got[key]["total"] > 0 for key in fixed)
+
+
+#: What 223c039 raised for a calibrated estimate under activation offloading, and the number of such
+#: cases of the ``calibrated`` table (3 layouts x 2 attention kernels x 2 ranks, recompute "none").
+_FORWARD_BLOCK_KEY_ERROR = {"error": "KeyError: 'forward_block'"}
+_FORWARD_BLOCK_FIXED = 12
 
 
 def test_the_223c039_snapshot_covers_every_framework_and_mode() -> None:
