@@ -446,6 +446,10 @@ def planner_table() -> dict[str, Any]:
                                         HardwareSpec.preset("l4", gpus_per_node=2), global_batch=64),
         "gpt2_rtx4090_budget": lambda: plan(gpt2, TrainSpec(micro_batch=4, seq_len=1024, precision="32-true"),
                                             HardwareSpec.preset("rtx-4090"), memory_budget=8e9),
+        # rejections of every kind, interleaved: tp 8 and 16 split no 12 heads, dp 16 no batch of 24
+        "gpt2_a100_x16_batch24": lambda: plan(gpt2, TrainSpec(micro_batch=2, seq_len=1024),
+                                              HardwareSpec.preset("a100-80gb", gpus_per_node=8, num_nodes=2),
+                                              global_batch=24),
     }
     out: dict[str, Any] = {key: _guarded(lambda c=call: _without_timings(c().to_dict())) for key, call in cases.items()}
     train = TrainSpec(micro_batch=1, seq_len=2048)
