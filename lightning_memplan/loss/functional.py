@@ -1,4 +1,5 @@
-"""``linear_cross_entropy``: the functional form, shaped like ``F.cross_entropy`` (house style 8).
+"""``linear_cross_entropy``: the functional form, shaped like ``F.cross_entropy`` (with the module form,
+``loss/module.py``, as Liger-Kernel pairs ``transformers/functional.py`` with its modules).
 
 Dispatch, in order: validate options and shapes → resolve vocab/sequence parallelism (DTensor or
 ``process_group``) → apply ``shift`` by moving the targets, not the hidden states (no [B, S-1, h]

@@ -26,7 +26,7 @@ the pipeline schedule's micro-batching of an evaluation (one micro-batch of ``mi
 assumed in flight), and sampling or beam search inside ``generate`` (greedy decoding only: beams multiply
 the cache by their number).
 
-Symbols as in ``docs/DESIGN.md``: b micro-batch, s sequence length, h hidden, a heads, k kv-heads,
+Symbols as in ``docs/concepts.md``: b micro-batch, s sequence length, h hidden, a heads, k kv-heads,
 f ffn hidden, V vocab, t tensor-parallel, c context-parallel.
 """
 

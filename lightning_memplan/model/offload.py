@@ -42,7 +42,7 @@ Every fact is read from torch 2.13 (files under ``site-packages/torch``):
   ``pinned_max_round_threshold``, default ``SIZE_MAX``, ``c10/core/AllocatorConfig.h``); freed blocks are
   cached, not returned. A pinned tensor of ``n`` bytes therefore holds less than ``2 n``.
 
-Symbols as in docs/DESIGN.md; ``d`` the shard group (dp x cp), ``U`` one block's parameters on a rank
+Symbols as in docs/concepts.md; ``d`` the shard group (dp x cp), ``U`` one block's parameters on a rank
 before sharding, ``e``/``g`` parameter and gradient bytes, ``w`` the bytes of a weight as a matmul saves it
 (the autocast copy under mixed precision, else the parameter dtype).
 """

@@ -1,7 +1,8 @@
 """Step-time model: compute per GEMM shape and GPU generation (:mod:`.efficiency`), communication per parallel axis
 (exposed vs overlapped), the pipeline bubble, and the optimizer step.
 
-``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (seed 003, section "step time").
+``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (the terms [N21] analyses: computation,
+the pipeline bubble of its section 2.2 and each parallel axis's communication, section 3).
 Per micro-batch "slot" on the bottleneck pipeline stage:
 ``slot = compute_mb + tp_mb + cp_exposed_mb + pp_mb + loss_mb``; a step runs ``m + (p-1)/v`` slots
 (m slots of work plus the bubble [N21 section 2.2]); data-parallel gradient traffic is added once per
@@ -105,7 +106,8 @@ CHUNK_OVERHEAD_S = 30e-6
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Share of the step the pipeline idles: ``(p-1) / (v m + p - 1)`` [N21 2.2.1; v > 1: 2.2.2].
 
-    For v = 1 this is the GPipe/1F1B ``(p-1)/(m+p-1)`` (seed 001)."""
+    For v = 1 this is the GPipe/1F1B ``(p-1)/(m+p-1)`` (Huang et al. 2019, GPipe, arXiv 1811.06965,
+    section 2.2: ``O((K-1)/(M+K-1))`` for K partitions and M micro-batches)."""
     return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
 
 
