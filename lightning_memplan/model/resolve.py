@@ -93,15 +93,23 @@ class ResolvedStage:
         return self.kernels.device
 
 
+@functools.lru_cache(maxsize=4096)
+def _step(train: TrainSpec) -> tuple[Kernels, OptimizerBytes, frameworks.FrameworkFacts, bool, ZeroConfig]:
+    """What every stage of one step shares, read from ``train`` once: kernels, optimizer, framework facts,
+    whether FSDP2's ``CPUOffloadPolicy`` is on, the ZeRO settings."""
+    return (kernels_of(train), optimizer_bytes(train), frameworks.framework_facts(train.framework),
+            offload.offloads_params(train), train.zero_config or ZeroConfig())
+
+
 @functools.lru_cache(maxsize=8192)  # frozen specs; the planner asks the same stage under many layouts
 def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage: int) -> ResolvedStage:
     """Resolve ``stage`` of ``plan`` for ``train`` (stage 1 of the estimate; the module docstring)."""
+    kernels, optimizer, facts, offload_params, zero_config = _step(train)
     layout = stage_layout(model, plan, stage, train.framework)
-    facts = frameworks.framework_facts(train.framework)
     b, s = train.micro_batch, train.seq_len // plan.cp
     return ResolvedStage(
-        kernels=kernels_of(train),
-        optimizer=optimizer_bytes(train),
+        kernels=kernels,
+        optimizer=optimizer,
         layout=layout,
         params=stage_params(model, plan.tp, plan.pp > 1, layout),
         b=b,
@@ -120,7 +128,7 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
         flat_params=facts.fsdp_flat_params,
         grads_per_microbatch=facts.grads_per_microbatch,
         offload=train.offload,
-        offload_params=offload.offloads_params(train),
+        offload_params=offload_params,
         offload_activations=train.offload_activations,
-        zero_config=train.zero_config or ZeroConfig(),
+        zero_config=zero_config,
     )

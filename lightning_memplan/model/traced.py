@@ -423,7 +423,7 @@ def _specs(model: ModelSpec, n_params: int, n_trainable: int | None) -> tuple[Mo
     return base, replace(base, n_trainable_params=n_trainable)
 
 
-#: ``_estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
+#: ``estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
 #: analytic terms of one pipeline stage (passed in, so that this module does not import the estimate).
 StageEstimate = Callable[["ModelSpec", "TrainSpec", "ParallelPlan", int, int, "Calibration | None"], MemoryEstimate]
 

@@ -440,7 +440,7 @@ class _Search:
             if f.b > lc.b or fz < z or (sp and not fsp):
                 continue
             if f.b < lc.b and not ((self.train.grads_alive_in_forward and lc.pp == 1) or lc.m > 1):
-                continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/estimate.py)
+                continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/assemble.py)
             if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1
                                                                          and lc.schedule != "gpipe"):
                 continue  # GPipe's forwards meet no gradients, 1F1B's do: neither bounds the other
