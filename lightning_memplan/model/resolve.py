@@ -74,7 +74,7 @@ class ResolvedStage:
         # on every estimate the planner asks for
         cached: int | None = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            cached = hash(tuple(self.__dict__[name] for name in _FIELDS))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -91,6 +91,10 @@ class ResolvedStage:
     @property
     def device(self) -> str:
         return self.kernels.device
+
+
+#: The fields of :class:`ResolvedStage`, in order (its cached hash reads them).
+_FIELDS = tuple(f.name for f in fields(ResolvedStage))
 
 
 @functools.lru_cache(maxsize=4096)
