@@ -1,5 +1,5 @@
 """Files memplan writes and reads: the one writer, the one JSON reader, the report folder's lock and path
-components from names (house style 21).
+components from names (CWE-59 and CWE-22 are what these habits prevent; CPython's ``tempfile``).
 
 Writing (:func:`write_atomic`, :func:`atomic_file`): the data goes to a fresh temporary file made by
 :func:`tempfile.mkstemp` in the target's folder (``O_CREAT | O_EXCL | O_NOFOLLOW``, a random name

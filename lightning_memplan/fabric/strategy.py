@@ -2,7 +2,8 @@
 
 A thin adapter over Lightning Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` (process
 group, distributed checkpoints, FSDP2 ``no_backward_sync``) sharing the Trainer strategy's core
-(house style 17): :mod:`lightning_memplan.parallel.resolve` plans (rank 0 resolves, broadcasts, every
+(one core, two front doors, as Lightning's ``ModelParallelStrategy`` builds on
+``lightning.fabric.strategies.model_parallel``): :mod:`lightning_memplan.parallel.resolve` plans (rank 0 resolves, broadcasts, every
 rank builds the mesh and checks agreement) and :mod:`lightning_memplan.parallel.apply` applies
 TP(+SP) -> activation checkpointing -> FSDP2 / replication, through ``ModelParallelStrategy``'s own
 ``parallelize_fn`` hook. What only Fabric needs:

@@ -1,4 +1,5 @@
-"""Sourced hardware table: one entry per accelerator, each citing its datasheet (house style 11).
+"""Sourced hardware table: one entry per accelerator, each citing its datasheet (as Lightning's
+``lightning/fabric/utilities/throughput.py`` table of peak FLOPs).
 
 Units and conventions (every entry follows them, so entries compare):
 

@@ -1,4 +1,5 @@
-"""``linear_cross_entropy``: the functional form, shaped like ``F.cross_entropy`` (house style 8).
+"""``linear_cross_entropy``: the functional form, shaped like ``F.cross_entropy`` (with the module form,
+``loss/module.py``, as Liger-Kernel pairs ``transformers/functional.py`` with its modules).
 
 Dispatch, in order: validate options and shapes → resolve vocab/sequence parallelism (DTensor or
 ``process_group``) → apply ``shift`` by moving the targets, not the hidden states (no [B, S-1, h]
@@ -105,30 +106,13 @@ def linear_cross_entropy(
     # a bool, never a truthy string or number: it decides the return type
     return_metrics = check_bool("return_metrics", return_metrics, hint="True also returns LossMetrics")
     options = LossOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        shift=shift,
-        chunk_size=chunk_size,
-        chunk_budget_bytes=chunk_budget_bytes,
-        mode=mode,
-        backend=backend,
-        validate_targets=validate_targets,
-        sequence_parallel=sequence_parallel,
-        accum_dtype=accum_dtype,
-        allow_retain_graph=allow_retain_graph,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap, shift=shift, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, mode=mode,
+        backend=backend, validate_targets=validate_targets, sequence_parallel=sequence_parallel,
+        accum_dtype=accum_dtype, allow_retain_graph=allow_retain_graph,
     )
-    loss, metrics = loss_with_options(
-        hidden,
-        weight,
-        target,
-        bias=bias,
-        options=options,
-        process_group=process_group,
-        return_metrics=return_metrics,
-    )
+    loss, metrics = loss_with_options(hidden, weight, target, bias=bias, options=options, process_group=process_group,
+                                      return_metrics=return_metrics)
     return (loss, cast(LossMetrics, metrics)) if return_metrics else loss
 
 
@@ -166,6 +150,42 @@ def loss_with_options(
     return_metrics: bool = False,
 ) -> tuple[torch.Tensor, LossMetrics | None]:
     """Compute the loss for a validated :class:`LossOptions` (used by the function and the module)."""
+    _check_arguments(hidden, weight, target, bias, process_group)
+    weight, bias, shard = _vocab_shard(weight, bias, process_group, options)
+    hidden, target = _whole_sequence(hidden, target, shard, options)
+    vocab_global = weight.shape[0] if shard is None else shard.vocab
+    check_inputs(
+        tuple(hidden.shape),
+        tuple(weight.shape),
+        tuple(target.shape),
+        None if bias is None else tuple(bias.shape),
+        target_dtype=target.dtype,
+        shift=options.shift,
+    )
+    target = target.long()
+    _check_target_ids(target, int(vocab_global), options)
+    out_shape = tuple(target.shape)
+    if options.shift:
+        # Predicting target[:, 1:] from hidden[:, :-1] == predicting target shifted left by one at
+        # every position with the last position ignored: same loss, count and gradients, no copy.
+        pad = torch.full_like(target[:, :1], options.ignore_index)
+        target = torch.cat([target[:, 1:], pad], dim=1)
+        out_shape = (out_shape[0], out_shape[1] - 1)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    target1d = target.reshape(-1)
+    loss, stats = _dispatch(hidden2d, weight, bias, target1d, options, shard, return_metrics)
+    if options.reduction == "none":
+        loss = loss.reshape(target.shape)
+        if options.shift:
+            loss = loss[:, :-1]
+        loss = loss.reshape(out_shape)
+    metrics = metrics_from_stats(stats, options.z_loss) if return_metrics else None
+    return loss, metrics
+
+
+def _check_arguments(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+                     process_group: Any) -> None:
+    """Tensors (not on the meta device) and a process group or ``None``."""
     for name, value in (("hidden", hidden), ("weight", weight), ("target", target)):
         _check_tensor(name, value)
     if bias is not None:
@@ -181,6 +201,12 @@ def loss_with_options(
             f"process_group={process_group!r:.80} must be a torch.distributed.ProcessGroup (e.g. "
             "device_mesh['tp'].get_group()) or None"
         )
+
+
+def _vocab_shard(weight: torch.Tensor, bias: torch.Tensor | None, process_group: Any,
+                 options: LossOptions) -> tuple[torch.Tensor, torch.Tensor | None, VocabShard | None]:
+    """``(local weight, local bias, the vocabulary shard or None)`` from a DTensor weight or a process
+    group, checked against ``options.mode``."""
     shard: VocabShard | None = None
     if is_dtensor(weight):
         weight, bias, shard = resolve_dtensor_weight(weight, bias)
@@ -203,6 +229,13 @@ def loss_with_options(
             f"mode={options.mode!r} runs on one process, but weight is vocab-sharded "
             f"(local shape {tuple(weight.shape)}); use mode='vocab_parallel' or 'auto'"
         )
+    return weight, bias, shard
+
+
+def _whole_sequence(hidden: torch.Tensor, target: torch.Tensor, shard: VocabShard | None,
+                    options: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local hidden states and targets, all-gathered over the sequence when it is sharded (a
+    sequence-sharded DTensor, or ``sequence_parallel=True`` with plain tensors)."""
     seq_dim = hidden.dim() - 2
     sizes: list[int] | None = None
     if is_dtensor(hidden):
@@ -240,47 +273,26 @@ def loss_with_options(
         hidden = gather_sequence(hidden, shard.group, sizes, seq_dim)
         if target.dim() == hidden.dim() - 1 and target.shape[seq_dim] == local_len and local_len != full_len:
             target = gather_sequence(target, shard.group, sizes, seq_dim)
-    vocab_global = weight.shape[0] if shard is None else shard.vocab
-    check_inputs(
-        tuple(hidden.shape),
-        tuple(weight.shape),
-        tuple(target.shape),
-        None if bias is None else tuple(bias.shape),
-        target_dtype=target.dtype,
-        shift=options.shift,
-    )
-    target = target.long()
+    return hidden, target
+
+
+def _check_target_ids(target: torch.Tensor, vocab: int, options: LossOptions) -> None:
+    """Every target id is ``ignore_index`` or in ``[0, V)``: checked on the host with
+    ``validate_targets``, else as one device assertion."""
     if options.validate_targets:
-        check_targets(target, int(vocab_global), options.ignore_index)
-    else:
-        # No host sync: the bound check is one device op (torch._assert_async). On CPU it raises here
-        # (then re-checked for the detailed ValueError); on CUDA it is queued and fails as a device-side
-        # assertion at the next synchronisation, as F.cross_entropy's own check does.
-        bad = (target != options.ignore_index) & ((target < 0) | (target >= vocab_global))
-        try:
-            torch._assert_async(~bad.any(), "linear_cross_entropy: target ids outside [0, V) that are not ignore_index")
-        except RuntimeError:
-            if target.device.type != "cpu":
-                raise
-            check_targets(target, int(vocab_global), options.ignore_index)
+        check_targets(target, vocab, options.ignore_index)
+        return
+    # No host sync: the bound check is one device op (torch._assert_async). On CPU it raises here
+    # (then re-checked for the detailed ValueError); on CUDA it is queued and fails as a device-side
+    # assertion at the next synchronisation, as F.cross_entropy's own check does.
+    bad = (target != options.ignore_index) & ((target < 0) | (target >= vocab))
+    try:
+        torch._assert_async(~bad.any(), "linear_cross_entropy: target ids outside [0, V) that are not ignore_index")
+    except RuntimeError:
+        if target.device.type != "cpu":
             raise
-    out_shape = tuple(target.shape)
-    if options.shift:
-        # Predicting target[:, 1:] from hidden[:, :-1] == predicting target shifted left by one at
-        # every position with the last position ignored: same loss, count and gradients, no copy.
-        pad = torch.full_like(target[:, :1], options.ignore_index)
-        target = torch.cat([target[:, 1:], pad], dim=1)
-        out_shape = (out_shape[0], out_shape[1] - 1)
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    target1d = target.reshape(-1)
-    loss, stats = _dispatch(hidden2d, weight, bias, target1d, options, shard, return_metrics)
-    if options.reduction == "none":
-        loss = loss.reshape(target.shape)
-        if options.shift:
-            loss = loss[:, :-1]
-        loss = loss.reshape(out_shape)
-    metrics = metrics_from_stats(stats, options.z_loss) if return_metrics else None
-    return loss, metrics
+        check_targets(target, vocab, options.ignore_index)
+        raise
 
 
 def _check_equal_lengths(length: int, group: Any) -> None:
@@ -311,48 +323,18 @@ def _dispatch(
     shard: VocabShard | None,
     metrics: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of 2-d ``hidden`` and 1-d ``target`` in the mode and backend ``options`` choose: the
+    materialising reference modes, torch's ``F.linear_cross_entropy`` or this package's chunked function."""
     compute_dtype = _compute_dtype(hidden, weight)
     device_type = hidden.device.type
-    n_tokens, h = hidden.shape
     if options.mode in ("naive", "fp32_upcast"):
         return materialized_linear_cross_entropy(
-            hidden,
-            weight,
-            bias,
-            target,
-            ignore_index=options.ignore_index,
-            reduction=options.reduction,
-            label_smoothing=options.label_smoothing,
-            z_loss=options.z_loss,
-            softcap=options.softcap,
-            upcast=options.mode == "fp32_upcast",
-            metrics=metrics,
+            hidden, weight, bias, target, ignore_index=options.ignore_index, reduction=options.reduction,
+            label_smoothing=options.label_smoothing, z_loss=options.z_loss, softcap=options.softcap,
+            upcast=options.mode == "fp32_upcast", metrics=metrics,
         )
-    if options.chunk_size == "auto":
-        chunk = auto_chunk_size(
-            n_tokens,
-            h,
-            weight.shape[0],
-            compute_dtype,
-            budget_bytes=options.chunk_budget_bytes,
-            softcap=options.softcap is not None,
-            device=device_type,
-        )
-    else:
-        chunk = min(int(options.chunk_size), max(n_tokens, 1))
-    reason = torch_backend_supported(
-        label_smoothing=options.label_smoothing,
-        z_loss=options.z_loss,
-        softcap=options.softcap,
-        metrics=metrics,
-        vocab_parallel=shard is not None,
-    )
-    use_torch = options.backend == "torch" or (
-        options.backend == "auto" and device_type in TORCH_BACKEND_DEVICES and reason is None
-    )
-    if options.backend == "torch" and reason is not None:
-        raise ValueError(f"backend='torch' cannot be used here: {reason}; use backend='memplan'")
-    if use_torch:
+    chunk = _chunk_tokens(hidden, weight, options, compute_dtype)
+    if _use_torch_backend(options, device_type, metrics, shard):
         cast = (
             hidden.to(compute_dtype),
             weight.to(compute_dtype),
@@ -360,11 +342,7 @@ def _dispatch(
         )
         with torch.autocast(device_type, enabled=False):
             return torch_linear_cross_entropy(
-                *cast,
-                target,
-                ignore_index=options.ignore_index,
-                reduction=options.reduction,
-                chunk_size=chunk,
+                *cast, target, ignore_index=options.ignore_index, reduction=options.reduction, chunk_size=chunk,
             )
     plan = ChunkPlan(
         ignore_index=options.ignore_index,
@@ -385,6 +363,30 @@ def _dispatch(
     with torch.autocast(device_type, enabled=False):
         loss, stats = ChunkedLinearCrossEntropyFunction.apply(hidden, weight, bias, target, plan)
     return loss, stats
+
+
+def _chunk_tokens(hidden: torch.Tensor, weight: torch.Tensor, options: LossOptions, compute_dtype: torch.dtype) -> int:
+    """Tokens per chunk: ``options.chunk_size``, or the ``"auto"`` rule (``loss/options.py``)."""
+    n_tokens, h = hidden.shape
+    if options.chunk_size == "auto":
+        return auto_chunk_size(n_tokens, h, weight.shape[0], compute_dtype, budget_bytes=options.chunk_budget_bytes,
+                               softcap=options.softcap is not None, device=hidden.device.type)
+    return min(int(options.chunk_size), max(n_tokens, 1))
+
+
+def _use_torch_backend(options: LossOptions, device_type: str, metrics: bool, shard: VocabShard | None) -> bool:
+    """Whether torch's ``F.linear_cross_entropy`` computes the loss (``backend="torch"``, or ``"auto"`` on a
+    device of :data:`TORCH_BACKEND_DEVICES` when it supports the options); ``backend="torch"`` with options
+    it does not support raises ``ValueError``."""
+    reason = torch_backend_supported(
+        label_smoothing=options.label_smoothing, z_loss=options.z_loss, softcap=options.softcap, metrics=metrics,
+        vocab_parallel=shard is not None,
+    )
+    if options.backend == "torch" and reason is not None:
+        raise ValueError(f"backend='torch' cannot be used here: {reason}; use backend='memplan'")
+    return options.backend == "torch" or (
+        options.backend == "auto" and device_type in TORCH_BACKEND_DEVICES and reason is None
+    )
 
 
 def _inverse(vocab: Any) -> Any:

@@ -1,4 +1,5 @@
-"""``LinearCrossEntropy``: the ``nn.Module`` form of :func:`linear_cross_entropy` (house style 8).
+"""``LinearCrossEntropy``: the ``nn.Module`` form of :func:`linear_cross_entropy` (a function and a module,
+as Liger-Kernel pairs ``transformers/functional.py`` with its modules).
 
 The module holds no parameters: the lm_head weight is passed to ``forward`` so that tied embeddings,
 FSDP2-unsharded and ``ColwiseParallel``-sharded weights all work unchanged. A memory planner or the

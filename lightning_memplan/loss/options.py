@@ -1,12 +1,12 @@
 """Options of the linear cross-entropy loss, their validation, and the ``chunk_size="auto"`` rule.
 
 :class:`LossOptions` is the frozen, keyword-only record that :func:`linear_cross_entropy` and
-:class:`LinearCrossEntropy` build from their keyword arguments (house style 4). Everything that can be
+:class:`LinearCrossEntropy` build from their keyword arguments (frozen, keyword-only, validated in ``__post_init__``). Everything that can be
 checked without looking at tensors is checked in ``__post_init__``; the shape checks that need the
 tensors live in :func:`check_inputs`. Every error names the argument, shows the value with ``!r``,
-states the rule and suggests the fix (house style 7).
+states the rule and suggests the fix.
 
-Symbols follow docs/DESIGN.md: N tokens (b·s), h hidden, V vocab, t tensor-parallel size.
+Symbols follow docs/concepts.md: N tokens (b·s), h hidden, V vocab, t tensor-parallel size.
 """
 
 from __future__ import annotations

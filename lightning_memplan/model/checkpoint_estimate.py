@@ -49,9 +49,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_memplan.model import terms
-from lightning_memplan.model.estimate import _local_params_of, estimate_memory, stage_layout
+from lightning_memplan.model.estimate import estimate_memory, stage_layout
+from lightning_memplan.model.sizes import optimizer_bytes, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
+from lightning_memplan.model.stage_layout import stage_params
 from lightning_memplan.validation import check_bool, check_choice, check_optional_int
 
 __all__ = [
@@ -163,22 +164,11 @@ def estimate_checkpoint_memory(
         ValueError: ``rank`` outside the plan, an unknown ``device``, ``param_tensors`` < 1.
         TypeError: an argument of the wrong type.
     """
-    if not isinstance(model, ModelSpec):
-        raise TypeError(f"model={model!r} must be a ModelSpec")
-    if not isinstance(train, TrainSpec):
-        raise TypeError(f"train={train!r} must be a TrainSpec")
-    plan = plan if plan is not None else ParallelPlan()
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
-    full_state_dict = check_bool("full_state_dict", full_state_dict, hint="True for save_distributed_checkpoint=False")
-    cpu_offload = check_bool("cpu_offload", cpu_offload, hint="Lightning's ModelParallelStrategy uses cpu_offload=True")
-    grads_alive = check_bool("grads_alive", grads_alive)
-    optimizer_states = check_bool("optimizer_states", optimizer_states)
-    device = check_choice("device", device, ("cuda", "cpu", "mps", "xpu"), hint="the device type the model lives on")
-    rank = check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
-                              hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
-    param_tensors = check_optional_int("param_tensors", param_tensors,
-                                       hint="len(list(module.parameters())), e.g. param_tensors=148")
+    plan, flags, rank, param_tensors = _checked(model, train, plan, full_state_dict=full_state_dict,
+                                                cpu_offload=cpu_offload, rank=rank, device=device,
+                                                grads_alive=grads_alive, optimizer_states=optimizer_states,
+                                                param_tensors=param_tensors)
+    full_state_dict, cpu_offload, grads_alive, optimizer_states = flags
     mode = checkpoint_mode(plan, full_state_dict=full_state_dict)
     if rank is None:
         rank = 0  # rank 0 gathers (full) or writes (plain); sharded ranks differ only by the plan buffers
@@ -186,27 +176,64 @@ def estimate_checkpoint_memory(
                                train, plan, rank=rank)
     kept = training.by_phase["optimizer"]
     creates_states = mode != "plain" and not optimizer_states
-    resident = kept["params"] + kept["master"] + (kept["grads"] if grads_alive else 0)
-    resident += kept["optimizer"] if (optimizer_states or creates_states) else 0
-    local_state = kept["params"] + kept["master"] + (kept["optimizer"] if (optimizer_states or creates_states) else 0)
-
-    pb = terms.precision_bytes(train)
-    state_per_param = terms.optimizer_state_bytes_per_param(train)
-    layout = stage_layout(model, plan, training.stage, train.framework)
-    full_params, _, largest = _local_params_of(model, 1, plan.pp > 1, layout)
     has_states = optimizer_states or creates_states
+    resident = kept["params"] + kept["master"] + (kept["grads"] if grads_alive else 0)
+    resident += kept["optimizer"] if has_states else 0
+    local_state = kept["params"] + kept["master"] + (kept["optimizer"] if has_states else 0)
+
+    pb = precision_bytes(train)
+    state_per_param = optimizer_bytes(train).per_param
+    layout = stage_layout(model, plan, training.stage, train.framework)
+    full = stage_params(model, 1, plan.pp > 1, layout)
+    full_params, largest = full.local, full.largest
     full_state = full_params * pb.param + (round(full_params * state_per_param) if has_states else 0)
     largest_bytes = largest * max(pb.param, pb.state if (has_states and state_per_param) else 0)
     n_param_tensors = param_tensors or (_DEFAULT_TENSORS_PER_LAYER * layout.n_layers + _DEFAULT_TENSORS_OUTSIDE)
     states_per_tensor = _optimizer_tensors_per_param(train) if has_states else 0
     n_tensors = n_param_tensors * (1 + states_per_tensor)
-    on_cpu = device == "cpu"
+    device_extra, host, serialization = _save_bytes(
+        mode, plan, rank=rank, cpu_offload=cpu_offload, on_cpu=device == "cpu", local_state=local_state,
+        full_state=full_state, largest_bytes=largest_bytes, largest_param_bytes=largest * pb.param, n_tensors=n_tensors)
+    return CheckpointEstimate(
+        mode=mode, rank=rank, resident=resident, device=device_extra, host=host, serialization=serialization,
+        full_state_bytes=full_state, largest_tensor=largest_bytes, state_tensors=n_tensors,
+    )
 
+
+def _checked(model: Any, train: Any, plan: Any, *, full_state_dict: Any, cpu_offload: Any, rank: Any, device: Any,
+             grads_alive: Any, optimizer_states: Any, param_tensors: Any) -> tuple[ParallelPlan, tuple[bool, bool, bool, bool],
+                                                                                    int | None, int | None]:
+    """The arguments of :func:`estimate_checkpoint_memory`, checked: ``(plan, (full_state_dict, cpu_offload,
+    grads_alive, optimizer_states), rank, param_tensors)``."""
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model={model!r} must be a ModelSpec")
+    if not isinstance(train, TrainSpec):
+        raise TypeError(f"train={train!r} must be a TrainSpec")
+    plan = plan if plan is not None else ParallelPlan()
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan={plan!r} must be a ParallelPlan (or None for one device)")
+    flags = (
+        check_bool("full_state_dict", full_state_dict, hint="True for save_distributed_checkpoint=False"),
+        check_bool("cpu_offload", cpu_offload, hint="Lightning's ModelParallelStrategy uses cpu_offload=True"),
+        check_bool("grads_alive", grads_alive),
+        check_bool("optimizer_states", optimizer_states),
+    )
+    check_choice("device", device, ("cuda", "cpu", "mps", "xpu"), hint="the device type the model lives on")
+    rank = check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
+                              hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
+    param_tensors = check_optional_int("param_tensors", param_tensors,
+                                       hint="len(list(module.parameters())), e.g. param_tensors=148")
+    return plan, flags, rank, param_tensors
+
+
+def _save_bytes(mode: str, plan: ParallelPlan, *, rank: int, cpu_offload: bool, on_cpu: bool, local_state: int,
+                full_state: int, largest_bytes: int, largest_param_bytes: int, n_tensors: int) -> tuple[int, int, int]:
+    """``(device bytes added, host tensor bytes, serialization bytes)`` of one rank's save in ``mode``."""
     device_extra = host = serialization = 0
     if mode == "plain":
         if rank == 0:
             serialization = ATOMIC_SAVE_BUFFERS * local_state
-            host = 0 if on_cpu else largest * pb.param  # torch.save's storage.cpu(), one at a time
+            host = 0 if on_cpu else largest_param_bytes  # torch.save's storage.cpu(), one at a time
     elif mode == "full":
         keeps = rank == 0 or not cpu_offload  # ranks_only=(0,) with cpu_offload, every rank without
         if not cpu_offload or on_cpu:
@@ -219,10 +246,7 @@ def estimate_checkpoint_memory(
     else:  # sharded
         device_extra = DCP_PLAN_BYTES_PER_ITEM * n_tensors * plan.world_size // max(1, plan.pp)
         host = 0 if on_cpu else local_state
-    return CheckpointEstimate(
-        mode=mode, rank=rank, resident=resident, device=device_extra, host=host, serialization=serialization,
-        full_state_bytes=full_state, largest_tensor=largest_bytes, state_tensors=n_tensors,
-    )
+    return device_extra, host, serialization
 
 
 def _optimizer_tensors_per_param(train: TrainSpec) -> int:

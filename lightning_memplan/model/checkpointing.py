@@ -14,13 +14,16 @@ This differs from ``recompute="selective"``, Korthikanti et al.'s attention-core
 2205.05198 section 5), which keeps every tensor but the [b, a, s, s] scores: under SDPA it saves
 nothing, under selective-op about two thirds of a block's activations are dropped.
 
-Bytes are integers; the symbols are docs/DESIGN.md's (b, s, h, a, k, f, t).
+Bytes are integers; the symbols are docs/concepts.md's (b, s, h, a, k, f, t).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from lightning_memplan.model import terms
-from lightning_memplan.model.specs import ModelSpec, TrainSpec
+from lightning_memplan.model.sizes import SDPA_LSE_BYTES, Kernels
+from lightning_memplan.model.specs import ModelSpec
 
 __all__ = [
     "SAC_MATMUL_OPS",
@@ -56,9 +59,6 @@ SAC_SAVE_OPS = (
     "aten.max.default",
 )
 
-#: fp32 log-sum-exp the fused attention kernels return per (token, head) [PT].
-_LSE_BYTES = 4
-
 
 def block_matmul_widths(model: ModelSpec, *, t: int = 1) -> list[tuple[str, int]]:
     """The matmuls of one block in forward order, ``(name, output features per token on one rank)``.
@@ -82,21 +82,22 @@ def selective_op_saved_matmuls(model: ModelSpec, *, t: int = 1) -> list[tuple[st
     return block_matmul_widths(model, t=t)[0::2]
 
 
-def _block_input_bytes(model: ModelSpec, train: TrainSpec, tokens: int, split: int) -> int:
-    return tokens * model.hidden * terms.precision_bytes(train).residual // split
+def _block_input_bytes(model: ModelSpec, kernels: Kernels, tokens: int, split: int) -> int:
+    return tokens * model.hidden * kernels.sizes.residual // split
 
 
-def _attention_output_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int) -> int:
+def _attention_output_bytes(model: ModelSpec, kernels: Kernels, tokens: int, t: int) -> int:
     """The fused kernel's output ``s*b*a*d_h/t`` in the compute dtype plus its fp32 log-sum-exp
-    ``s*b*a/t``; 0 for eager attention (its matmuls are ``bmm``, recomputed)."""
-    if train.attention != "sdpa":
+    ``s*b*a/t`` (:data:`~lightning_memplan.model.sizes.SDPA_LSE_BYTES` per token and head); 0 for eager
+    attention (its matmuls are ``bmm``, recomputed)."""
+    if kernels.attention != "sdpa":
         return 0
     a = model.n_heads // t
-    return tokens * a * model.dim_head * terms.precision_bytes(train).compute + tokens * a * _LSE_BYTES
+    return tokens * a * model.dim_head * kernels.sizes.compute + tokens * a * SDPA_LSE_BYTES
 
 
 def selective_op_layer_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> int:
     """Bytes one block keeps from its forward to its backward under ``recompute="selective_op"``:
 
@@ -113,21 +114,17 @@ def selective_op_layer_bytes(
     256*128*4 + 256*4*4 = 1,118,208 bytes, which a traced step reproduces exactly.
     """
     tokens = b * s
-    pb_compute = _compute_bytes(train)
-    saved = _block_input_bytes(model, train, tokens, t if sp else 1)
+    pb_compute = kernels.sizes.compute
+    saved = _block_input_bytes(model, kernels, tokens, t if sp else 1)
     saved += sum(width * tokens * pb_compute for _, width in selective_op_saved_matmuls(model, t=t))
-    saved += _attention_output_bytes(model, train, tokens, t)
+    saved += _attention_output_bytes(model, kernels, tokens, t)
     if sp and t > 1:
         saved += 2 * tokens * model.hidden * pb_compute // t
     return saved
 
 
-def _compute_bytes(train: TrainSpec) -> int:
-    return terms.precision_bytes(train).compute
-
-
 def selective_op_rebuild_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> int:
     """Extra bytes while one block is recomputed for its backward: the block's full saved set
     (:func:`~lightning_memplan.model.terms.layer_activation_bytes` + its eager probabilities) minus
@@ -141,20 +138,20 @@ def selective_op_rebuild_bytes(
     - the attention output and lse (the output projection and the kernel save them).
     """
     tokens = b * s
-    e = _compute_bytes(train)
-    none = train.replace(recompute="none")
+    e = kernels.sizes.compute
+    none = dataclasses.replace(kernels, recompute="none")
     full = terms.layer_activation_bytes(model, none, b, s, t=t, sp=sp) + terms.eager_attention_bytes(
         model, none, b, s, t=t
     )
-    shared = _attention_output_bytes(model, train, tokens, t)
-    if terms.norm_saves_its_input(model, train):
-        shared += _block_input_bytes(model, train, tokens, t if sp else 1)
+    shared = _attention_output_bytes(model, kernels, tokens, t)
+    if terms.norm_saves_its_input(model, kernels):
+        shared += _block_input_bytes(model, kernels, tokens, t if sp else 1)
     widths = dict(selective_op_saved_matmuls(model, t=t))
     if "qkv" in widths:  # v is a view of the fused projection: its storage is saved either way
         shared += widths["qkv"] * tokens * e
     if "q" in widths and model.position_embedding != "rope":
         shared += widths["q"] * tokens * e
-    if "v" in widths and (train.attention == "sdpa" or model.kv_heads == model.n_heads):
+    if "v" in widths and (kernels.attention == "sdpa" or model.kv_heads == model.n_heads):
         shared += widths["v"] * tokens * e
     first_mlp = "gate" if model.ffn_kind == "swiglu" else "up"
     if first_mlp in widths:

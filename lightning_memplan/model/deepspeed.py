@@ -53,13 +53,15 @@ from dataclasses import dataclass
 
 from lightning_memplan.model import terms
 from lightning_memplan.model.frameworks import ZeroConfig
-from lightning_memplan.model.specs import ModelSpec, TrainSpec
+from lightning_memplan.model.sizes import FP32_BYTES, PrecisionBytes
+from lightning_memplan.model.specs import ModelSpec
 
-__all__ = ["HOST_PARTS", "ZeroLayout", "persistent_param_count", "zero_layout"]
+__all__ = ["HOST_PARTS", "POINTS", "ZeroInputs", "ZeroLayout", "persistent_param_count", "zero_layout"]
 
 #: Names of the host parts, in :attr:`ZeroLayout.host` order (``details["host_<part>"]`` of an estimate).
 HOST_PARTS = ("params", "grads", "optimizer", "master", "buffers")
-#: Points of the step a :class:`ZeroLayout` gives device bytes for (``estimate._dynamic``'s points).
+#: Points of the step a :class:`ZeroLayout` gives device bytes for (the activation timeline's points,
+#: ``model/activations.py``).
 POINTS = ("forward", "backward_start", "backward_layer", "backward_end", "optimizer")
 
 
@@ -105,26 +107,62 @@ def persistent_param_count(model: ModelSpec, config: ZeroConfig, t: int = 1) -> 
     return model.n_layers * per_layer + terms.norm_param_count(model)
 
 
-def zero_layout(
-    train: TrainSpec,
-    *,
-    stage: int,
-    d: int,
-    local: int,
-    trainable: int,
-    largest: int,
-    persistent: int,
-) -> ZeroLayout:
-    """Where one rank's model states live at each point of a DeepSpeed step (see the module docstring).
+@dataclass(frozen=True, kw_only=True)
+class ZeroInputs:
+    """What :func:`zero_layout` needs of a DeepSpeed step, resolved (no ``TrainSpec``).
 
-    Args:
-        train: the TrainSpec (``framework="deepspeed"``): precision, optimizer, ``offload``, ``zero_config``.
-        stage: the ZeRO stage (``ParallelPlan.zero``).
-        d: data-parallel ranks the states are partitioned over.
-        local: N, the rank's parameters before ZeRO partitioning.
-        trainable: the trainable ones among them (gradients, master and optimizer states).
-        largest: L, the largest module's parameters (stage 3 gathers one module at a time).
-        persistent: stage-3 parameters kept whole (:func:`persistent_param_count`).
+    Attributes:
+        sizes: element sizes (:func:`~lightning_memplan.model.sizes.precision_bytes` under
+            ``framework="deepspeed"``). optimizer_per_param: K, the optimizer's state bytes per parameter.
+        config: the ZeRO settings. offload: ``"none"``, ``"optimizer"`` or ``"params"``.
+        accumulating: gradients accumulate over several micro-batches per step.
+        stage: the ZeRO stage (``ParallelPlan.zero``). d: data-parallel ranks the states are partitioned over.
+        local: N, the rank's parameters before ZeRO partitioning. trainable: the trainable ones among them
+            (gradients, master and optimizer states). largest: L, the largest module's parameters (stage 3
+            gathers one module at a time). persistent: stage-3 parameters kept whole
+            (:func:`persistent_param_count`).
+    """
+
+    sizes: PrecisionBytes
+    optimizer_per_param: float
+    config: ZeroConfig
+    offload: str
+    accumulating: bool
+    stage: int
+    d: int
+    local: int
+    trainable: int
+    largest: int
+    persistent: int
+
+
+@dataclass(frozen=True)
+class _Partitions:
+    """The per-rank sizes every stage starts from (``Nd``, ``Nd_t`` = ``ceil(N_t / d)`` from stage 1 on)."""
+
+    nd: int
+    nd_t: int
+    bucket: int
+    master: int
+    optimizer: int
+    fp32_grads: int
+    offload_opt: bool
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """One stage's device bytes: parameters, gradients and buffers per point, the step's workspace."""
+
+    params: int
+    grads: dict[str, int]
+    comm: dict[str, int]
+    workspace: int
+    fp32_grads: int
+    gathered_largest: int
+
+
+def zero_layout(inputs: ZeroInputs) -> ZeroLayout:
+    """Where one rank's model states live at each point of a DeepSpeed step (see the module docstring).
 
     Device bytes per stage, offload ``"none"`` (``Nd = ceil(N/d)``, ``B`` the reduce bucket's bytes):
 
@@ -143,85 +181,104 @@ def zero_layout(
     16-bit gradient partition; stages 1/2 add a 16-bit staging copy of the partition and the
     largest-parameter buffers); ``"params"`` (stage 3) moves the 16-bit parameter partitions too.
     """
-    config = train.zero_config or ZeroConfig()
-    pb = terms.precision_bytes(train)
-    e, g, k = pb.param, pb.grad, terms.optimizer_state_bytes_per_param(train)
-    master_b = pb.master
-    offload_opt = train.offload in ("optimizer", "params")
-    offload_params = train.offload == "params"
-    accumulating = train.grad_accumulation > 1
-    n, n_t = local, trainable
-    shard = d if stage >= 1 else 1
-    nd, nd_t = math.ceil(n / d), math.ceil(n_t / shard)
-    bucket = config.reduce_bucket_size * g if config.contiguous_gradients else 0
-    master, optimizer = nd_t * master_b, round(nd_t * k)
+    parts = _partitions(inputs)
     host = dict.fromkeys(HOST_PARTS, 0)
-    zero = dict.fromkeys(POINTS, 0)
-    fp32_grads = nd_t * terms.FP32_BYTES  # the step's fp32 gradient partition [Z12 step, Z3 sub-groups]
-    gathered_largest = 0
-    if offload_opt:
+    master, optimizer = parts.master, parts.optimizer
+    if parts.offload_opt:
         host["master"], host["optimizer"] = master, optimizer
         master = optimizer = 0
-    if stage <= 2:
-        params = n * e
-        if stage == 2:
-            grads_end = 0 if offload_opt else nd_t * g
-            buckets = bucket * (2 if config.overlaps(stage) else 1)
-            comm = {**zero, "backward_start": buckets, "backward_layer": buckets, "backward_end": buckets}
-        else:  # stages 0 and 1 keep every param.grad until the boundary, then reduce through the buckets
-            grads_end = n_t * g
-            buckets = bucket * (2 if config.overlaps(stage) else 1) if stage == 1 else min(n_t, config.reduce_bucket_size) * g
-            comm = {**zero, "backward_layer": buckets if stage == 1 and config.overlaps(stage) else 0,
-                    "backward_end": buckets}
-        grads_step = grads_end if (stage == 0 or offload_opt) else nd_t * g
-        grads = {"forward": grads_end if accumulating else 0, "backward_start": grads_end if accumulating else 0,
-                 "backward_layer": grads_end if accumulating else 0, "backward_end": grads_end,
-                 "optimizer": grads_step}
-        if offload_opt:
-            # fp32 gradient partition on the host, the 16-bit staging copy of the parameters, the
-            # largest-parameter buffers, the accumulator when accumulating [Z12]
-            host["grads"] = fp32_grads
-            host["buffers"] = nd_t * e + largest * e + (nd_t * e if accumulating else 0)
-            comm = {key: value + largest * e for key, value in comm.items()}
-            workspace = fp32_grads = 0
-        else:
-            workspace = fp32_grads if stage >= 1 else n_t * terms.FP32_BYTES
-            fp32_grads = workspace
-    else:
-        params = (0 if offload_params else nd * e) + persistent * e
-        if offload_params:
-            host["params"] = nd * e
-        grad_partition = nd_t * g
-        if offload_opt:
-            host["grads"] = grad_partition + fp32_grads  # both on the optimizer's device [Z3]
-            grad_partition = 0
-        grads = dict.fromkeys(POINTS, grad_partition)
-        kept = min(n, max(largest, config.max_reuse_distance // 2))
-        prefetch = max(0, min(n - kept, config.prefetch_bucket_size, config.max_live_parameters - kept))
-        gathered_largest = largest * (e + g)
-        comm = {
-            "forward": bucket + kept * e,
-            "backward_start": bucket + kept * e,
-            "backward_layer": bucket + (kept + prefetch) * e + largest * g,
-            "backward_end": bucket + gathered_largest,
-            "optimizer": bucket,
-        }
-        if offload_opt:
-            workspace = fp32_grads = 0
-        else:
-            chunk = min(config.sub_group_size, nd_t)
-            workspace = chunk * (g + terms.FP32_BYTES)
-            fp32_grads = chunk * terms.FP32_BYTES
-    static = params + optimizer + master
+    placed = _stage12(inputs, parts, host) if inputs.stage <= 2 else _stage3(inputs, parts, host)
+    static = placed.params + optimizer + master
     return ZeroLayout(
-        params=params,
+        params=placed.params,
         optimizer=optimizer,
         master=master,
-        grads=grads,
-        comm=comm,
-        workspace=workspace,
+        grads=placed.grads,
+        comm=placed.comm,
+        workspace=placed.workspace,
         host=host,
-        model_states_peak=static + max(grads.values()),
-        fp32_grad_partition=fp32_grads,
-        gathered_largest=gathered_largest,
+        model_states_peak=static + max(placed.grads.values()),
+        fp32_grad_partition=placed.fp32_grads,
+        gathered_largest=placed.gathered_largest,
     )
+
+
+def _partitions(inputs: ZeroInputs) -> _Partitions:
+    n, n_t, config = inputs.local, inputs.trainable, inputs.config
+    shard = inputs.d if inputs.stage >= 1 else 1
+    nd, nd_t = math.ceil(n / inputs.d), math.ceil(n_t / shard)
+    return _Partitions(
+        nd=nd,
+        nd_t=nd_t,
+        bucket=config.reduce_bucket_size * inputs.sizes.grad if config.contiguous_gradients else 0,
+        master=nd_t * inputs.sizes.master,
+        optimizer=round(nd_t * inputs.optimizer_per_param),
+        fp32_grads=nd_t * FP32_BYTES,  # the step's fp32 gradient partition [Z12 step, Z3 sub-groups]
+        offload_opt=inputs.offload in ("optimizer", "params"),
+    )
+
+
+def _stage12(inputs: ZeroInputs, parts: _Partitions, host: dict[str, int]) -> _Placed:
+    """Stages 0, 1 and 2 [Z12]: every rank keeps the whole 16-bit parameters; ``host`` gets the offloaded
+    gradient partition and buffers."""
+    e, g, config, stage = inputs.sizes.param, inputs.sizes.grad, inputs.config, inputs.stage
+    n_t, nd_t, bucket, offload_opt = inputs.trainable, parts.nd_t, parts.bucket, parts.offload_opt
+    zero = dict.fromkeys(POINTS, 0)
+    if stage == 2:
+        grads_end = 0 if offload_opt else nd_t * g
+        buckets = bucket * (2 if config.overlaps(stage) else 1)
+        comm = {**zero, "backward_start": buckets, "backward_layer": buckets, "backward_end": buckets}
+    else:  # stages 0 and 1 keep every param.grad until the boundary, then reduce through the buckets
+        grads_end = n_t * g
+        buckets = bucket * (2 if config.overlaps(stage) else 1) if stage == 1 else min(n_t, config.reduce_bucket_size) * g
+        comm = {**zero, "backward_layer": buckets if stage == 1 and config.overlaps(stage) else 0,
+                "backward_end": buckets}
+    grads_step = grads_end if (stage == 0 or offload_opt) else nd_t * g
+    during = grads_end if inputs.accumulating else 0
+    grads = {"forward": during, "backward_start": during, "backward_layer": during, "backward_end": grads_end,
+             "optimizer": grads_step}
+    if offload_opt:
+        # fp32 gradient partition on the host, the 16-bit staging copy of the parameters, the
+        # largest-parameter buffers, the accumulator when accumulating [Z12]
+        host["grads"] = parts.fp32_grads
+        host["buffers"] = nd_t * e + inputs.largest * e + (nd_t * e if inputs.accumulating else 0)
+        comm = {key: value + inputs.largest * e for key, value in comm.items()}
+        workspace = fp32_grads = 0
+    else:
+        workspace = parts.fp32_grads if stage >= 1 else n_t * FP32_BYTES
+        fp32_grads = workspace
+    return _Placed(params=inputs.local * e, grads=grads, comm=comm, workspace=workspace, fp32_grads=fp32_grads,
+                   gathered_largest=0)
+
+
+def _stage3(inputs: ZeroInputs, parts: _Partitions, host: dict[str, int]) -> _Placed:
+    """Stage 3 [Z3], [ZC]: partitioned 16-bit parameters gathered per module; ``host`` gets the offloaded
+    parameter and gradient partitions."""
+    e, g, config, largest = inputs.sizes.param, inputs.sizes.grad, inputs.config, inputs.largest
+    n, nd, nd_t, bucket = inputs.local, parts.nd, parts.nd_t, parts.bucket
+    offload_params = inputs.offload == "params"
+    params = (0 if offload_params else nd * e) + inputs.persistent * e
+    if offload_params:
+        host["params"] = nd * e
+    grad_partition = nd_t * g
+    if parts.offload_opt:
+        host["grads"] = grad_partition + parts.fp32_grads  # both on the optimizer's device [Z3]
+        grad_partition = 0
+    kept = min(n, max(largest, config.max_reuse_distance // 2))
+    prefetch = max(0, min(n - kept, config.prefetch_bucket_size, config.max_live_parameters - kept))
+    gathered_largest = largest * (e + g)
+    comm = {
+        "forward": bucket + kept * e,
+        "backward_start": bucket + kept * e,
+        "backward_layer": bucket + (kept + prefetch) * e + largest * g,
+        "backward_end": bucket + gathered_largest,
+        "optimizer": bucket,
+    }
+    if parts.offload_opt:
+        workspace = fp32_grads = 0
+    else:
+        chunk = min(config.sub_group_size, nd_t)
+        workspace = chunk * (g + FP32_BYTES)
+        fp32_grads = chunk * FP32_BYTES
+    return _Placed(params=params, grads=dict.fromkeys(POINTS, grad_partition), comm=comm, workspace=workspace,
+                   fp32_grads=fp32_grads, gathered_largest=gathered_largest)

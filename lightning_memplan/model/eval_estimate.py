@@ -26,7 +26,7 @@ the pipeline schedule's micro-batching of an evaluation (one micro-batch of ``mi
 assumed in flight), and sampling or beam search inside ``generate`` (greedy decoding only: beams multiply
 the cache by their number).
 
-Symbols as in ``docs/DESIGN.md``: b micro-batch, s sequence length, h hidden, a heads, k kv-heads,
+Symbols as in ``docs/concepts.md``: b micro-batch, s sequence length, h hidden, a heads, k kv-heads,
 f ffn hidden, V vocab, t tensor-parallel, c context-parallel.
 """
 
@@ -38,6 +38,7 @@ import math
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory, stage_layout
 from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
+from lightning_memplan.model.sizes import Kernels, PrecisionBytes, kernels_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_bool, check_choice, check_int, check_optional_int
 
@@ -66,7 +67,7 @@ GENERATE_ID_TENSORS = 3
 _MAX_GENERATE_TOKENS = 2**24
 
 
-def eval_block_working_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1) -> dict[str, int]:
+def eval_block_working_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1) -> dict[str, int]:
     """The largest working set of one transformer block in a no-grad forward, for b x s tokens on one of
     t tensor-parallel ranks, beside the block's input (the residual stream, not counted here).
 
@@ -86,12 +87,12 @@ def eval_block_working_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int,
 
     Returns ``{"activations": ..., "attention": ...}`` at the larger of the two, in bytes.
     """
-    pb = terms.precision_bytes(train)
+    pb = kernels.sizes
     tokens = b * s
     d = model.dim_head
     attn_elems = tokens * (2 * model.hidden + 3 * model.n_heads * d // t + 2 * model.kv_heads * d // t)
     scores = 0
-    if train.attention == "eager":
+    if kernels.attention == "eager":
         score_bytes = terms.FP32_BYTES if pb.autocast_copy else pb.compute
         scores = 2 * b * (model.n_heads // t) * s * s * score_bytes + s * s * terms.MASK_BYTES
     ffn_tensors = 3 if model.ffn_kind == "swiglu" else 2
@@ -101,21 +102,21 @@ def eval_block_working_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int,
     return attn if sum(attn.values()) >= sum(mlp.values()) else mlp
 
 
-def eval_head_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, loss: bool, vocab_shard: int = 1) -> dict[str, int]:
+def eval_head_bytes(model: ModelSpec, kernels: Kernels, tokens: int, *, loss: bool, vocab_shard: int = 1) -> dict[str, int]:
     """The head of a no-grad forward for ``tokens`` = b*s tokens: the larger of the lm_head's moment (its
     input, the final norm's output ``h``, next to the ``[b, s, V]`` logits it writes) and, with a loss,
     the loss's forward (:func:`~lightning_memplan.model.terms.logits_bytes` ``"forward"``: the logits, an
     fp32 copy under autocast and the log-probabilities; nothing is held for a backward).
 
     Returns ``{"activations": ..., "logits": ...}``."""
-    pb = terms.precision_bytes(train)
+    pb = kernels.sizes
     vocab = math.ceil(model.vocab_size / vocab_shard)
     head_in = tokens * model.hidden * pb.compute
     logits = tokens * vocab * pb.logits
     at_head = {"activations": head_in, "logits": logits}
     if not loss:
         return at_head
-    at_loss = {"activations": 0, "logits": terms.logits_bytes(model, train, tokens, vocab_shard=vocab_shard)["forward"]}
+    at_loss = {"activations": 0, "logits": terms.logits_bytes(model, kernels, tokens, vocab_shard=vocab_shard)["forward"]}
     return at_loss if sum(at_loss.values()) > sum(at_head.values()) else at_head
 
 
@@ -198,14 +199,14 @@ def estimate_eval_memory(
     return max(candidates, key=lambda e: e.total)
 
 
-def eval_kv_cache_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, n_layers: int, *, t: int = 1) -> int:
+def eval_kv_cache_bytes(model: ModelSpec, sizes: PrecisionBytes, b: int, s: int, n_layers: int, *, t: int = 1) -> int:
     """Keys and values of ``n_layers`` blocks kept by a cache: ``2 L b s (k / t) d`` elements in the compute
     dtype (Hugging Face ``DynamicCache.update`` keeps each layer's ``key_states`` / ``value_states``)."""
-    return 2 * n_layers * b * s * math.ceil(model.kv_heads / t) * model.dim_head * terms.precision_bytes(train).compute
+    return 2 * n_layers * b * s * math.ceil(model.kv_heads / t) * model.dim_head * sizes.compute
 
 
 def eval_generate_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, g: int, n_layers: int, *, t: int = 1, has_head: bool = True,
+    model: ModelSpec, kernels: Kernels, b: int, s: int, g: int, n_layers: int, *, t: int = 1, has_head: bool = True,
     held_hidden: int = 0,
 ) -> dict[str, int]:
     """The peak of a greedy ``generate(prompt, max_new_tokens=g, do_sample=False)`` under ``no_grad`` on a
@@ -237,7 +238,7 @@ def eval_generate_bytes(
     zero = {"activations": 0, "attention": 0, "logits": 0}
     if g <= 0:
         return zero
-    pb = terms.precision_bytes(train)
+    pb = kernels.sizes
     h, vocab = model.hidden, model.vocab_size
     fp32_row = b * vocab * terms.FP32_BYTES if has_head else 0  # one next_token_logits
     head_out = b * vocab * pb.logits if has_head else 0  # the [b, 1, V] output of logits_to_keep=1
@@ -245,8 +246,8 @@ def eval_generate_bytes(
     # prefill: the prompt's mask and position ids (the ids are the prompt itself), RoPE's per-row tables
     ids = (GENERATE_ID_TENSORS - 1) * tokens * terms.TOKEN_ID_BYTES
     rope = 2 * tokens * model.dim_head * pb.residual if model.position_embedding == "rope" else 0
-    cache = eval_kv_cache_bytes(model, train, b, s, n_layers, t=t)
-    block = eval_block_working_bytes(model, train, b, s, t=t) if n_layers else {"activations": 0, "attention": 0}
+    cache = eval_kv_cache_bytes(model, pb, b, s, n_layers, t=t)
+    block = eval_block_working_bytes(model, kernels, b, s, t=t) if n_layers else {"activations": 0, "attention": 0}
     stream = tokens * h * pb.residual + held_hidden * tokens * h * pb.compute
     moments = [
         {"activations": stream + cache + ids + rope + block["activations"], "attention": block["attention"], "logits": 0},
@@ -257,10 +258,10 @@ def eval_generate_bytes(
     ]
     if g >= 2:
         n = s + g - 1  # tokens cached by the last forward: the prompt, then g - 1 single-token steps
-        cache = eval_kv_cache_bytes(model, train, b, n, n_layers, t=t)
-        old_values = eval_kv_cache_bytes(model, train, b, n - 1, 1, t=t) // 2 if n_layers else 0
+        cache = eval_kv_cache_bytes(model, pb, b, n, n_layers, t=t)
+        old_values = eval_kv_cache_bytes(model, pb, b, n - 1, 1, t=t) // 2 if n_layers else 0
         ids = GENERATE_ID_TENSORS * b * n * terms.TOKEN_ID_BYTES
-        step = eval_block_working_bytes(model, train, b, 1, t=t) if n_layers else {"activations": 0, "attention": 0}
+        step = eval_block_working_bytes(model, kernels, b, 1, t=t) if n_layers else {"activations": 0, "attention": 0}
         row_stream = b * h * pb.residual + held_hidden * b * h * pb.compute
         moments += [
             {"activations": row_stream + cache + old_values + ids + step["activations"], "attention": step["attention"],
@@ -301,21 +302,22 @@ def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _E
     t, sp = plan.tp, plan.sp
     b, s = train.micro_batch, train.seq_len // plan.cp
     tokens = b * s
-    pb = terms.precision_bytes(train)
+    kernels = kernels_of(train)
+    pb = kernels.sizes
     residual = tokens * model.hidden * pb.residual // (t if sp else 1)
     held = state.held_hidden * tokens * model.hidden * pb.compute
-    cache = eval_kv_cache_bytes(model, train, b, s, layout.n_layers, t=t) if state.kv_cache else 0
-    block = eval_block_working_bytes(model, train, b, s, t=t) if layout.n_layers else {"activations": 0, "attention": 0}
+    cache = eval_kv_cache_bytes(model, pb, b, s, layout.n_layers, t=t) if state.kv_cache else 0
+    block = eval_block_working_bytes(model, kernels, b, s, t=t) if layout.n_layers else {"activations": 0, "attention": 0}
     # the last block's working set: every block's keys and values are cached by then
     at_block = {"activations": residual + held + cache + block["activations"], "attention": block["attention"], "logits": 0}
     at_head = {"activations": 0, "attention": 0, "logits": 0}
     if layout.has_head:
-        shard = t if train.loss in terms.VOCAB_SHARDED_LOSSES else 1
-        head = eval_head_bytes(model, train, tokens, loss=phase in _LOSS_PHASES, vocab_shard=shard)
+        shard = t if kernels.loss in terms.VOCAB_SHARDED_LOSSES else 1
+        head = eval_head_bytes(model, kernels, tokens, loss=phase in _LOSS_PHASES, vocab_shard=shard)
         at_head = {"activations": head["activations"] + held + cache, "attention": 0, "logits": head["logits"]}
     dynamic = at_head if sum(at_head.values()) > sum(at_block.values()) else at_block
     # a generate call on the batch (the whole [b, s] prompt: generation runs no context parallelism)
-    at_generate = eval_generate_bytes(model, train, b, train.seq_len, state.generate_tokens, layout.n_layers, t=t,
+    at_generate = eval_generate_bytes(model, kernels, b, train.seq_len, state.generate_tokens, layout.n_layers, t=t,
                                       has_head=layout.has_head, held_hidden=state.held_hidden)
     if sum(at_generate.values()) > sum(dynamic.values()):
         dynamic = at_generate
@@ -336,7 +338,7 @@ def _eval_rank(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, state: _E
     if state.generate_tokens:
         details["eval_generate_peak"] = sum(at_generate.values())
         details["eval_generate_cache"] = eval_kv_cache_bytes(
-            model, train, b, train.seq_len + state.generate_tokens - 1, layout.n_layers, t=t)
+            model, pb, b, train.seq_len + state.generate_tokens - 1, layout.n_layers, t=t)
     return MemoryEstimate(
         **peak, peak_phase="forward", rank=rank, stage=training.stage, by_phase=by_phase, details=details,
         source="analytic", host=training.host,  # what offloading keeps on the host (model/offload.py) stays there

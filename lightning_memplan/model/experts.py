@@ -17,7 +17,7 @@ Which blocks are MoE, as the Hugging Face configs say it:
   ``configuration_llama4.py``: ``moe_layers = list(range(step - 1, L, step))``, the same blocks);
 - ``dense_layers``: an explicit list of dense blocks (Qwen ``mlp_only_layers``).
 
-Dense blocks use ``ffn_hidden``. Symbols as in docs/DESIGN.md, plus E experts, k experts per token,
+Dense blocks use ``ffn_hidden``. Symbols as in docs/concepts.md, plus E experts, k experts per token,
 ``f_e`` expert width, ``f_s`` shared-expert width.
 
 Parallelism: tensor parallelism splits every expert's width by t, as it splits a dense MLP (all E

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["MOE_FAMILIES", "TEXT_DEFAULTS", "hf_expert_fields"]
+__all__ = ["MOE_FAMILIES", "TEXT_DEFAULTS", "first_value", "hf_expert_fields"]
 
 #: ``model_type`` -> what its MoE blocks look like (transformers 5.3 ``models/<family>/modeling_*.py``).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4_text", "llama4", "gpt_oss")
@@ -47,13 +47,13 @@ def hf_expert_fields(cfg: Mapping[str, Any], model_type: str, whole: Whole, n_la
     if model_type not in MOE_FAMILIES:
         return {}
     out: dict[str, Any] = {}
-    experts = _first(cfg, ("num_local_experts", "num_experts", "n_routed_experts"))
+    experts = first_value(cfg, ("num_local_experts", "num_experts", "n_routed_experts"))
     if not experts:
         return _mla_fields(cfg, whole) if model_type == "deepseek_v3" else {}
     out["n_experts"] = whole(("num_local_experts", "num_experts", "n_routed_experts"), experts)
     out["experts_per_token"] = whole(("num_experts_per_tok", "experts_per_token"),
-                                     _first(cfg, ("num_experts_per_tok", "experts_per_token")) or 1)
-    moe_width = _first(cfg, ("moe_intermediate_size",))
+                                     first_value(cfg, ("num_experts_per_tok", "experts_per_token")) or 1)
+    moe_width = first_value(cfg, ("moe_intermediate_size",))
     if moe_width:
         out["expert_ffn_hidden"] = whole(("moe_intermediate_size",), moe_width)
     if model_type == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
@@ -95,7 +95,9 @@ def _mla_fields(cfg: Mapping[str, Any], whole: Whole) -> dict[str, Any]:
     return out
 
 
-def _first(cfg: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+def first_value(cfg: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    """The value of the first of ``names`` that ``cfg`` holds and is not ``None`` (a config's alternative
+    field names: ``("num_hidden_layers", "n_layer", ...)``); ``None`` when none is set."""
     for name in names:
         if cfg.get(name) is not None:
             return cfg[name]

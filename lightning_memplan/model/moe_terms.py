@@ -1,11 +1,12 @@
-"""Activation terms of mixture-of-experts blocks and multi-head latent attention (house style 6).
+"""Activation terms of mixture-of-experts blocks and multi-head latent attention, each term a function
+with its formula and source (as ``model/terms.py``).
 
 Each token of an MoE block goes through the router and its k routed experts (``experts_per_token``)
 and every shared expert; the bytes saved for backward are counted per token as autograd saves them in
 transformers 5.3's expert kernels (``models/mixtral/modeling_mixtral.py`` ``MixtralExperts.forward``:
 ``index`` the expert's rows, ``linear(x, gate_up_proj[e])``, ``act(gate) * up``, ``linear(.., down_proj[e])``,
 ``* routing_weights``; ``MixtralSparseMoeBlock``: ``softmax(router_logits, dtype=float)``, ``topk``).
-Symbols as in docs/DESIGN.md and ``model/param_counts.py``.
+Symbols as in docs/concepts.md and ``model/param_counts.py``.
 """
 
 from __future__ import annotations

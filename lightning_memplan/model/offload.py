@@ -42,7 +42,7 @@ Every fact is read from torch 2.13 (files under ``site-packages/torch``):
   ``pinned_max_round_threshold``, default ``SIZE_MAX``, ``c10/core/AllocatorConfig.h``); freed blocks are
   cached, not returned. A pinned tensor of ``n`` bytes therefore holds less than ``2 n``.
 
-Symbols as in docs/DESIGN.md; ``d`` the shard group (dp x cp), ``U`` one block's parameters on a rank
+Symbols as in docs/concepts.md; ``d`` the shard group (dp x cp), ``U`` one block's parameters on a rank
 before sharding, ``e``/``g`` parameter and gradient bytes, ``w`` the bytes of a weight as a matmul saves it
 (the autocast copy under mixed precision, else the parameter dtype).
 """
@@ -51,11 +51,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from lightning_memplan.model import terms
 from lightning_memplan.model.experts import is_moe
+from lightning_memplan.model.sizes import FP32_BYTES, Kernels, OptimizerBytes, PrecisionBytes
 
 if TYPE_CHECKING:
     from lightning_memplan.model.result import MemoryEstimate
@@ -85,7 +86,7 @@ HOST_PARTS = ("params", "grads", "optimizer", "master", "buffers", "activations"
 #: ``host`` reports the tensor bytes.
 PINNED_ROUNDING_BOUND = 2
 #: RMSNorm statistics per token (one fp32 rstd), saved again by the composite norm's multiply.
-_RSTD_BYTES = terms.FP32_BYTES
+_RSTD_BYTES = FP32_BYTES
 #: Rotary tables packed per block: ``q * cos``, ``rotate_half(q) * sin`` and the same for k each save the
 #: table they multiply by ([SOC]; the zoo GPT's ``apply_rope``).
 _ROPE_TABLE_SAVES = 4
@@ -154,16 +155,16 @@ class HostLayout:
         return sum(self.host.values())
 
 
-def cpu_step_workspace_bytes(train: TrainSpec, opt_params: int, largest_param: int) -> int:
+def cpu_step_workspace_bytes(optimizer: OptimizerBytes, opt_params: int, largest_param: int) -> int:
     """Host temporaries of the optimizer step under ``CPUOffloadPolicy``: the step runs on the host
     parameters, where torch's default is the single-tensor loop [OPT], so ``"foreach"`` is counted as
     ``"for_loop"`` (``2 * largest * state`` for Adam, :func:`~lightning_memplan.model.terms.
     optimizer_workspace_bytes`); ``"fused"`` stays fused."""
-    step = train.replace(optimizer_impl="for_loop") if train.optimizer_impl == "foreach" else train
+    step = replace(optimizer, impl="for_loop") if optimizer.impl == "foreach" else optimizer
     return terms.optimizer_workspace_bytes(step, opt_params, largest_param)
 
 
-def saved_again_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
+def saved_again_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
     """Bytes ``save_on_cpu`` packs for one block of a ``b x s`` micro-batch (``tokens = b s``) beyond the block's distinct saved tensors
     (:func:`~lightning_memplan.model.terms.layer_activation_bytes`), since every save is one pack [SOC]:
 
@@ -181,7 +182,7 @@ def saved_again_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: 
 
     Measured with a counting pack hook on the zoo GPT (h=64, s=128, b=4; tests/unit/test_fsdp2_offload.py):
     exact under ``"32-true"`` and ``"bf16-mixed"``."""
-    pb = terms.precision_bytes(train)
+    pb = kernels.sizes
     h, dh, a = model.hidden, model.dim_head, model.n_heads // t
     tokens = b * s
     cast = bool(pb.autocast_copy)
@@ -190,29 +191,28 @@ def saved_again_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: 
         out += (3 - (3 if cast else 1)) * tokens * h * pb.compute
     if model.ffn_kind == "swiglu":
         out += (2 - (2 if cast else 1)) * tokens * h * pb.compute
-    if train.attention == "sdpa":
+    if kernels.attention == "sdpa":
         out += tokens * a * dh * pb.compute
-    if model.norm == "rmsnorm" and not (train.norm_impl == "native" and train.device == "cuda"):
-        out += 2 * tokens * (model.hidden * terms.FP32_BYTES + _RSTD_BYTES) // (t if sp else 1)
+    if model.norm == "rmsnorm" and not kernels.fused_rms_norm:
+        out += 2 * tokens * (model.hidden * FP32_BYTES + _RSTD_BYTES) // (t if sp else 1)
     if model.position_embedding == "rope":
         out += _ROPE_TABLE_SAVES * s * dh * pb.residual
     return out
 
 
-def saved_weight_bytes(model: ModelSpec, train: TrainSpec, matmul_params: int, n_layers: int) -> int:
+def saved_weight_bytes(model: ModelSpec, sizes: PrecisionBytes, matmul_params: int, n_layers: int) -> int:
     """Bytes of the weights the blocks' ops save, each packed to the host once per micro-batch [SOC]: a
     matmul saves its weight's ``t()`` view (the autocast copy under mixed precision, the parameter itself
     otherwise; under FSDP2 the unsharded parameter): ``N_matmul * w``; each norm saves its weight (and
     LayerNorm's ``native_layer_norm`` its bias): ``2 L n_norm e`` (``n_norm`` = h for RMSNorm, 2h for
     LayerNorm)."""
-    pb = terms.precision_bytes(train)
-    w = pb.autocast_copy or pb.param
-    return matmul_params * w + 2 * n_layers * terms.norm_param_count(model) * pb.param
+    w = sizes.autocast_copy or sizes.param
+    return matmul_params * w + 2 * n_layers * terms.norm_param_count(model) * sizes.param
 
 
 def activation_host_bytes(
     model: ModelSpec,
-    train: TrainSpec,
+    kernels: Kernels,
     *,
     b: int,
     s: int,
@@ -233,8 +233,8 @@ def activation_host_bytes(
     counted with what ``saved_layer`` holds (the router's and experts' repeated saves are not added)."""
     if n_layers == 0:
         return 0
-    again = 0 if is_moe(model) else saved_again_bytes(model, train, b, s, t=t, sp=sp)
-    return n_layers * (saved_layer + attn_layer + again) + saved_weight_bytes(model, train, matmul_params, n_layers)
+    again = 0 if is_moe(model) else saved_again_bytes(model, kernels, b, s, t=t, sp=sp)
+    return n_layers * (saved_layer + attn_layer + again) + saved_weight_bytes(model, kernels.sizes, matmul_params, n_layers)
 
 
 def params_host_layout(

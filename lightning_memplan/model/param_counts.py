@@ -4,7 +4,7 @@ Its own module so that ``ModelSpec.num_params`` and the memory terms (``model/te
 the counts from here: it imports nothing from the model package at run time, so ``specs`` depends on
 nothing above it and ``terms`` -> ``specs`` is one-way (it was ``specs`` -> ``terms`` -> ``specs``).
 
-Symbols as in docs/DESIGN.md: h hidden, a query heads, k key/value heads, d_h head width, f MLP
+Symbols as in docs/concepts.md: h hidden, a query heads, k key/value heads, d_h head width, f MLP
 width, V vocabulary, P learned positions, L blocks; for mixture-of-experts stacks (``model/experts.py``)
 E routed experts of width f_e, k_e of them per token, S shared experts of width f_s; for multi-head
 latent attention r_q/r_kv the query/key-value ranks, d_n/d_r/d_v the no-rope/rope/value head widths.

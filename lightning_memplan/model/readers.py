@@ -19,13 +19,14 @@ for the activation side of such models.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_memplan.model.hf_build import canonical_config_json, non_uniform_reason
-from lightning_memplan.model.hf_experts import MOE_FAMILIES, TEXT_DEFAULTS, hf_expert_fields
+from lightning_memplan.model.hf_experts import MOE_FAMILIES, TEXT_DEFAULTS, first_value, hf_expert_fields
 from lightning_memplan.model.litgpt_spec import litgpt_fields
 from lightning_memplan.validation import check_bool, check_int, check_number
 
@@ -56,13 +57,6 @@ CONFIG_MAX_VOCAB = 2**24
 CONFIG_MAX_POSITIONS = 2**31 - 1  # int32 position ids
 
 
-def _first(cfg: Mapping[str, Any], names: tuple[str, ...]) -> Any:
-    for name in names:
-        if cfg.get(name) is not None:
-            return cfg[name]
-    return None
-
-
 def _as_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
@@ -89,7 +83,7 @@ def _analytic_gap(cfg: Mapping[str, Any], vision: bool) -> str | None:
     analytic terms, so ``ModelSpec.from_hf_config`` raises for them unless a coefficient source traces
     the real class.
     """
-    experts = _first(cfg, _EXPERT_KEYS)
+    experts = first_value(cfg, _EXPERT_KEYS)
     known = str(cfg.get("model_type") or "").lower() in MOE_FAMILIES  # read by model/hf_experts.py
     if isinstance(experts, int) and experts > 1 and not known:
         return f"a mixture-of-experts model ({experts} experts)"
@@ -178,53 +172,22 @@ def hf_config_fields(config: Any) -> ConfigReading:
     """
     cfg = _as_dict(config)
     top_level = dict(cfg)
-    if isinstance(cfg.get("text_config"), Mapping) and _first(cfg, _LAYERS) is None:
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
-    # a published config may leave fields to its class's defaults (Gemma-3's text_config has no vocab_size)
-    cfg = {**TEXT_DEFAULTS.get(str(cfg.get("model_type") or "").lower(), {}), **cfg}
-    vision = cfg.get("vocab_size") is None and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
-    if vision:
-        # ViT-style: no vocabulary; the classifier's labels stand in for V, the patches for positions
-        labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
-        cfg = {**cfg, "vocab_size": check_int("config['num_labels']", labels, maximum=CONFIG_MAX_VOCAB,
-                                              hint="the classifier's labels (a vision config's vocabulary)")}
-    required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
-    values = {key: _first(cfg, names) for key, names in required.items()}
-    if values["n_heads"] is None and _is_state_space(cfg):
-        # an attention-free SSM (Mamba v1) has no heads: one stands in for the spec's shape checks; its
-        # memory comes from the traced class (analytic_gap below refuses the analytic terms for it)
-        values["n_heads"] = 1
-    missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
-    if missing:
-        raise ValueError(
-            f"config is missing {'; '.join(missing)}; got keys {sorted(cfg)[:20]}; pass a decoder config "
-            "such as Llama's config.json or build ModelSpec(n_layers, hidden, n_heads, vocab_size) directly"
-        )
+    cfg, vision = _text_config(cfg)
+    values = _required(cfg)
     model_type = str(cfg.get("model_type") or "").lower()
     gated = model_type in _GATED or (
         model_type not in _LAYERNORM and str(cfg.get("hidden_act", "")).lower() in ("silu", "swiglu")
     )
     rms = model_type in _GATED or ("rms_norm_eps" in cfg and model_type not in _LAYERNORM)
-    learned = model_type in _LEARNED_POS
-    kv = _first(cfg, _KV_HEADS)
+    kv = first_value(cfg, _KV_HEADS)
     if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
         kv = 1  # Falcon-7B style multi-query attention: one k/v head whatever num_kv_heads says
     tied = cfg.get("tie_word_embeddings")
     if tied is None:
         tied = model_type in _TIED_BY_DEFAULT
-    positions = _first(cfg, _POSITIONS)
-    dropout = max(
-        check_number(f"config[{name!r}]", cfg.get(name) or 0.0, minimum=0.0, maximum=1.0, max_inclusive=False,
-                     hint="a dropout probability in [0, 1)")
-        for name in ("attention_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout")
-    )
-
-    def whole(names: tuple[str, ...], value: Any, maximum: int = CONFIG_MAX_SIZE) -> int:
-        key = next((n for n in names if cfg.get(n) is not None), names[0])
-        return check_int(f"config[{key!r}]", value, maximum=maximum,
-                         hint=f"a whole number in the Hugging Face config, at most {maximum} (far beyond any published "
-                         "model; the traced estimate builds the model's tensors from these sizes)")
-
+    positions = first_value(cfg, _POSITIONS)
+    dropout = _dropout(cfg)
+    whole = functools.partial(_whole, cfg)
     bias = model_type in ("gpt2", "gpt_neox", "opt", "bloom", "gpt_bigcode") or bool(
         cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("use_bias")
     )
@@ -232,7 +195,6 @@ def hf_config_fields(config: Any) -> ConfigReading:
     n_heads = whole(_HEADS, values["n_heads"], CONFIG_MAX_HEADS)
     n_kv = whole(_KV_HEADS, kv, CONFIG_MAX_HEADS) if kv is not None else None
     head_dim = whole(("head_dim",), cfg["head_dim"]) if cfg.get("head_dim") else None
-    extra = _extra_layer_params(model_type, hidden, n_heads, n_kv or n_heads, head_dim or hidden // n_heads)
     fields = dict(
         n_layers=whole(_LAYERS, values["n_layers"], CONFIG_MAX_LAYERS),
         hidden=hidden,
@@ -240,25 +202,76 @@ def hf_config_fields(config: Any) -> ConfigReading:
         vocab_size=whole(("vocab_size",), values["vocab_size"], CONFIG_MAX_VOCAB),
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        ffn_hidden=whole(_FFN, _first(cfg, _FFN)) if _first(cfg, _FFN) else None if gated else 4 * hidden,
+        ffn_hidden=whole(_FFN, first_value(cfg, _FFN)) if first_value(cfg, _FFN) else None if gated else 4 * hidden,
         ffn_kind="swiglu" if gated else "gelu",
         norm="rmsnorm" if rms else "layernorm",
         bias=bias,
         qkv_bias=model_type in _QKV_BIAS and not bias,
-        extra_layer_params=extra,
+        extra_layer_params=_extra_layer_params(model_type, hidden, n_heads, n_kv or n_heads, head_dim or hidden // n_heads),
         tied_embeddings=check_bool("config['tie_word_embeddings']", tied),
-        position_embedding="learned" if learned else "rope",
+        position_embedding="learned" if model_type in _LEARNED_POS else "rope",
         max_positions=whole(_POSITIONS, positions, CONFIG_MAX_POSITIONS) if positions else None,
         dropout=dropout,
         name=model_type or cfg.get("_name_or_path") or None,
         # the traced path builds the real class from it (tracking/hf_trace.py); not for a nested text_config
-        hf_config=canonical_config_json(top_level) if _first(top_level, _LAYERS) is not None else None,
+        hf_config=canonical_config_json(top_level) if first_value(top_level, _LAYERS) is not None else None,
     )
     n_layers = fields["n_layers"]
     assert isinstance(n_layers, int)  # checked by whole() above
     fields.update(hf_expert_fields(cfg, model_type, whole, n_layers))  # MoE / MLA families; {} for the others
     return ConfigReading(fields=fields, model_type=model_type, analytic_gap=_analytic_gap(cfg, vision),
                          mixed_stack=non_uniform_reason(cfg))
+
+
+def _text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``(the decoder's fields, whether it is a vision config)``: a multimodal config's ``text_config``
+    (when the top level names no layers), the class's defaults a published config may leave out
+    (Gemma-3's ``text_config`` has no ``vocab_size``), and for a ViT-style config (no vocabulary) its
+    classifier's labels as V."""
+    if isinstance(cfg.get("text_config"), Mapping) and first_value(cfg, _LAYERS) is None:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    cfg = {**TEXT_DEFAULTS.get(str(cfg.get("model_type") or "").lower(), {}), **cfg}
+    vision = cfg.get("vocab_size") is None and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
+    if vision:
+        # ViT-style: no vocabulary; the classifier's labels stand in for V, the patches for positions
+        labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
+        cfg = {**cfg, "vocab_size": check_int("config['num_labels']", labels, maximum=CONFIG_MAX_VOCAB,
+                                              hint="the classifier's labels (a vision config's vocabulary)")}
+    return cfg, vision
+
+
+def _required(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Layers, width, heads and vocabulary of ``cfg`` (raises ``ValueError`` naming what is missing)."""
+    required = {"n_layers": _LAYERS, "hidden": _HIDDEN, "n_heads": _HEADS, "vocab_size": ("vocab_size",)}
+    values = {key: first_value(cfg, names) for key, names in required.items()}
+    if values["n_heads"] is None and _is_state_space(cfg):
+        # an attention-free SSM (Mamba v1) has no heads: one stands in for the spec's shape checks; its
+        # memory comes from the traced class (analytic_gap refuses the analytic terms for it)
+        values["n_heads"] = 1
+    missing = [f"{key} (one of {', '.join(names)})" for key, names in required.items() if values[key] is None]
+    if missing:
+        raise ValueError(
+            f"config is missing {'; '.join(missing)}; got keys {sorted(cfg)[:20]}; pass a decoder config "
+            "such as Llama's config.json or build ModelSpec(n_layers, hidden, n_heads, vocab_size) directly"
+        )
+    return values
+
+
+def _dropout(cfg: Mapping[str, Any]) -> float:
+    """The largest dropout probability the config names (attention, residual, embedding, hidden)."""
+    return max(
+        check_number(f"config[{name!r}]", cfg.get(name) or 0.0, minimum=0.0, maximum=1.0, max_inclusive=False,
+                     hint="a dropout probability in [0, 1)")
+        for name in ("attention_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout")
+    )
+
+
+def _whole(cfg: Mapping[str, Any], names: tuple[str, ...], value: Any, maximum: int = CONFIG_MAX_SIZE) -> int:
+    """``value`` (read from the first of ``names`` ``cfg`` sets) as a whole number of at most ``maximum``."""
+    key = next((n for n in names if cfg.get(n) is not None), names[0])
+    return check_int(f"config[{key!r}]", value, maximum=maximum,
+                     hint=f"a whole number in the Hugging Face config, at most {maximum} (far beyond any published "
+                     "model; the traced estimate builds the model's tensors from these sizes)")
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -313,7 +326,7 @@ def _hf_config(module: Any) -> Any:
         cfg = getattr(sub, "config", None)
         if cfg is not None and (callable(getattr(cfg, "to_dict", None)) or isinstance(cfg, Mapping)):
             d = _as_dict(cfg)
-            if _first(d, _LAYERS) is not None and _first(d, _HEADS) is not None:
+            if first_value(d, _LAYERS) is not None and first_value(d, _HEADS) is not None:
                 return cfg
     return None
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from lightning_memplan.model import terms
 from lightning_memplan.model.result import DYNAMIC_COMPONENTS, MemoryEstimate, readable_bytes
+from lightning_memplan.model.sizes import precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_int
 
@@ -107,7 +108,7 @@ def loss_segment_bytes(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, *
     """
     if expandable_segments or train.loss != "fp32_upcast":
         return 0
-    e = terms.precision_bytes(train).logits
+    e = precision_bytes(train).logits
     if e >= terms.FP32_BYTES:
         return 0
     tokens = train.micro_batch * train.seq_len // plan.cp
@@ -134,7 +135,7 @@ def fsdp_stream_pool_bytes(
     """
     if not _fsdp(plan):
         return {"all_gather": 0, "reduce_scatter": 0}
-    pb = terms.precision_bytes(train)
+    pb = precision_bytes(train)
     block = math.ceil(terms.layer_param_count(model) / plan.tp)
     root = math.ceil((terms.embedding_param_count(model) + terms.head_param_count(model)) / plan.tp)
     largest = max(block, root)

@@ -1,7 +1,8 @@
 """Outputs of the memory model: :class:`MemoryEstimate` (bytes per component on one rank) and
 :class:`Calibration` (per-model coefficients fitted from traced steps).
 
-Component names line up with what the trackers measure (house style 5), so an estimate and a
+Component names line up with what the trackers measure (as PyTorch's ``torch/distributed/_tools/mem_tracker.py``
+names its categories), so an estimate and a
 measurement compare field by field.
 """
 

@@ -1,7 +1,7 @@
 """Inputs of the memory model: what the model is, how it is trained, how it is laid out.
 
-All three are frozen, keyword-only dataclasses validated in ``__post_init__`` (house style 4). Symbols
-follow docs/DESIGN.md: b micro-batch, s sequence length, h hidden, a heads, k kv-heads, L layers,
+All three are frozen, keyword-only dataclasses validated in ``__post_init__`` (as torchtitan's
+``ParallelismConfig``, ``torchtitan/config/job_config.py``). Symbols follow docs/concepts.md: b micro-batch, s sequence length, h hidden, a heads, k kv-heads, L layers,
 V vocab, f ffn hidden, N parameters, t/p/d/c tensor/pipeline/data/context parallel, m microbatches,
 v virtual stages.
 """

@@ -1,7 +1,14 @@
-"""Every term of the memory model as its own function (house style 6).
+"""Every term of the memory model as its own function.
 
-Each docstring states the formula in the fixed symbols of docs/DESIGN.md, its assumptions and its
-source. All results are integer bytes (or element counts where the name says so).
+Each docstring states the formula in the symbols of docs/concepts.md (b micro-batch, s sequence, h
+hidden, a heads, k key/value heads, d_h head width, f ffn width, V vocabulary, L layers, t/p/d/c the
+tensor-, pipeline-, data- and context-parallel sizes), its assumptions and its source. All results are
+integer bytes (or element counts where the name says so).
+
+A term takes numbers and the already-resolved records of ``model/sizes.py`` (:class:`~lightning_memplan.
+model.sizes.PrecisionBytes`, :class:`~lightning_memplan.model.sizes.Kernels`,
+:class:`~lightning_memplan.model.sizes.OptimizerBytes`), never a ``TrainSpec``: the precision rules are
+worked out once, in ``model/sizes.py``.
 
 Sources cited below:
   [K22]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -10,8 +17,10 @@ Sources cited below:
          Megatron-LM", arXiv 2104.04473 (section 2.2: 1F1B and interleaved schedules).
   [R20]  Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
          Models", arXiv 1910.02054 (section 3: model states 2N + 2N + 12N).
-  [S004] ../shared/seeds/004_98543d7f24e12d1f.txt section 9.1.2: the 16N rule, 10N with 8-bit Adam.
-  [S000] ../shared/seeds/000_ae44ffcbb4645c0b.txt: the [b, s, V] logits and their fp32 copies.
+  [D8]   Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861: Adam's
+         two states in 1 byte each.
+  [HF]   Hugging Face transformers 5.3 ``models/llama/modeling_llama.py`` ``LlamaForCausalLM.forward``:
+         the [b, s, V] logits, upcast with ``logits.float()`` inside ``self.loss_function``.
   [PT]   PyTorch 2.13 sources: what autograd saves for backward (aten/src/ATen/native, derivatives.yaml),
          torch/optim/adam.py (``_multi_tensor_adam``), torch/amp/autocast_mode.py (the weight-cast cache).
   [PL]   Lightning 2.6 ``loops/optimization/automatic.py``: ``zero_grad`` runs after ``training_step``
@@ -20,9 +29,7 @@ Sources cited below:
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 from lightning_memplan.model.experts import is_moe, uses_mla
 from lightning_memplan.model.param_counts import (
@@ -35,7 +42,22 @@ from lightning_memplan.model.param_counts import (
     norm_param_count,
     param_count,
 )
-from lightning_memplan.model.specs import ModelSpec, TrainSpec
+from lightning_memplan.model.sizes import (
+    ADAM_STATE_COUNT,
+    BATCH_ID_TENSORS,
+    BF16_BYTES,
+    FP32_BYTES,
+    INT8_BYTES,
+    LAYERNORM_STAT_COUNT,
+    MASK_BYTES,
+    RMSNORM_STAT_COUNT,
+    SDPA_LSE_BYTES,
+    TOKEN_ID_BYTES,
+    Kernels,
+    OptimizerBytes,
+    PrecisionBytes,
+)
+from lightning_memplan.model.specs import ModelSpec
 
 __all__ = [
     "fsdp1_padded_numel",
@@ -47,7 +69,10 @@ __all__ = [
     "FP32_BYTES",
     "INT8_BYTES",
     "MASK_BYTES",
+    "Kernels",
+    "OptimizerBytes",
     "PrecisionBytes",
+    "SDPA_LSE_BYTES",
     "AUTO_CHUNK_BUDGET_BYTES",
     "AUTO_CHUNK_GRAD_FRACTION",
     "AUTO_MIN_CHUNKS",
@@ -81,164 +106,50 @@ __all__ = [
     "norm_saves_its_input",
     "logits_bytes",
     "model_state_bytes",
-    "optimizer_state_bytes_per_param",
     "optimizer_workspace_bytes",
     "param_count",
     "pipeline_head_inflight_microbatches",
     "position_ids_bytes",
     "pipeline_inflight_microbatches",
-    "precision_bytes",
     "TOKEN_ID_BYTES",
 ]
 
-FP32_BYTES = 4
-BF16_BYTES = 2
-INT8_BYTES = 1
-#: PyTorch's dropout mask is a bool tensor: one byte per element [PT].
-MASK_BYTES = 1
-#: Adam/AdamW keep two states per parameter, exp_avg (m) and exp_avg_sq (v) [R20].
-ADAM_STATE_COUNT = 2
-#: LayerNorm saves mean and rstd (fp32) per token; RMSNorm saves rstd only [PT].
-LAYERNORM_STAT_COUNT = 2
-RMSNORM_STAT_COUNT = 1
-#: The flash/efficient SDPA kernels save one fp32 log-sum-exp per (token, head) [PT].
-SDPA_LSE_BYTES = FP32_BYTES
-#: Token ids, targets and position ids are int64 (``torch.long``): what ``nn.Embedding`` looks up and
-#: ``F.cross_entropy`` takes as class indices [PT].
-TOKEN_ID_BYTES = 8
-#: A language model's batch holds two ``[b, s]`` id tensors: the inputs and the targets.
-BATCH_ID_TENSORS = 2
-
-# ---------------------------------------------------------------------------------------------
-# Parameter counts
-# ---------------------------------------------------------------------------------------------
-
-
+# Element sizes (``FP32_BYTES``, ..., ``SDPA_LSE_BYTES``, ``TOKEN_ID_BYTES``) and the records the terms take
+# (``PrecisionBytes``, ``Kernels``, ``OptimizerBytes``) are defined once in model/sizes.py and re-exported.
 # Parameter counts: one formula each in model/param_counts.py (ModelSpec.num_params reads them too);
 # imported above and re-exported here.
 
 
 # ---------------------------------------------------------------------------------------------
-# Bytes per element under each precision plugin
+# Model states
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrecisionBytes:
-    """Bytes per element of each tensor family for one precision setting.
-
-    Attributes:
-        param: parameter storage. grad: gradient storage. master: fp32 master copy (0 when none).
-        state: one optimizer state element. compute: matmul outputs (activations).
-        residual: the residual stream and norm inputs (fp32 under autocast: embeddings and
-            residual adds stay in the parameter dtype). autocast_copy: the low-precision weight copy
-            autocast caches for each matmul weight (0 when autocast is off).
-        logits: dtype the lm_head produces.
-    """
-
-    param: int
-    grad: int
-    master: int
-    state: int
-    compute: int
-    residual: int
-    autocast_copy: int
-    logits: int
-
-
-@functools.lru_cache(maxsize=4096)  # specs are frozen (hashable); the planner asks many times per plan
-def precision_bytes(train: TrainSpec) -> PrecisionBytes:
-    """Element sizes for Lightning's precision plugins [PL], then the explicit overrides.
-
-    - ``"32-true"``: everything fp32.
-    - ``"16-mixed"``/``"bf16-mixed"``: fp32 params, grads and optimizer states; autocast runs the
-      matmuls in 16 bit and caches a 16-bit copy of each weight from its first use in forward until
-      backward frees it [PT]; norms, softmax and the loss run in fp32.
-    - ``"16-true"``/``"bf16-true"``: params, grads, optimizer states (``zeros_like(param)``) and
-      activations all in 16 bit.
-    - ``master_weights=True``: an fp32 master copy of 16-bit params with fp32 optimizer states, the
-      Megatron/DeepSpeed layout behind the textbook 16N = 2 + 2 + 4 + 8 [S004].
-    - ``framework="deepspeed"`` with any 16-bit precision: DeepSpeed's fp16/bf16 engine casts the module
-      to 16 bit (no autocast, so no weight copies; activations and the residual stream in 16 bit) and its
-      ZeRO optimizer keeps fp32 master weights and fp32 states, whatever ``master_weights`` says: the
-      2 + 2 + 12 bytes of [R20] section 3.1 (``deepspeed/runtime/zero/stage_1_and_2.py``,
-      ``single_partition_of_fp32_groups``; ``lightning_memplan.model.deepspeed``).
-    """
-    mixed = train.precision in ("16-mixed", "bf16-mixed")
-    true16 = train.precision in ("16-true", "bf16-true")
-    if train.framework == "deepspeed" and (mixed or true16):
-        return PrecisionBytes(
-            param=train.param_bytes or BF16_BYTES,
-            grad=train.grad_bytes or (train.param_bytes or BF16_BYTES),
-            master=train.master_bytes or FP32_BYTES,
-            state=FP32_BYTES,
-            compute=train.activation_bytes or BF16_BYTES,
-            residual=train.activation_bytes or BF16_BYTES,
-            autocast_copy=0,
-            logits=train.activation_bytes or BF16_BYTES,
-        )
-    param = BF16_BYTES if true16 else FP32_BYTES
-    master = FP32_BYTES if (train.master_weights and param < FP32_BYTES) else 0
-    state = FP32_BYTES if master else param
-    compute = BF16_BYTES if (mixed or true16) else FP32_BYTES
-    residual = BF16_BYTES if true16 else FP32_BYTES
-    return PrecisionBytes(
-        param=train.param_bytes or param,
-        grad=train.grad_bytes or (train.param_bytes or param),
-        master=train.master_bytes or master,
-        state=state,
-        compute=train.activation_bytes or compute,
-        residual=train.activation_bytes or residual,
-        autocast_copy=BF16_BYTES if mixed else 0,
-        logits=train.activation_bytes or compute,
-    )
-
-
-def optimizer_state_bytes_per_param(train: TrainSpec) -> float:
-    """Optimizer state bytes per parameter.
-
-    Adam/AdamW: 2 states x state bytes (8 with fp32 states) [R20]; 8-bit Adam: 2 x 1 byte [S004];
-    SGD with momentum and Lion: 1 state; SGD: 0; Adafactor: factored second moments, O(rows + cols)
-    per matrix, counted as 0 per parameter. ``optimizer_bytes_per_param`` overrides.
-    """
-    if train.optimizer_bytes_per_param is not None:
-        return float(train.optimizer_bytes_per_param)
-    state = precision_bytes(train).state
-    return {
-        "adamw": ADAM_STATE_COUNT * state,
-        "adam": ADAM_STATE_COUNT * state,
-        "adamw8bit": ADAM_STATE_COUNT * INT8_BYTES,
-        "sgd": 0,
-        "sgd_momentum": state,
-        "lion": state,
-        "adafactor": 0,
-    }[train.optimizer]
-
-
-def model_state_bytes(n_params: int, train: TrainSpec) -> dict[str, int]:
-    """Unsharded model states ``{params, grads, optimizer, master}`` for N parameters.
+def model_state_bytes(n_params: int, sizes: PrecisionBytes, optimizer_per_param: float) -> dict[str, int]:
+    """Unsharded model states ``{params, grads, optimizer, master}`` for N parameters, with the element
+    sizes ``sizes`` and ``optimizer_per_param`` state bytes per parameter
+    (:attr:`~lightning_memplan.model.sizes.OptimizerBytes.per_param`).
 
     The textbook case (``bf16-true`` + ``master_weights=True`` + Adam) gives 2N + 2N + 8N + 4N = 16N
-    [S004 9.1.2]; Lightning's ``bf16-mixed`` gives 4N + 4N + 8N (fp32 params and grads, no separate
+    [R20 section 3.1]; Lightning's ``bf16-mixed`` gives 4N + 4N + 8N (fp32 params and grads, no separate
     master), plus the autocast copies counted by :func:`autocast_copy_bytes`.
     """
-    pb = precision_bytes(train)
     return {
-        "params": n_params * pb.param,
-        "grads": n_params * pb.grad,
-        "optimizer": round(n_params * optimizer_state_bytes_per_param(train)),
-        "master": n_params * pb.master,
+        "params": n_params * sizes.param,
+        "grads": n_params * sizes.grad,
+        "optimizer": round(n_params * optimizer_per_param),
+        "master": n_params * sizes.master,
     }
 
 
-def autocast_copy_bytes(matmul_params: int, train: TrainSpec) -> int:
+def autocast_copy_bytes(matmul_params: int, sizes: PrecisionBytes) -> int:
     """16-bit weight copies cached by autocast: ``2 * N_matmul`` under mixed precision, else 0.
 
     Autocast casts each matmul weight once per forward and the matmul saves the copy for backward,
     so all of them are alive at the end of the forward [PT torch/amp/autocast_mode.py]. Embedding
     lookups and norms are not autocast to 16 bit, so only linear weights count.
     """
-    return matmul_params * precision_bytes(train).autocast_copy
+    return matmul_params * sizes.autocast_copy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +224,7 @@ def korthikanti_layer_activation_bytes(
     return sbh * (34 + 5 * a * s / h)
 
 
-def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+def eager_attention_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, t: int = 1) -> int:
     """Materialised attention probabilities of one layer, ``b*(a/t)*s^2`` elements each:
 
     - the softmax output, kept for softmax's backward: fp32 under CUDA autocast (softmax is on its
@@ -324,69 +235,57 @@ def eager_attention_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t:
     Zero for ``attention="sdpa"`` and for ``recompute`` other than ``"none"`` (selective recompute
     recomputes exactly this part [K22 section 5]). Corresponds to the ``5*a*s/h`` term of [K22].
     """
-    if train.attention != "eager" or train.recompute != "none":
+    if not kernels.eager:
         return 0
-    pb = precision_bytes(train)
     elems = b * (model.n_heads // t) * s * s
-    fp32_softmax = _fp32_softmax(train)
-    total = elems * _softmax_bytes(train)
+    total = elems * kernels.softmax
     if model.dropout > 0:
-        total += elems * (MASK_BYTES + pb.compute)
-    elif fp32_softmax:
-        total += elems * pb.compute
+        total += elems * (MASK_BYTES + kernels.sizes.compute)
+    elif kernels.fp32_softmax:
+        total += elems * kernels.sizes.compute
     return total
 
 
-def _softmax_bytes(train: TrainSpec) -> int:
-    """Bytes per element of eager attention's softmax output, and of the gradients its backward takes
-    and returns: fp32 under CUDA autocast (softmax is on autocast's fp32 list; the 16-bit gradient of
-    the P@V product is cast back to fp32 by the cast's backward), else the compute dtype (CPU autocast
-    leaves softmax in bf16; ``_softmax_backward_data`` returns its input's dtype) [PT]."""
-    return FP32_BYTES if _fp32_softmax(train) else precision_bytes(train).compute
-
-
-def _fp32_softmax(train: TrainSpec) -> bool:
-    """Whether eager attention's softmax runs in fp32 under a 16-bit compute dtype: CUDA autocast."""
-    return bool(precision_bytes(train).autocast_copy) and train.device == "cuda"
-
-
-def eager_softmax_output_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
-    """The softmax output of one layer, ``b*(a/t)*s^2`` elements of :func:`_softmax_bytes`: the part of
+def eager_softmax_output_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, t: int = 1) -> int:
+    """The softmax output of one layer, ``b*(a/t)*s^2`` elements of ``kernels.softmax`` bytes (fp32 under
+    CUDA autocast, where softmax is on autocast's fp32 list and the 16-bit gradient of the P@V product is
+    cast back to fp32 by the cast's backward; else the compute dtype: CPU autocast leaves softmax in bf16,
+    ``_softmax_backward_data`` returns its input's dtype [PT]): the part of
     :func:`eager_attention_bytes` that the softmax saves for its own backward (the P@V product's 16-bit
     copy under CUDA autocast, and dropout's mask and dropped probabilities, are saved by the nodes after
     it). Zero where :func:`eager_attention_bytes` is."""
-    if train.attention != "eager" or train.recompute != "none":
+    if not kernels.eager:
         return 0
-    return b * (model.n_heads // t) * s * s * _softmax_bytes(train)
+    return b * (model.n_heads // t) * s * s * kernels.softmax
 
 
-def eager_checkpointed_forward_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+def eager_checkpointed_forward_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, t: int = 1) -> int:
     """The ``[b, a/t, s, s]`` tensors alive while a checkpointed block (``recompute="full"``) runs its
     eager attention forward: the softmax's input (the masked scores, compute dtype) and its output
-    (:func:`_softmax_bytes`), ``b*(a/t)*s^2`` elements each. The non-reentrant ``checkpoint`` saves
+    (``kernels.softmax`` bytes), ``b*(a/t)*s^2`` elements each. The non-reentrant ``checkpoint`` saves
     nothing of them, so they are freed when the block returns [PT torch/utils/checkpoint.py], but the
     block's own forward holds both (measured with the tracker on the zoo's eager llama, 32-true,
     b=2, s=256: the forward's peak is the last block's ``probs @ v``, 17.6 % over the loss's point).
     Zero for ``attention="sdpa"`` and for ``recompute`` other than ``"full"``."""
-    if train.attention != "eager" or train.recompute != "full":
+    if kernels.attention != "eager" or kernels.recompute != "full":
         return 0
     elems = b * (model.n_heads // t) * s * s
-    return elems * (precision_bytes(train).compute + _softmax_bytes(train))
+    return elems * (kernels.sizes.compute + kernels.softmax)
 
 
-def eager_softmax_backward_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, t: int = 1) -> int:
+def eager_softmax_backward_bytes(model: ModelSpec, kernels: Kernels, b: int, s: int, t: int = 1) -> int:
     """The two ``[b, a/t, s, s]`` tensors of one layer's eager softmax backward, ``2*b*(a/t)*s^2``
-    elements of :func:`_softmax_bytes`: the gradient of the probabilities (``grad_y @ V^T`` from the P@V
+    elements of ``kernels.softmax`` bytes: the gradient of the probabilities (``grad_y @ V^T`` from the P@V
     backward; under CUDA autocast its fp32 cast, the 16-bit product freed by then) and the gradient of
     the scores that ``_softmax_backward_data`` allocates while the first is alive [PT softmax_backward].
     Zero where :func:`eager_attention_bytes` is."""
-    if train.attention != "eager" or train.recompute != "none":
+    if not kernels.eager:
         return 0
-    return 2 * b * (model.n_heads // t) * s * s * _softmax_bytes(train)
+    return 2 * b * (model.n_heads // t) * s * s * kernels.softmax
 
 
 def eager_softmax_backward_grad_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> int:
     """Activation gradients alive next to :func:`eager_softmax_backward_bytes` while one block's softmax
     backward runs (zero where that is):
@@ -403,9 +302,9 @@ def eager_softmax_backward_grad_bytes(
 
     The output projection's input gradient is gone by then: the P@V backward consumed it.
     """
-    if train.attention != "eager" or train.recompute != "none":
+    if not kernels.eager:
         return 0
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     tokens = b * s
     dv = (model.v_head_dim or model.dim_head) if model.kv_lora_rank is not None else model.dim_head
     residual = tokens * model.hidden * pb.residual // (t if sp else 1)
@@ -413,7 +312,7 @@ def eager_softmax_backward_grad_bytes(
 
 
 def eager_softmax_backward_freed_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> dict[str, int]:
     """What one block no longer holds when its eager softmax backward starts, as
     ``{"activations": ..., "attention": ...}`` (zero where :func:`eager_attention_bytes` is).
@@ -430,14 +329,14 @@ def eager_softmax_backward_freed_bytes(
       (:func:`eager_softmax_output_bytes`): the 16-bit copy P@V saved under CUDA autocast, the dropout
       mask and the dropped probabilities.
     """
-    if train.attention != "eager" or train.recompute != "none":
+    if not kernels.eager:
         return {"activations": 0, "attention": 0}
-    _, after = layer_activation_split_bytes(model, train, b, s, t=t, sp=sp)
-    attention = eager_attention_bytes(model, train, b, s, t=t) - eager_softmax_output_bytes(model, train, b, s, t=t)
+    _, after = layer_activation_split_bytes(model, kernels, b, s, t=t, sp=sp)
+    attention = eager_attention_bytes(model, kernels, b, s, t=t) - eager_softmax_output_bytes(model, kernels, b, s, t=t)
     return {"activations": after, "attention": attention}
 
 
-def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: int = 1) -> int:
+def norm_saved_bytes(model: ModelSpec, kernels: Kernels, tokens: int, *, split: int = 1) -> int:
     """Bytes one norm layer saves for ``tokens`` tokens, per token (``x`` = the residual dtype's bytes):
 
     - LayerNorm (``native_layer_norm``): its input and fp32 mean and rstd: ``h*x + 8`` [PT];
@@ -465,30 +364,30 @@ def norm_saved_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, split: 
     sequence-parallel width.
     """
     h = model.hidden
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     if model.norm == "layernorm":
         per_token = h * pb.residual + LAYERNORM_STAT_COUNT * FP32_BYTES
-    elif train.norm_impl == "composite":
+    elif kernels.norm_impl == "composite":
         per_token = h * FP32_BYTES + RMSNORM_STAT_COUNT * FP32_BYTES + h * pb.residual
-    elif train.norm_impl == "native" and train.device == "cuda":
+    elif kernels.fused_rms_norm:
         per_token = h * pb.residual + RMSNORM_STAT_COUNT * FP32_BYTES
     else:
         per_token = 2 * h * FP32_BYTES + RMSNORM_STAT_COUNT * FP32_BYTES
     return tokens * per_token // split
 
 
-def norm_saves_its_input(model: ModelSpec, train: TrainSpec) -> bool:
+def norm_saves_its_input(model: ModelSpec, kernels: Kernels) -> bool:
     """Whether a block's first norm saves its input tensor itself rather than an fp32 copy of it
     (:func:`norm_saved_bytes`): LayerNorm and CUDA's fused RMSNorm always; any composite RMSNorm
     (CPU's ATen one, ``"composite"``, ``"composite_fp32"``) only when the input is already fp32, since
     ``x.to(float32)`` of an fp32 tensor returns it [PT]."""
-    if model.norm == "layernorm" or (train.norm_impl == "native" and train.device == "cuda"):
+    if model.norm == "layernorm" or kernels.fused_rms_norm:
         return True
-    return precision_bytes(train).residual == FP32_BYTES
+    return kernels.sizes.residual == FP32_BYTES
 
 
 def layer_activation_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> int:
     """Bytes one block saves for backward (attention probabilities excluded), no recompute.
 
@@ -517,42 +416,40 @@ def layer_activation_bytes(
     DTensor sequence parallelism the norm inputs are split by t but the all-gathered matmul inputs are
     saved whole (the ``ColwiseParallel`` input redistribution keeps the gathered tensor).
 
-    ``train.framework`` other than ``"torch"`` (``lightning_memplan.model.frameworks``): Megatron-LM's
+    A framework other than ``"torch"`` (``kernels.sp_saves_shard``, ``kernels.fused_swiglu``:
+    ``lightning_memplan.model.frameworks``): Megatron-LM's
     sequence-parallel linears save their 1/t input shard and gather it again in backward, so the matmul
     inputs are divided by t too [K22 section 4.2.2, Table 2 ``34sbh/t``], and its fused SwiGLU saves
     only its input, the fc1 output ``2*s*b*f``, and fc2 its input ``s*b*f`` (``3*s*b*f``, not 4).
     """
-    from lightning_memplan.model.frameworks import framework_facts
-
-    facts = framework_facts(train.framework)
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     h, dh, a, f = model.hidden, model.dim_head, model.n_heads // t, model.ffn // t
     tokens = b * s
     norm_split = t if sp else 1
-    norms = 2 * norm_saved_bytes(model, train, tokens, split=norm_split)
+    norms = 2 * norm_saved_bytes(model, kernels, tokens, split=norm_split)
     cast = bool(pb.autocast_copy)
     attn_in_copies = 3 if (cast and not model.qkv_fused) else 1
     mlp_in_copies = 2 if (cast and model.ffn_kind == "swiglu") else 1
     matmul_inputs = (attn_in_copies + mlp_in_copies) * tokens * h * pb.compute
-    if sp and facts.sp_saves_shard:
+    if sp and kernels.sp_saves_shard:
         matmul_inputs //= t
-    kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
+    kv_heads = model.kv_heads // t if kernels.attention == "sdpa" else a
     qkv = (a + 2 * kv_heads) * tokens * dh * pb.compute
     # The output projection's input. The fused kernels allocate their output as [b, s, a, d_h], so
     # the usual ``transpose(1, 2).reshape(b, s, h)`` is a view of the output sdpa saves: one storage.
     attn_out = tokens * a * dh * pb.compute
-    if train.attention == "sdpa":
+    if kernels.attention == "sdpa":
         attn_out += tokens * a * SDPA_LSE_BYTES
-    swiglu_saved = 3 if facts.fused_swiglu else 4
+    swiglu_saved = 3 if kernels.fused_swiglu else 4
     mlp = (swiglu_saved if model.ffn_kind == "swiglu" else 2) * tokens * f * pb.compute
     masks = 2 * tokens * h * MASK_BYTES // norm_split if model.dropout > 0 else 0
     if is_moe(model) or uses_mla(model):
-        return norms + masks + _moe_mla_layer_bytes(model, train, tokens, t, attn_in_copies, mlp_in_copies, mlp,
-                                                    qkv + attn_out, swiglu_saved, facts.sp_saves_shard and sp)
+        return norms + masks + _moe_mla_layer_bytes(model, kernels, tokens, t, attn_in_copies, mlp_in_copies, mlp,
+                                                    qkv + attn_out, swiglu_saved, kernels.sp_saves_shard and sp)
     return norms + matmul_inputs + qkv + attn_out + mlp + masks
 
 
-def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int, attn_in_copies: int,
+def _moe_mla_layer_bytes(model: ModelSpec, kernels: Kernels, tokens: int, t: int, attn_in_copies: int,
                          mlp_in_copies: int, dense_mlp: int, attention: int, swiglu_saved: int, shard_inputs: bool) -> int:
     """The matmul-input, attention and MLP part of :func:`layer_activation_bytes` for a stack with
     mixture-of-experts blocks (``model/moe_terms.py``: each token through its k routed experts and the
@@ -560,12 +457,12 @@ def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int
     latents and head widths)."""
     from lightning_memplan.model import moe_terms
 
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     h, c = model.hidden, pb.compute
     split = t if shard_inputs else 1
     mla = moe_terms.mla_attention_saved_bytes(model, tokens, c, t=t)
     if mla is not None:  # two input projections (q_a_proj, kv_a_proj_with_mqa), not three
-        attention = mla + (tokens * (model.n_heads // t) * SDPA_LSE_BYTES if train.attention == "sdpa" else 0)
+        attention = mla + (tokens * (model.n_heads // t) * SDPA_LSE_BYTES if kernels.attention == "sdpa" else 0)
         attn_in_copies = min(attn_in_copies, 2)
     attn_inputs = attn_in_copies * tokens * h * c // split
     dense = mlp_in_copies * tokens * h * c // split + dense_mlp
@@ -575,7 +472,7 @@ def _moe_mla_layer_bytes(model: ModelSpec, train: TrainSpec, tokens: int, t: int
 
 
 def layer_activation_split_bytes(
-    model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False
+    model: ModelSpec, kernels: Kernels, b: int, s: int, *, t: int = 1, sp: bool = False
 ) -> tuple[int, int]:
     """:func:`layer_activation_bytes` split at the attention scores: ``(through the scores, after them)``,
     the two adding up to it.
@@ -589,14 +486,12 @@ def layer_activation_split_bytes(
     backward has released by the time it reaches an eager softmax
     (:func:`eager_softmax_backward_freed_bytes`).
     """
-    from lightning_memplan.model.frameworks import framework_facts
-
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     c, h = pb.compute, model.hidden
     tokens = b * s
-    total = layer_activation_bytes(model, train, b, s, t=t, sp=sp)
+    total = layer_activation_bytes(model, kernels, b, s, t=t, sp=sp)
     attn_in_copies = 3 if (pb.autocast_copy and not model.qkv_fused) else 1
-    norm = norm_saved_bytes(model, train, tokens, split=t if sp else 1)
+    norm = norm_saved_bytes(model, kernels, tokens, split=t if sp else 1)
     a = model.n_heads // t
     mla = uses_mla(model)
     if mla:
@@ -604,19 +499,19 @@ def layer_activation_split_bytes(
         qk = (model.qk_nope_head_dim or 0) + (model.qk_rope_head_dim or 0)
         scores = (2 * tokens * ((model.q_lora_rank or 0) + (model.kv_lora_rank or 0)) + tokens * a * 2 * qk) * c
     else:
-        kv_heads = model.kv_heads // t if train.attention == "sdpa" else a
+        kv_heads = model.kv_heads // t if kernels.attention == "sdpa" else a
         scores = (a + kv_heads) * tokens * model.dim_head * c
     attn_inputs = attn_in_copies * tokens * h * c
-    if sp and framework_facts(train.framework).sp_saves_shard:
+    if sp and kernels.sp_saves_shard:
         attn_inputs //= t
     through = min(total, norm + attn_inputs + scores)
     return through, total - through
 
 
-def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
-    """Full recompute keeps only each block's input, ``s*b*h`` in the residual dtype (/t with SP)
-    [K22 Table 2 "full"]; one block's activations are rebuilt transiently during its backward."""
-    return b * s * model.hidden * precision_bytes(train).residual // (t if sp else 1)
+def full_recompute_layer_bytes(model: ModelSpec, residual_bytes: int, b: int, s: int, *, t: int = 1, sp: bool = False) -> int:
+    """Full recompute keeps only each block's input, ``s*b*h`` in the residual dtype (``residual_bytes``,
+    /t with SP) [K22 Table 2 "full"]; one block's activations are rebuilt transiently during its backward."""
+    return b * s * model.hidden * residual_bytes // (t if sp else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,7 +524,7 @@ def full_recompute_layer_bytes(model: ModelSpec, train: TrainSpec, b: int, s: in
 LOSS_WEIGHT_GRAD_BLOCK_BYTES = 16 * 2**20
 
 
-def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: int) -> dict[str, int]:
+def _chunked_loss_bytes(model: ModelSpec, kernels: Kernels, tokens: int, vocab: int) -> dict[str, int]:
     """Memory of ``LinearCrossEntropy`` in chunked mode (reduction mean/sum) for N = ``tokens``.
 
     The gradients are computed during the forward, chunk by chunk, and kept until backward scales
@@ -642,10 +537,10 @@ def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: 
     their dtype, through a [chunk, h] product when that is not the GEMM dtype.
     ``chunk`` is ``loss_chunk_size`` or the ``"auto"`` rule (:func:`auto_loss_chunk_tokens`).
     """
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     h, e = model.hidden, pb.compute
-    gemm = loss_gemm_bytes(e, train.device)
-    chunk = min(tokens, train.loss_chunk_size or planned_loss_chunk_tokens(model, train, tokens, vocab))
+    gemm = loss_gemm_bytes(e, kernels.device)
+    chunk = min(tokens, kernels.loss_chunk_size or planned_loss_chunk_tokens(model, kernels, tokens, vocab))
     stored = tokens * h * pb.residual + vocab * h * FP32_BYTES
     # One transient at a time inside the loop: the chunk's input-gradient product, when the hidden
     # states (whose dtype their gradient is filled in) are not in the GEMM dtype, or a weight-gradient block.
@@ -660,13 +555,14 @@ def _chunked_loss_bytes(model: ModelSpec, train: TrainSpec, tokens: int, vocab: 
             casts += tokens * h * e
     else:
         casts = product
-    forward = chunk * loss_chunk_row_bytes(vocab, e, device=train.device) + stored + casts
+    forward = chunk * loss_chunk_row_bytes(vocab, e, device=kernels.device) + stored + casts
     backward = stored + (vocab * h * pb.grad if pb.grad != FP32_BYTES else 0)
     return {"forward": forward, "held": stored, "backward": backward}
 
 
-def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard: int = 1) -> dict[str, int]:
-    """The logits family around the loss for ``tokens`` = b*s tokens of one micro-batch [S000].
+def logits_bytes(model: ModelSpec, kernels: Kernels, tokens: int, *, vocab_shard: int = 1) -> dict[str, int]:
+    """The logits family around the loss for ``tokens`` = b*s tokens of one micro-batch (the loss mode
+    ``kernels.loss``; the [b, s, V] logits and their fp32 copies [HF]).
 
     Returns ``{"forward": ..., "held": ..., "backward": ...}``: the transient peak while the loss is
     computed, what stays alive from the end of the loss until its backward, and the peak of the
@@ -683,15 +579,15 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tokens: int, *, vocab_shard
     - ``loss_parallel``: PyTorch's ``loss_parallel()`` on DTensor logits sharded ``Shard(-1)`` over t
       (torchtitan's TP recipe), V/t columns per rank (:func:`_loss_parallel_bytes`).
     """
-    pb = precision_bytes(train)
+    pb = kernels.sizes
     vocab = math.ceil(model.vocab_size / vocab_shard)
     e = pb.logits
-    if train.loss == "chunked":
-        return _chunked_loss_bytes(model, train, tokens, vocab)
+    if kernels.loss == "chunked":
+        return _chunked_loss_bytes(model, kernels, tokens, vocab)
     elems = tokens * vocab
-    if train.loss == "loss_parallel":
+    if kernels.loss == "loss_parallel":
         return _loss_parallel_bytes(elems, e)
-    if train.loss == "fp32_upcast":
+    if kernels.loss == "fp32_upcast":
         # ``logits = logits.float()`` rebinds the name: the e-byte logits die once the copy exists,
         # so the peak is max(logits + copy, copy + log-probs); nothing of the copy outlives the loss.
         forward = elems * (FP32_BYTES + max(e, FP32_BYTES)) if e != FP32_BYTES else 2 * elems * FP32_BYTES
@@ -769,12 +665,12 @@ def loss_chunk_row_bytes(vocab: int, compute_bytes: int, *, softcap: bool = Fals
     return vocab * per_elem
 
 
-def planned_loss_chunk_tokens(model: ModelSpec, train: TrainSpec, tokens: int, vocab: int | None = None) -> int:
+def planned_loss_chunk_tokens(model: ModelSpec, kernels: Kernels, tokens: int, vocab: int | None = None) -> int:
     """Tokens per chunk the loss's ``chunk_size="auto"`` picks for ``tokens`` = b*s tokens of a run
     (:func:`auto_loss_chunk_tokens` at its compute dtype and device; ``vocab`` the local vocabulary,
     the model's by default): the one place the estimate and the planner's time model call the rule."""
     v = model.vocab_size if vocab is None else vocab
-    return auto_loss_chunk_tokens(tokens, model.hidden, v, precision_bytes(train).compute, device=train.device)
+    return auto_loss_chunk_tokens(tokens, model.hidden, v, kernels.sizes.compute, device=kernels.device)
 
 
 def auto_loss_chunk_tokens(
@@ -908,7 +804,7 @@ def fsdp1_rank_flat_numel(unit_numels: list[int], shard: int) -> int:
     return sum(fsdp1_shard_numel(n, shard) for n in unit_numels)
 
 
-def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param: int) -> int:
+def optimizer_workspace_bytes(optimizer: OptimizerBytes, local_params: int, largest_param: int) -> int:
     """Temporaries of ``optimizer.step()`` [PT torch/optim/adam.py]:
 
     - ``foreach`` Adam/AdamW: ``torch._foreach_sqrt(exp_avg_sqs)`` makes one state-sized temporary
@@ -918,11 +814,11 @@ def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param
     - ``fused`` and stateless SGD: 0. Momentum SGD and Lion update in place: 0 (foreach Lion: one
       state-sized temporary for the sign update).
     """
-    state = precision_bytes(train).state
-    if train.optimizer_impl == "fused" or train.optimizer in ("sgd", "sgd_momentum", "adafactor"):
+    state = optimizer.state
+    if optimizer.impl == "fused" or optimizer.name in ("sgd", "sgd_momentum", "adafactor"):
         return 0
-    if train.optimizer == "lion":
-        return local_params * state if train.optimizer_impl == "foreach" else largest_param * state
-    if train.optimizer_impl == "foreach":
+    if optimizer.name == "lion":
+        return local_params * state if optimizer.impl == "foreach" else largest_param * state
+    if optimizer.impl == "foreach":
         return local_params * state
     return 2 * largest_param * state

@@ -32,7 +32,7 @@ on the CPU the math path for MLA's unequal head sizes and for attention dropout;
 memory-efficient kernel for both). Where the trace device keeps them and the requested one does not, the
 fitted ``"attention"`` component (the tensors whose last two sizes are ``[s, s]``: all of the math path's
 ``b*s^2`` bytes) is dropped before the device ratio, and the fused kernel's fp32 log-sum-exp
-(``terms.SDPA_LSE_BYTES`` per token, head and block) is added to the activations
+(:data:`~lightning_memplan.model.sizes.SDPA_LSE_BYTES` per token, head and block) is added to the activations
 (:meth:`DepthTraces.drops_scores`, :func:`_on_device`; docs/concepts.md, "Which attention kernel").
 """
 
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.sizes import SDPA_LSE_BYTES
 
 if TYPE_CHECKING:  # annotations only: specs imports this module (the registry), not the other way round
     from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
@@ -69,9 +70,6 @@ TRACED_DEPTHS = (1, 2)
 #: What ``ModelSpec.from_hf_config(..., calibration=...)`` accepts besides a :class:`CoefficientSource`.
 CALIBRATION_CHOICES = ("auto", "analytic")
 
-#: Bytes of one fp32 log-sum-exp per (token, head), ``terms.SDPA_LSE_BYTES`` (not imported: terms imports
-#: specs, which imports this module; tests/unit/test_sdpa_kernel_scaling.py keeps the two equal).
-_LSE_BYTES = 4
 #: The memory-efficient SDPA kernel allocates its logsumexp with the sequence padded to this multiple.
 _LSE_ALIGN = 32
 
@@ -425,7 +423,7 @@ def _specs(model: ModelSpec, n_params: int, n_trainable: int | None) -> tuple[Mo
     return base, replace(base, n_trainable_params=n_trainable)
 
 
-#: ``_estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
+#: ``estimate_stage(model, train, plan, stage, rank, calibration)`` of ``model/estimate.py``: the
 #: analytic terms of one pipeline stage (passed in, so that this module does not import the estimate).
 StageEstimate = Callable[["ModelSpec", "TrainSpec", "ParallelPlan", int, int, "Calibration | None"], MemoryEstimate]
 
@@ -473,7 +471,7 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
             # (tools/autograd/derivatives.yaml: _scaled_dot_product_efficient_attention), its sequence
             # padded to a multiple of 32 by the memory-efficient kernel (kAlignLSE, cuda/attention.cu;
             # flash's is unpadded: at most 31 tokens more). Every block is counted.
-            lse = b * -(-s // _LSE_ALIGN) * _LSE_ALIGN * model.n_heads * _LSE_BYTES * model.n_layers
+            lse = b * -(-s // _LSE_ALIGN) * _LSE_ALIGN * model.n_heads * SDPA_LSE_BYTES * model.n_layers
             for phase in ("forward", "backward"):
                 out[phase]["activations"] = out[phase].get("activations", 0) + lse
         traced = out

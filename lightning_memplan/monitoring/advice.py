@@ -1,11 +1,13 @@
 """Warnings with remedies: which component explains a measurement above the estimate, and the cheapest
 change that cuts the component that dominates the peak.
 
-The remedy table follows the seeds' "which parallelism cuts which tensor" table
-(seeds/000_ae44ffcbb4645c0b.txt, sections 2-4: ZeRO/FSDP cut model states only; TP cuts hidden/heads
-and, with a vocab-parallel loss, the logits; SP/CP cut the sequence dimension of activations; chunked
-cross-entropy removes the [b, s, V] logits; recompute trades 20-40% step time for activations,
-seeds/002_a8121d020d685462.txt) and seeds/004_98543d7f24e12d1f.txt's "doesn't fit" cases A/B/C.
+The remedy table follows which parallelism cuts which tensor: ZeRO/FSDP cut model states only
+(Rajbhandari et al. 2020, arXiv 1910.02054, section 5); TP cuts hidden/heads and, with a vocab-parallel
+loss, the logits (Shoeybi et al. 2019, arXiv 1909.08053, section 3); SP/CP cut the sequence dimension of
+activations (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2; Liu et al. 2023, Ring Attention,
+arXiv 2310.01889); chunked cross-entropy removes the [b, s, V] logits (Wijmans et al. 2024, "Cut Your
+Losses in Large-Vocabulary Language Models", arXiv 2411.09009); recompute trades step time for
+activations (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, section 5).
 Options are listed cheapest first (no extra GPUs, no extra compute before more of either); the first one
 the current plan does not already use is the advice.
 """

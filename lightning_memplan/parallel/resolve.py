@@ -3,7 +3,7 @@
 agreement check every rank runs once the mesh exists.
 
 Plain functions over explicit arguments (module, world size, rank, ...), so the two strategies are thin
-adapters that only read their own run (Trainer hooks or ``fabric.setup``) and call these (house style 17;
+adapters that only read their own run (Trainer hooks or ``fabric.setup``) and call these (Lightning's ``ModelParallelStrategy`` builds on ``lightning.fabric.strategies.model_parallel`` the same way;
 Lightning's ``pytorch.strategies.ModelParallelStrategy`` builds on ``fabric.strategies.model_parallel``
 helpers the same way).
 """

@@ -187,14 +187,7 @@ def apply_tensor_parallel(
     Face Llama, GPT-2-style tables) then see the whole sequence. The final norm returns a
     sequence-sharded DTensor: ``LinearCrossEntropy`` consumes it as is, an ``lm_head`` call gathers it.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
     notes: list[str] = []
@@ -205,14 +198,43 @@ def apply_tensor_parallel(
         parallelize_module(target, tp_mesh, {path: _style(style) for path, style in custom.items()})
         notes.append(f"tensor parallel from {type(target).__name__}.tp_plan ({len(custom)} entries)")
         return notes
-    assert layout is not None  # guaranteed by tensor_parallel_blocker
+    emb_path = _shard_top_level(layout, tp_mesh, sequence_parallel)
+    # Under SP the whole sequence enters the model's first block, which keeps this rank's slice; later
+    # blocks (and the first block of a later pipeline stage, which receives the previous stage's
+    # sequence-sharded output) take the slice as it comes. The model's first block is the first one held
+    # by the rank that holds the embedding (stage 0 keeps blocks 0..k, in order).
+    _shard_blocks(layout, tp_mesh, sequence_parallel, enters_whole=emb_path is not None or not layout.embeddings)
+    if layout.tp_note:
+        notes.append(layout.tp_note)
+    if sequence_parallel:
+        notes.append(f"sequence parallel: norms and the residual stream hold 1/{tp} of the sequence per rank")
+    lces = find_linear_cross_entropy(module)
+    if lces:
+        notes.append(
+            f"{len(lces)} LinearCrossEntropy module(s) see the vocab-sharded lm_head weight and compute the "
+            "loss vocab-parallel"
+        )
+    return notes
+
+
+def _shard_top_level(layout: TransformerLayout, tp_mesh: DeviceMesh, sp: bool) -> str | None:
+    """Shard the embedding (vocab rows), the final norm (SP) and the lm_head (vocab columns) that the stage
+    holds; returns the embedding's path (``None`` on a stage without it).
+
+    After a pipeline split a stage holds only some of the top-level parts (the embedding on the first
+    stage, final norm and head on the last; the others are None): each style is applied to the parts
+    present, as torchtitan's ``parallelize_fn`` runs on every pipeline model part (torchtitan/train.py:
+    "for m in model_parts: ... parallelize_fn(m, ...)"; its Llama plan names tok_embeddings/norm/output,
+    which the split set to None on the other stages)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     root = layout.root
-    # After a pipeline split a stage holds only some of the top-level parts (the embedding on the first
-    # stage, final norm and head on the last; the others are None): each style is applied to the parts
-    # present, as torchtitan's ``parallelize_fn`` runs on every pipeline model part (torchtitan/train.py:
-    # "for m in model_parts: ... parallelize_fn(m, ...)"; its Llama plan names tok_embeddings/norm/output,
-    # which the split set to None on the other stages).
     emb_path = next((p for p in layout.embeddings[:1] if _present(root, p)), None)
     head = layout.head if _present(root, layout.head) else None
     norm = layout.norm if _present(root, layout.norm) else None
@@ -221,7 +243,6 @@ def apply_tensor_parallel(
         and emb_path is not None
         and root.get_submodule(head).weight is root.get_submodule(emb_path).weight
     )
-    sp = sequence_parallel
     top: dict[str, Any] = {}
     if emb_path is not None:
         # nn.Embedding + RowwiseParallel shards the vocab rows; masked lookups are summed by all-reduce.
@@ -236,29 +257,48 @@ def apply_tensor_parallel(
     if tied and head is not None and emb_path is not None:
         # Both styles shard the shared [V, h] matrix on dim 0, so one DTensor serves both modules again.
         root.get_submodule(head).weight = root.get_submodule(emb_path).weight
-    block_plan: dict[str, Any] = {
+    return emb_path
+
+
+def _block_plan(layout: TransformerLayout, sp: bool) -> dict[str, Any]:
+    """Every block's styles: column- and row-parallel projections; under SP the norms sequence-sharded and
+    the attention and MLP inputs gathered (other attention arguments, rope and masks, pass through)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {
         **{p: ColwiseParallel() for p in layout.colwise},
         **{p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for p in layout.rowwise},
     }
-    if sp:
-        block_plan.update({p: SequenceParallel() for p in layout.norms})
-        if layout.attn is not None:  # gather the hidden states; other arguments (rope, masks) pass through
-            if layout.attn_kwarg is not None:
-                block_plan[layout.attn] = PrepareModuleInput(
-                    input_kwarg_layouts={layout.attn_kwarg: Shard(1)},
-                    desired_input_kwarg_layouts={layout.attn_kwarg: Replicate()},
-                )
-            else:
-                block_plan[layout.attn] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-                )
-        if layout.mlp is not None:
-            block_plan[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    # Under SP the whole sequence enters the model's first block, which keeps this rank's slice; later
-    # blocks (and the first block of a later pipeline stage, which receives the previous stage's
-    # sequence-sharded output) take the slice as it comes. The model's first block is the first one held
-    # by the rank that holds the embedding (stage 0 keeps blocks 0..k, in order).
-    enters_whole = emb_path is not None or not layout.embeddings
+    if not sp:
+        return plan
+    plan.update({p: SequenceParallel() for p in layout.norms})
+    if layout.attn is not None:
+        if layout.attn_kwarg is not None:
+            plan[layout.attn] = PrepareModuleInput(
+                input_kwarg_layouts={layout.attn_kwarg: Shard(1)},
+                desired_input_kwarg_layouts={layout.attn_kwarg: Replicate()},
+            )
+        else:
+            plan[layout.attn] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    if layout.mlp is not None:
+        plan[layout.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def _shard_blocks(layout: TransformerLayout, tp_mesh: DeviceMesh, sp: bool, *, enters_whole: bool) -> None:
+    """Shard every block the stage holds with :func:`_block_plan`; under SP the first block of a stage the
+    whole sequence enters keeps this rank's slice (no communication); attention head counts divided by tp."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    tp = tp_mesh.size()
+    block_plan = _block_plan(layout, sp)
     for i, block in enumerate(layout.block_list):
         if layout.family == "litgpt":
             shard_litgpt_attention(block.get_submodule(layout.attn or "attn"), tp_mesh)
@@ -276,17 +316,6 @@ def apply_tensor_parallel(
             for name in layout.head_count_attrs:
                 if hasattr(attn, name):
                     setattr(attn, name, getattr(attn, name) // tp)
-    if layout.tp_note:
-        notes.append(layout.tp_note)
-    if sp:
-        notes.append(f"sequence parallel: norms and the residual stream hold 1/{tp} of the sequence per rank")
-    lces = find_linear_cross_entropy(module)
-    if lces:
-        notes.append(
-            f"{len(lces)} LinearCrossEntropy module(s) see the vocab-sharded lm_head weight and compute the "
-            "loss vocab-parallel"
-        )
-    return notes
 
 
 def litgpt_qkv_rows(n_head: int, n_query_groups: int, head_size: int, tp: int) -> Any:

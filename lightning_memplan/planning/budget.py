@@ -36,8 +36,8 @@ MiB = 2**20
 
 #: CUDA context, loaded kernels and cuBLAS/cuDNN handles on each device. With lazy module loading
 #: (CUDA >= 11.7, the default in PyTorch's CUDA 12 builds) the context is ~300-500 MiB, and the cuBLAS
-#: workspace adds up to 32 MiB per stream (PyTorch docs, "CUDA semantics: cuBLAS workspaces"); seed 002
-#: ("CUDA上下文本身就要占几百MB"). 768 MiB covers both with margin.
+#: workspace adds up to 32 MiB per stream (PyTorch docs, "CUDA semantics: cuBLAS workspaces"; CUDA
+#: C++ Programming Guide, "Lazy Loading"). 768 MiB covers both with margin.
 CUDA_CONTEXT_BYTES = 768 * MiB
 
 #: NCCL buffers per communicator (process group with > 1 rank): NCCL_BUFFSIZE defaults to 4 MiB per

@@ -1,6 +1,6 @@
-"""FLOP counts of one training step, each term its own function (house style 6).
+"""FLOP counts of one training step, each term its own function with its formula and source.
 
-Symbols (docs/DESIGN.md): b micro-batch, s sequence length, h hidden, a heads, d_h head width, L layers,
+Symbols (docs/concepts.md): b micro-batch, s sequence length, h hidden, a heads, d_h head width, L layers,
 V vocab, N parameters, t/p/c tensor/pipeline/context parallel.
 
 Sources:

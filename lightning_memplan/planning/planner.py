@@ -133,46 +133,17 @@ def plan(
     """
     t0 = time.perf_counter()
     global_batch, memory_budget, headroom = _check_inputs(model, train, hardware, global_batch, memory_budget, headroom)
-    top_k = check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
-    expandable_segments = check_bool(
-        "expandable_segments", expandable_segments,
-        hint="True when the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    host_budget = None
-    if host_memory_budget is not None:
-        host_budget = int(check_number(
-            "host_memory_budget", host_memory_budget, minimum=1.0,
-            hint="host bytes per node the offloads may use (e.g. 1.5 * 2**40); None derives it from "
-            "HardwareSpec.host_memory_bytes and headroom"))
-    allow_spec = Allow.parse(allow)
+    top_k, expandable_segments, host_budget = _check_options(top_k, expandable_segments, host_memory_budget)
     explicit = None if memory_budget is None else int(memory_budget)
-    search = _Search(model, train, hardware, allow_spec, global_batch, float(headroom), explicit, calibration, top_k,
-                     expandable_segments=expandable_segments)
+
+    def make_search(search_train: TrainSpec, search_allow: Allow, per_rank: int | None = None) -> _Search:
+        return _Search(model, search_train, hardware, search_allow, global_batch, float(headroom), explicit,
+                       calibration, top_k, expandable_segments=expandable_segments, host_budget=per_rank)
+
+    search = make_search(train, Allow.parse(allow))
     found = search.run()
-    candidates: list[Candidate] = found["candidates"]
-    notes = _notes(search, hardware)
-    suggestions: tuple[Suggestion, ...] = ()
-    host_budget_used = None
-    if not candidates:  # nothing fits on the devices: offload to host memory where allowed and possible
-        from lightning_memplan.planning.offload import offload_fallback
-
-        def make_search(offload_train: TrainSpec, offload_allow: Allow, per_rank: int) -> _Search:
-            return _Search(model, offload_train, hardware, offload_allow, global_batch, float(headroom), explicit,
-                           calibration, top_k, expandable_segments=expandable_segments, host_budget=per_rank)
-
-        fallback = offload_fallback(search, host_memory_budget=host_budget, make_search=make_search)
-        candidates = list(fallback.candidates)
-        host_budget_used = fallback.host_budget
-        notes += list(fallback.notes)
-    if candidates:
-        chosen, fits, shortfall = candidates[0], True, 0
-    else:
-        chosen = found["closest"]
-        if chosen is None:  # every layout was rejected before any memory check
-            raise ValueError(_nothing_evaluated(found["rejected"], allow))
-        fits, shortfall = False, chosen.reserved_bytes - chosen.budget.budget
-        from lightning_memplan.planning.suggest import suggest
-
-        suggestions = tuple(suggest(search, chosen))
+    candidates, notes, host_budget_used = _with_offload(search, found, hardware, host_budget, make_search)
+    chosen, fits, shortfall, suggestions = _choose(search, found, candidates, allow)
     notes += _baseline_note(search, chosen)
     from lightning_memplan.planning.known import known_layout_notes
 
@@ -187,6 +158,48 @@ def plan(
         hardware=hardware, global_batch=global_batch, headroom=float(headroom), stats=stats, notes=tuple(notes),
         expandable_segments=expandable_segments, host_budget_bytes=host_budget_used if chosen.estimate.host else None,
     )
+
+
+def _check_options(top_k: Any, expandable_segments: Any, host_memory_budget: Any) -> tuple[int, bool, int | None]:
+    """``plan``'s ``top_k``, ``expandable_segments`` and ``host_memory_budget`` (bytes or ``None``), checked."""
+    top_k = check_int("top_k", top_k, hint="ranked candidates to keep, e.g. 5")
+    expandable_segments = check_bool(
+        "expandable_segments", expandable_segments,
+        hint="True when the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    if host_memory_budget is None:
+        return top_k, expandable_segments, None
+    return top_k, expandable_segments, int(check_number(
+        "host_memory_budget", host_memory_budget, minimum=1.0,
+        hint="host bytes per node the offloads may use (e.g. 1.5 * 2**40); None derives it from "
+        "HardwareSpec.host_memory_bytes and headroom"))
+
+
+def _with_offload(search: _Search, found: dict[str, Any], hardware: HardwareSpec, host_budget: int | None,
+                  make_search: Any) -> tuple[list[Candidate], list[str], int | None]:
+    """``(candidates, notes, host budget used)``: the search's candidates, or, when nothing fits on the
+    devices, the offloading fallback's (``planning/offload.py``) where allowed and possible."""
+    candidates: list[Candidate] = found["candidates"]
+    notes = _notes(search, hardware)
+    if candidates:
+        return candidates, notes, None
+    from lightning_memplan.planning.offload import offload_fallback
+
+    fallback = offload_fallback(search, host_memory_budget=host_budget, make_search=make_search)
+    return list(fallback.candidates), notes + list(fallback.notes), fallback.host_budget
+
+
+def _choose(search: _Search, found: dict[str, Any], candidates: list[Candidate],
+            allow: Any) -> tuple[Candidate, bool, int, tuple[Suggestion, ...]]:
+    """``(chosen, fits, shortfall bytes, suggestions)``: the best candidate, or the closest miss with what
+    to change."""
+    if candidates:
+        return candidates[0], True, 0, ()
+    chosen = found["closest"]
+    if chosen is None:  # every layout was rejected before any memory check
+        raise ValueError(_nothing_evaluated(found["rejected"], allow))
+    from lightning_memplan.planning.suggest import suggest
+
+    return chosen, False, chosen.reserved_bytes - chosen.budget.budget, tuple(suggest(search, chosen))
 
 
 def _nothing_evaluated(rejected: Any, allow: Any) -> str:

@@ -13,6 +13,7 @@ from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.offload import host_need_bytes
 from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import MemoryEstimate, readable_bytes
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import Budget, device_need, memory_budget, need_text
 from lightning_memplan.planning.decision import Candidate, Rejection
@@ -24,12 +25,7 @@ from lightning_memplan.planning.ranking import (
     ranking_factor,
 )
 from lightning_memplan.planning.space import LayoutChoice, enumerate_layouts
-from lightning_memplan.planning.timing import (
-    Layout,
-    LayoutTimes,
-    StepTimeModel,
-    topology_notes,
-)
+from lightning_memplan.planning.timing import LayoutTimes, StepTimeModel, topology_notes
 
 __all__ = ["CHANGE_COST", "CHANGE_PENALTY", "DEFAULT_TOP_K", "SIMPLICITY_MARGIN", "parallel_axes", "ranking_factor"]
 
@@ -118,7 +114,8 @@ class _Search:
         if train is None:
             chunk = self.train.loss_chunk_size
             if loss == "chunked" and chunk is None:
-                chunk = terms.planned_loss_chunk_tokens(self.model, self.train, lc.b * self.train.seq_len // lc.cp)
+                chunk = terms.planned_loss_chunk_tokens(self.model, kernels_of(self.train),
+                                                        lc.b * self.train.seq_len // lc.cp)
             train = self._trains[tkey] = self.train.replace(
                 micro_batch=lc.b, grad_accumulation=tkey[1], recompute=rc, loss=loss, loss_chunk_size=chunk
             )
@@ -205,168 +202,162 @@ class _Search:
 
     # -- search ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """The best-first search (module docstring of ``planning/planner.py``): ``{"candidates",
+        "rejected", "closest", "best", "stats"}``."""
         t0 = time.perf_counter()
-        model, train = self.model, self.train
-        world = self.hardware.world_size
+        layouts, early = self._layouts()
+        rejected = [Rejection(layout=w, kind=k, reason=r) for w, k, r in early]
+        if not layouts:
+            self._raise_no_layout(self.hardware.world_size, early)
+        run = _Run(self, layouts, tuple(self.allow.recompute))
+        t_enum = time.perf_counter() - t0
+        self._bounds_done: set[tuple] = set()
+        self._closest: tuple | None = None
+        while run.heap and len(run.candidates) < self.top_k:
+            score, i, k = heapq.heappop(run.heap)
+            if score >= self.cutoff:  # every later entry scores at least as much
+                heapq.heappush(run.heap, (score, i, k))
+                break
+            if i in run.done:
+                continue
+            if k == -2:  # price it, re-queue with the full bound
+                self._queue_priced(run, i)
+            elif k == -1:  # first visit: check the most memory-saving options, then expand
+                self._expand(run, i, rejected)
+            else:
+                self._try_option(run, i, k, score, rejected)
+        self._report_unvisited(run, rejected)
+        stats = {
+            "world_size": self.hardware.world_size, "layouts": len(layouts), "layouts_priced": len(run.times),
+            "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
+        }
+        if not run.candidates and self._closest is None and self._share is not None:
+            self._closest_from_shared_misses(set(layouts))
+        closest = None
+        if self._closest is not None:  # price the closest miss (its layout may never have been priced)
+            _, est, bud, lc, rc, z, lm, sp = self._closest
+            closest = self._candidate(lc, run.price(lc), rc, z, lm, sp, est, bud)
+        best = run.candidates[0].step.total_s if run.candidates else None
+        return {"candidates": run.candidates, "rejected": rejected, "closest": closest, "best": best, "stats": stats}
+
+    def _layouts(self) -> tuple[list[LayoutChoice], list[tuple[str, str, str]]]:
+        """The enumerated layouts and early rejections (a sub-search with the same allow and batch reuses
+        its parent's)."""
         share = self._share
         if share is not None and share._enumerated is not None and share._enumerated[0] == (self.allow, self.global_batch):
             layouts, early = share._enumerated[1]
         else:
-            layouts, early = enumerate_layouts(model, train, world, self.allow, self.global_batch)
+            layouts, early = enumerate_layouts(self.model, self.train, self.hardware.world_size, self.allow,
+                                               self.global_batch)
         self._enumerated = ((self.allow, self.global_batch), (layouts, early))
-        rejected = [Rejection(layout=w, kind=k, reason=r) for w, k, r in early]
-        if not layouts:
-            self._raise_no_layout(world, early)
-        recomputes = tuple(self.allow.recompute)
-        zeros = tuple(sorted({z for lc in layouts for z in lc.zeros}))
-        losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
+        return layouts, early
+
+    def _time_model(self, recomputes: tuple[str, ...], zeros: tuple[int, ...], losses: tuple[str, ...]) -> tuple:
+        """``(time model, prices, lower bounds, expanded options)``, a parent search's when it covers these
+        options (its prices serve), else new ones."""
+        share = self._share
         if share is not None and share._priced is not None and _covers(share._priced[0], recomputes, zeros, losses):
-            tm, times, lower, expanded = share._priced  # a superset of this search's options: its prices serve
+            priced = share._priced
         else:
-            tm = StepTimeModel(model, train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
-            times, lower, expanded = {}, {}, {}
-        self._priced = (tm, times, lower, expanded)
-        mult = [ranking_factor(0.0, n, modelled=tm.modelled, margin=self.margin) for n in range(4)]
+            tm = StepTimeModel(self.model, self.train, self.hardware, recomputes=recomputes, zeros=zeros, losses=losses)
+            priced = (tm, {}, {}, {})
+        self._priced = priced
+        return priced
 
-        def axes_factor(lc: LayoutChoice) -> float:  # ranking_factor's axes term, tabled
-            return mult[_axes_count(lc)]
+    def _queue_priced(self, run: _Run, i: int) -> None:
+        """Price layout ``i`` and re-queue it with its full bound: the least slot time over the options, the
+        least exposed data-parallel time and optimizer step."""
+        lc = run.layouts[i]
+        recomputes = run.recomputes
+        lt = run.lts[i] = run.price(lc)
+        slot = min(lt.compute_mb[r] + lt.tp_mb[r] for r in recomputes) + lt.cp_mb + lt.pp_mb
+        slot += min(lt.loss_mb[lm] for lm in lc.losses)
+        bound = lt.slots * slot + min(lt.dp_exposed[(z, r)] for z in lc.zeros for r in recomputes)
+        bound += min(lt.opt_s[z] for z in lc.zeros)
+        heapq.heappush(run.heap, (bound / lt.tokens * run.factor(lc, _layout_cost(lc, self.train.micro_batch)), i, -1))
 
-        def factor(lc: LayoutChoice, cost: float) -> float:  # ranking_factor
-            return (1.0 + CHANGE_PENALTY * cost) * axes_factor(lc)
+    def _expand(self, run: _Run, i: int, rejected: list[Rejection]) -> None:
+        """First visit of a priced layout: its family's and its own most memory-saving options must fit;
+        then its option combinations, ranked without the axes factor, are queued from the best."""
+        lc, lt = run.layouts[i], run.lts[i]
+        if lt is None:  # k >= -1 is only queued after the k == -2 visit priced the layout
+            raise RuntimeError(f"layout {lc.describe()} reached option expansion before being priced")
+        fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+        if fam not in self.failures:
+            self.failures[fam] = []
+            j = run.first_in_family.get(fam)
+            if j is not None and j != i:  # the family's smallest micro-batch bounds them all
+                self._max_saving_check(run.layouts[j], run.recomputes)
+        verdict = self._max_saving_check(lc, run.recomputes)
+        if verdict is not None:
+            run.done.add(i)
+            rejected.append(verdict)
+            return
+        opts = run.expanded.get((lc, run.recomputes))
+        if opts is None:  # ranked without the axes factor, the same for every combination of lc
+            base = _layout_cost(lc, self.train.micro_batch)
+            opts = [
+                (lt.total(rc, z, lm) / lt.tokens * (1.0 + CHANGE_PENALTY * (base + run.ocost[(z, sp, rc, lm)])),
+                 rc, z, lm, sp)
+                for rc in run.recomputes for z in lc.zeros for lm in lc.losses for sp in lc.sps
+            ]
+            opts.sort(key=lambda o: o[0])
+            run.expanded[(lc, run.recomputes)] = opts
+        run.combos[i] = opts
+        run.axes_of[i] = run.axes_factor(lc)
+        heapq.heappush(run.heap, (opts[0][0] * run.axes_of[i], i, 0))
 
-        def price(lc: LayoutChoice) -> LayoutTimes:
-            key = _price_key(lc)
-            lt = times.get(key)
-            if lt is None:  # GPipe and 1F1B share every time term
-                lt = times[key] = tm.layout(_layout(lc))
-            return lt
+    def _try_option(self, run: _Run, i: int, k: int, score: float, rejected: list[Rejection]) -> None:
+        """The ``k``-th option combination of layout ``i``: pruned by a recorded failure, or estimated; a fit
+        is a candidate (the layout is done), a miss is recorded; the next combination is queued."""
+        lc, lt = run.layouts[i], run.lts[i]
+        assert lt is not None  # combinations are queued only after _expand
+        raw, rc, z, lm, sp = run.combos[i][k]
+        sc = raw * run.axes_of[i]
+        fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+        what = f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}"
+        dom = self._bounded_out(lc, rc, z, lm, sp, run.layouts[run.first_in_family.get(fam, i)])
+        if dom is not None and dom == (lc, rc, z, lm, sp) and dom in self._misses:
+            # this very combination was estimated as a bound and missed: report its numbers
+            rejected.append(self.memory_rejection(what, *self.materialise(lc, rc, z, lm, sp), self._misses[dom][0]))
+        elif dom is not None:
+            run.pruned[i] = run.pruned.get(i, 0) + 1  # reported once per layout
+        else:
+            plan, tr = self.materialise(lc, rc, z, lm, sp)
+            try:
+                est = self.worst(plan, tr, quick=True)
+            except ValueError as exc:  # a rule of the memory model the enumeration did not know
+                run.done.add(i)
+                rejected.append(Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc)))
+                return
+            bud = self.budget(plan)
+            if self.fits(plan, tr, est):
+                run.candidates.append(self._candidate(lc, lt, rc, z, lm, sp, est, bud, score=sc))
+                run.done.add(i)
+                return
+            self._record_miss(lc, rc, z, lm, sp, est, bud)
+            rejected.append(self.memory_rejection(what, plan, tr, est))
+        if k + 1 < len(run.combos[i]):
+            heapq.heappush(run.heap, (run.combos[i][k + 1][0] * run.axes_of[i], i, k + 1))
+        else:
+            run.done.add(i)
 
-        def lower_bound(lc: LayoutChoice) -> float:
-            key = _price_key(lc)
-            lb = lower.get(key)
-            if lb is None:
-                lb = lower[key] = tm.compute_lower_bound(_layout(lc))
-            return lb
-
-        lts: list[LayoutTimes | None] = [None] * len(layouts)
-        # Cheap compute-only bounds first (k = -2); a layout is priced when it reaches the top of the
-        # heap and re-queued with its full bound (k = -1), so most layouts are never priced.
-        heap = [
-            (lower_bound(lc)
-             / (lc.dp * lc.m * lc.b * train.seq_len) * factor(lc, _layout_cost(lc, train.micro_batch)), i, -2)
-            for i, lc in enumerate(layouts)
-            if _axes_count(lc) >= self.min_axes
-        ]
-        heapq.heapify(heap)
-        t_enum = time.perf_counter() - t0
-
-        combos: dict[int, list[tuple[float, str, int, str, bool]]] = {}
-        axes_of: dict[int, float] = {}  # each expanded layout's axes factor
-        ocost = {(z, sp, rc, lm): _option_cost(z, sp, rc, lm, train.loss)
-                 for z in zeros for sp in (False, True) for rc in recomputes for lm in losses}
-        pruned: dict[int, int] = {}
-        # each (dp, tp, pp, cp) family's smallest micro-batch under 1F1B: the bound for all its layouts
-        first_in_family: dict[tuple[int, int, int, int], int] = {}
-        for i, lc in enumerate(layouts):
-            if lc.schedule == "1f1b":
-                fam = (lc.dp, lc.tp, lc.pp, lc.cp)
-                j = first_in_family.get(fam)
-                if j is None or lc.b < layouts[j].b:
-                    first_in_family[fam] = i
-        self._bounds_done: set[tuple] = set()
-        done: set[int] = set()
-        candidates: list[Candidate] = []
-        self._closest: tuple | None = None
-        while heap and len(candidates) < self.top_k:
-            score, i, k = heapq.heappop(heap)
-            if score >= self.cutoff:  # every later entry scores at least as much
-                heapq.heappush(heap, (score, i, k))
-                break
-            if i in done:
-                continue
-            lc, lt = layouts[i], lts[i]
-            fam = (lc.dp, lc.tp, lc.pp, lc.cp)
-            if k == -2:  # price it, re-queue with the full bound
-                lt = lts[i] = price(lc)
-                slot = min(lt.compute_mb[r] + lt.tp_mb[r] for r in recomputes) + lt.cp_mb + lt.pp_mb
-                slot += min(lt.loss_mb[lm] for lm in lc.losses)
-                bound = lt.slots * slot + min(lt.dp_exposed[(z, r)] for z in lc.zeros for r in recomputes)
-                bound += min(lt.opt_s[z] for z in lc.zeros)
-                heapq.heappush(heap, (bound / lt.tokens * factor(lc, _layout_cost(lc, train.micro_batch)), i, -1))
-                continue
-            if lt is None:  # k >= -1 is only queued after the k == -2 visit priced the layout
-                raise RuntimeError(f"layout {lc.describe()} reached option expansion before being priced")
-            if k == -1:  # first visit: check the most memory-saving options, then expand
-                if fam not in self.failures:
-                    self.failures[fam] = []
-                    j = first_in_family.get(fam)
-                    if j is not None and j != i:  # the family's smallest micro-batch bounds them all
-                        self._max_saving_check(layouts[j], recomputes)
-                verdict = self._max_saving_check(lc, recomputes)
-                if verdict is not None:
-                    done.add(i)
-                    rejected.append(verdict)
-                    continue
-                opts = expanded.get((lc, recomputes))
-                if opts is None:  # ranked without the axes factor, the same for every combination of lc
-                    base = _layout_cost(lc, train.micro_batch)
-                    opts = [
-                        (lt.total(rc, z, lm) / lt.tokens * (1.0 + CHANGE_PENALTY * (base + ocost[(z, sp, rc, lm)])),
-                         rc, z, lm, sp)
-                        for rc in recomputes for z in lc.zeros for lm in lc.losses for sp in lc.sps
-                    ]
-                    opts.sort(key=lambda o: o[0])
-                    expanded[(lc, recomputes)] = opts
-                combos[i] = opts
-                axes_of[i] = axes_factor(lc)
-                heapq.heappush(heap, (opts[0][0] * axes_of[i], i, 0))
-                continue
-            raw, rc, z, lm, sp = combos[i][k]
-            sc = raw * axes_of[i]
-            est = bud = None
-            dom = self._bounded_out(lc, rc, z, lm, sp, layouts[first_in_family.get(fam, i)])
-            if dom is not None and dom == (lc, rc, z, lm, sp) and dom in self._misses:
-                # this very combination was estimated as a bound and missed: report its numbers
-                rejected.append(self.memory_rejection(
-                    f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}",
-                    *self.materialise(lc, rc, z, lm, sp), self._misses[dom][0]))
-            elif dom is not None:
-                pruned[i] = pruned.get(i, 0) + 1  # reported once per layout below
-            else:
-                plan, tr = self.materialise(lc, rc, z, lm, sp)
-                try:
-                    est = self.worst(plan, tr, quick=True)
-                except ValueError as exc:  # a rule of the memory model the enumeration did not know
-                    done.add(i)
-                    rejected.append(Rejection(layout=lc.describe(), kind="divisibility", reason=str(exc)))
-                    continue
-                bud = self.budget(plan)
-                if self.fits(plan, tr, est):
-                    candidates.append(self._candidate(lc, lt, rc, z, lm, sp, est, bud, score=sc))
-                    done.add(i)
-                    continue
-                self._record_miss(lc, rc, z, lm, sp, est, bud)
-                rejected.append(self.memory_rejection(
-                    f"{lc.describe()} zero={z}{' sp' if sp else ''} recompute={rc} loss={lm}", plan, tr, est))
-            if k + 1 < len(combos[i]):
-                heapq.heappush(heap, (combos[i][k + 1][0] * axes_of[i], i, k + 1))
-            else:
-                done.add(i)
-
-        for i, n in pruned.items():
-            rejected.append(Rejection(layout=layouts[i].describe(), kind="memory", reason=(
+    def _report_unvisited(self, run: _Run, rejected: list[Rejection]) -> None:
+        """The pruned combinations (once per layout), and everything left in the heap, never memory-checked
+        (once per (dp, tp, pp, cp), at its best score)."""
+        for i, n in run.pruned.items():
+            rejected.append(Rejection(layout=run.layouts[i].describe(), kind="memory", reason=(
                 f"{n} option combination{'s' if n > 1 else ''} (zero/sp/recompute/loss) need at least as much memory "
                 "as a combination shown above that does not fit (more ZeRO, sp or recompute never adds memory)")))
-        # everything left in the heap was never memory-checked: report it per (dp, tp, pp, cp)
-        best = candidates[0].step.total_s if candidates else None
         slower: dict[tuple[int, int, int, int], tuple[float, LayoutChoice]] = {}
-        for score, i, _ in heap:
-            if i in done:
+        for score, i, _ in run.heap:
+            if i in run.done:
                 continue
-            lc = layouts[i]
+            lc = run.layouts[i]
             fam = (lc.dp, lc.tp, lc.pp, lc.cp)
             if fam not in slower or score < slower[fam][0]:
                 slower[fam] = (score, lc)
+        candidates = run.candidates
         for score, lc in sorted(slower.values(), key=lambda x: x[0]):
             why = f"ranked below the {len(candidates)} kept candidates (>= {score * 1e6:.4g} us/token"
             why += f" vs {candidates[-1].score * 1e6:.4g})" if candidates else ")"
@@ -374,17 +365,6 @@ class _Search:
             if notes:
                 why += "; " + "; ".join(notes)
             rejected.append(Rejection(layout=f"dp={lc.dp} tp={lc.tp} pp={lc.pp} cp={lc.cp}", kind="slower", reason=why))
-        stats = {
-            "world_size": world, "layouts": len(layouts), "layouts_priced": len(times),
-            "memory_evaluations": self.evaluations, "enumerate_s": t_enum,
-        }
-        if not candidates and self._closest is None and share is not None:
-            self._closest_from_shared_misses(set(layouts))
-        closest = None
-        if self._closest is not None:  # price the closest miss (its layout may never have been priced)
-            _, est, bud, lc, rc, z, lm, sp = self._closest
-            closest = self._candidate(lc, price(lc), rc, z, lm, sp, est, bud)
-        return {"candidates": candidates, "rejected": rejected, "closest": closest, "best": best, "stats": stats}
 
     def _candidate(self, lc: LayoutChoice, lt: LayoutTimes, rc: str, z: int, lm: str, sp: bool,
                    est: MemoryEstimate, bud: Budget, *, score: float = 0.0) -> Candidate:
@@ -460,7 +440,7 @@ class _Search:
             if f.b > lc.b or fz < z or (sp and not fsp):
                 continue
             if f.b < lc.b and not ((self.train.grads_alive_in_forward and lc.pp == 1) or lc.m > 1):
-                continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/estimate.py)
+                continue  # (a pipeline stage holds no gradients in its forward at m = 1: model/assemble.py)
             if not (f.schedule == lc.schedule and f.v == lc.v) and not (f.schedule == "1f1b" and f.v == 1
                                                                          and lc.schedule != "gpipe"):
                 continue  # GPipe's forwards meet no gradients, 1F1B's do: neither bounds the other
@@ -571,13 +551,10 @@ class _Search:
     def _closest_from_shared_misses(self, layouts: set[LayoutChoice]) -> None:
         """Where a sub-search's misses were all proven by a search it shares failures with, its closest
         plan is the shared miss, among its own layouts, with the smallest worst-rank need / budget."""
-        def dims(lc: LayoutChoice) -> tuple:
-            return (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
-
-        mine = {dims(lc): lc for lc in layouts}
+        mine = {lc.shape: lc for lc in layouts}
         own = []
         for (flc, rc, z, lm, sp), (est, _bud) in self._misses.items():
-            lc = mine.get(dims(flc))
+            lc = mine.get(flc.shape)
             if lc is not None and z in lc.zeros and sp in lc.sps and lm in lc.losses and rc in self.allow.recompute:
                 own.append((self.ratio(*self.materialise(lc, rc, z, lm, sp), est), (lc, rc, z, lm, sp)))
         if own:
@@ -603,6 +580,67 @@ class _Search:
         )
 
 
+class _Run:
+    """One search run's state: the layouts, the time model's prices and bounds, the option combinations of
+    each expanded layout and the best-first heap of ``(score, layout index, k)`` (``k`` = -2: unpriced,
+    ranked by a compute-only bound; -1: priced, ranked by its full bound; >= 0: its k-th combination)."""
+
+    def __init__(self, search: _Search, layouts: list[LayoutChoice], recomputes: tuple[str, ...]) -> None:
+        train = search.train
+        self.layouts, self.recomputes = layouts, recomputes
+        zeros = tuple(sorted({z for lc in layouts for z in lc.zeros}))
+        losses = tuple(dict.fromkeys(lm for lc in layouts for lm in lc.losses))
+        self.tm, self.times, self.lower, self.expanded = search._time_model(recomputes, zeros, losses)
+        self.mult = [ranking_factor(0.0, n, modelled=self.tm.modelled, margin=search.margin) for n in range(4)]
+        self.lts: list[LayoutTimes | None] = [None] * len(layouts)
+        self.combos: dict[int, list[tuple[float, str, int, str, bool]]] = {}
+        self.axes_of: dict[int, float] = {}  # each expanded layout's axes factor
+        self.ocost = {(z, sp, rc, lm): _option_cost(z, sp, rc, lm, train.loss)
+                      for z in zeros for sp in (False, True) for rc in recomputes for lm in losses}
+        self.pruned: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.candidates: list[Candidate] = []
+        # each (dp, tp, pp, cp) family's smallest micro-batch under 1F1B: the bound for all its layouts
+        self.first_in_family: dict[tuple[int, int, int, int], int] = {}
+        for i, lc in enumerate(layouts):
+            if lc.schedule == "1f1b":
+                fam = (lc.dp, lc.tp, lc.pp, lc.cp)
+                j = self.first_in_family.get(fam)
+                if j is None or lc.b < layouts[j].b:
+                    self.first_in_family[fam] = i
+        # Cheap compute-only bounds first (k = -2); a layout is priced when it reaches the top of the
+        # heap and re-queued with its full bound (k = -1), so most layouts are never priced.
+        self.heap = [
+            (self.lower_bound(lc) / (lc.dp * lc.m * lc.b * train.seq_len) * self.factor(lc, _layout_cost(lc, train.micro_batch)),
+             i, -2)
+            for i, lc in enumerate(layouts)
+            if _axes_count(lc) >= search.min_axes
+        ]
+        heapq.heapify(self.heap)
+
+    def axes_factor(self, lc: LayoutChoice) -> float:
+        """:func:`ranking_factor`'s axes term, tabled."""
+        return self.mult[_axes_count(lc)]
+
+    def factor(self, lc: LayoutChoice, cost: float) -> float:
+        """:func:`ranking_factor` of ``lc`` at change cost ``cost``."""
+        return (1.0 + CHANGE_PENALTY * cost) * self.axes_factor(lc)
+
+    def price(self, lc: LayoutChoice) -> LayoutTimes:
+        key = _price_key(lc)
+        lt = self.times.get(key)
+        if lt is None:  # GPipe and 1F1B share every time term
+            lt = self.times[key] = self.tm.layout(lc.shape)
+        return lt
+
+    def lower_bound(self, lc: LayoutChoice) -> float:
+        key = _price_key(lc)
+        lb = self.lower.get(key)
+        if lb is None:
+            lb = self.lower[key] = self.tm.compute_lower_bound(lc.shape)
+        return lb
+
+
 def _covers(tm: StepTimeModel, recomputes: tuple, zeros: tuple, losses: tuple) -> bool:
     """Whether ``tm``'s layout prices hold every option a search over these sets looks up."""
     return set(recomputes) <= set(tm.recomputes) and set(zeros) <= set(tm.zeros) and set(losses) <= set(tm.losses)
@@ -616,11 +654,6 @@ def _axes_count(lc: LayoutChoice) -> int:
 def _price_key(lc: LayoutChoice) -> tuple:
     """What a layout's time terms depend on (GPipe and 1F1B share every one)."""
     return (lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.v, lc.schedule == "interleaved")
-
-
-def _layout(lc: LayoutChoice) -> Layout:
-    """The time model's view of a layout choice."""
-    return Layout(lc.dp, lc.tp, lc.pp, lc.cp, lc.b, lc.m, lc.schedule, lc.v)
 
 
 def _candidate_stages(plan: ParallelPlan, n_layers: int, framework: str = "torch") -> list[int]:

@@ -5,7 +5,7 @@ rejected early, with a reason, when a divisibility rule forbids it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,6 +28,7 @@ __all__ = [
     "OFFLOAD_CHOICES",
     "MAX_VIRTUAL_STAGES",
     "Allow",
+    "Layout",
     "LayoutChoice",
     "divisors",
     "enumerate_layouts",
@@ -205,12 +206,14 @@ class Allow:
 
 
 @dataclass(frozen=True)
-class LayoutChoice:
-    """One point of the outer search: parallel degrees, micro-batch and pipeline schedule.
+class Layout:
+    """The shape of a plan that the search and the time model share (``planning/timing.py``).
 
-    ``m`` micro-batches per optimizer step per replica: the pipeline's ``microbatches`` when pp > 1,
-    else the gradient-accumulation count. The inner options (zero, sp, recompute, loss) are the
-    tuples of values valid for this layout."""
+    Args:
+        dp, tp, pp, cp: parallel degrees. b: micro-batch. m: micro-batches per optimizer step per replica
+        (the pipeline's ``microbatches`` when pp > 1, else the gradient-accumulation count). schedule, v:
+        pipeline schedule and chunks per pipeline rank.
+    """
 
     dp: int
     tp: int
@@ -218,11 +221,15 @@ class LayoutChoice:
     cp: int
     b: int
     m: int
-    schedule: str
-    v: int
-    zeros: tuple[int, ...] = field(default=(0,))
-    sps: tuple[bool, ...] = field(default=(False,))
-    losses: tuple[str, ...] = field(default=("naive",))
+    schedule: str = "1f1b"
+    v: int = 1
+
+    @property
+    def shape(self) -> Layout:
+        """This layout as a plain :class:`Layout` (a :class:`LayoutChoice` without its options)."""
+        if type(self) is Layout:
+            return self
+        return Layout(self.dp, self.tp, self.pp, self.cp, self.b, self.m, self.schedule, self.v)
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}"]
@@ -235,6 +242,16 @@ class LayoutChoice:
             parts.append(f"cp={self.cp}")
         parts.append(f"b={self.b} x{self.m}")
         return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class LayoutChoice(Layout):
+    """One point of the outer search: a :class:`Layout` and the inner options valid for it (the tuples of
+    ZeRO stages, sequence-parallel settings and loss modes; recompute modes are the search's)."""
+
+    zeros: tuple[int, ...] = field(default=(0,))
+    sps: tuple[bool, ...] = field(default=(False,))
+    losses: tuple[str, ...] = field(default=("naive",))
 
 
 def _in(value: int, allowed: tuple[int, ...] | None) -> bool:
@@ -275,10 +292,28 @@ def enumerate_layouts(
     """
     layouts: list[LayoutChoice] = []
     rejected: list[tuple[str, str, str]] = []
-    s, L = train.seq_len, model.n_layers
-    per_replica_user = train.micro_batch * train.grad_accumulation
-    loss_opts = allow.loss if allow.loss is not None else tuple(dict.fromkeys((train.loss, "chunked", "vocab_parallel")))
+    for tp, pp in _tp_pp(model, world, allow, rejected):
+        for cp in divisors(world // (tp * pp)):
+            if not _in(cp, allow.cp):
+                continue
+            dp = world // (tp * pp * cp)
+            if not _in(dp, allow.dp):
+                continue
+            options = _options(model, train, allow, global_batch, (dp, tp, pp, cp), rejected)
+            if options is None:
+                continue
+            per_replica, bs, zeros, sps, losses = options
+            unrunnable: set[str] = set()
+            for b in bs:
+                m = per_replica // b
+                for sched, v in _schedules(model, train, allow, (dp, tp, pp, cp), b, m, per_replica, unrunnable, rejected):
+                    layouts.append(LayoutChoice(dp, tp, pp, cp, b, m, sched, v, zeros, sps, losses))
+    return layouts, rejected
 
+
+def _tp_pp(model: ModelSpec, world: int, allow: Allow, rejected: list[tuple[str, str, str]]) -> Iterator[tuple[int, int]]:
+    """The ``(tp, pp)`` pairs whose heads and blocks split, lazily (a reason in ``rejected`` for each that
+    does not, in the order the caller's later rejections interleave with)."""
     for tp in divisors(world):
         if not _in(tp, allow.tp):
             continue
@@ -291,67 +326,71 @@ def enumerate_layouts(
         for pp in divisors(world // tp):
             if not _in(pp, allow.pp):
                 continue
-            if pp > L:
-                rejected.append((f"tp={tp} pp={pp}", "divisibility", f"pp={pp} > n_layers={L}: a stage needs a block"))
+            if pp > model.n_layers:
+                rejected.append((f"tp={tp} pp={pp}", "divisibility", f"pp={pp} > n_layers={model.n_layers}: a stage needs a block"))
                 continue
             if pp > MAX_PIPELINE_CHUNKS:
                 rejected.append((f"tp={tp} pp={pp}", "bound", f"pp={pp} > MAX_PIPELINE_CHUNKS={MAX_PIPELINE_CHUNKS}"))
                 continue
-            for cp in divisors(world // (tp * pp)):
-                if not _in(cp, allow.cp):
-                    continue
-                dp = world // (tp * pp * cp)
-                where = f"dp={dp} tp={tp} pp={pp} cp={cp}"
-                if not _in(dp, allow.dp):
-                    continue
-                if cp > 1 and s % (2 * cp):
-                    rejected.append((where, "divisibility", f"seq_len={s} not divisible by 2*cp={2 * cp} (load-balanced causal split)"))
-                    continue
-                if global_batch is not None:
-                    if global_batch % dp:
-                        rejected.append((where, "batch", f"global_batch={global_batch} not divisible by dp={dp}"))
-                        continue
-                    per_replica = global_batch // dp
-                else:
-                    per_replica = per_replica_user
-                zeros = tuple(z for z in allow.zero if z == 0 or dp * cp > 1) or (0,)
-                sps = tuple(sp for sp in allow.sp if not sp or (tp > 1 and (s // cp) % tp == 0)) or (False,)
-                losses = tuple(lm for lm in loss_opts if lm != "vocab_parallel" or tp > 1)
-                if not losses:
-                    rejected.append((where, "allow", f"loss modes {list(loss_opts)} need tp > 1"))
-                    continue
-                bs = micro_batch_options(per_replica, train.micro_batch, allow.micro_batch)
-                if not bs:
-                    rejected.append((where, "batch", f"per-replica batch {per_replica} not divisible by any allowed micro-batch {list(allow.micro_batch or ())}"))
-                    continue
-                unrunnable: set[str] = set()
-                for b in bs:
-                    m = per_replica // b
-                    schedules: list[tuple[str, int]] = []
-                    if pp == 1:
-                        schedules.append(("1f1b", 1))
-                    else:
-                        for sched in allow.schedule:
-                            # the rule memplan_auto's setup applies too (1F1B: m >= pp; interleaved:
-                            # m % pp == 0): the search never yields a schedule that cannot run
-                            blocker = pipeline_schedule_blocker(pp=pp, schedule=sched, microbatches=m, batch=per_replica)
-                            if blocker is not None:
-                                if sched not in unrunnable:  # one reason per layout and schedule
-                                    unrunnable.add(sched)
-                                    rejected.append((f"{where} {sched} b={b} x{m}", "schedule", blocker))
-                                continue
-                            if sched != "interleaved":
-                                schedules.append((sched, 1))
-                                continue
-                            # uneven chunks (the first L mod (p v) take one more block) where the
-                            # stages are uneven anyway (L mod p != 0: Llama 3's 126 layers on 16
-                            # stages); even stages keep even chunks (L mod (p v) == 0)
-                            # units: the blocks, plus embedding and head where the stack weighs them (Llama 3)
-                            units = pipeline_units(L, train.framework)
-                            for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp, MAX_PIPELINE_CHUNKS // pp) + 1):
-                                if (units % pp == 0 and units % (pp * v)) or not _in(v, allow.virtual_stages):
-                                    continue
-                                schedules.append(("interleaved", v))
-                    for sched, v in schedules:
-                        layouts.append(LayoutChoice(dp, tp, pp, cp, b, m, sched, v, zeros, sps, losses))
-    return layouts, rejected
+            yield tp, pp
+
+
+def _options(model: ModelSpec, train: TrainSpec, allow: Allow, global_batch: int | None,
+             degrees: tuple[int, int, int, int], rejected: list[tuple[str, str, str]]) -> tuple | None:
+    """``(per-replica batch, micro-batches, zeros, sps, losses)`` of one ``(dp, tp, pp, cp)``, or ``None``
+    with its reason in ``rejected``."""
+    dp, tp, pp, cp = degrees
+    s = train.seq_len
+    where = f"dp={dp} tp={tp} pp={pp} cp={cp}"
+    loss_opts = allow.loss if allow.loss is not None else tuple(dict.fromkeys((train.loss, "chunked", "vocab_parallel")))
+    if cp > 1 and s % (2 * cp):
+        rejected.append((where, "divisibility", f"seq_len={s} not divisible by 2*cp={2 * cp} (load-balanced causal split)"))
+        return None
+    if global_batch is not None:
+        if global_batch % dp:
+            rejected.append((where, "batch", f"global_batch={global_batch} not divisible by dp={dp}"))
+            return None
+        per_replica = global_batch // dp
+    else:
+        per_replica = train.micro_batch * train.grad_accumulation
+    zeros = tuple(z for z in allow.zero if z == 0 or dp * cp > 1) or (0,)
+    sps = tuple(sp for sp in allow.sp if not sp or (tp > 1 and (s // cp) % tp == 0)) or (False,)
+    losses = tuple(lm for lm in loss_opts if lm != "vocab_parallel" or tp > 1)
+    if not losses:
+        rejected.append((where, "allow", f"loss modes {list(loss_opts)} need tp > 1"))
+        return None
+    bs = micro_batch_options(per_replica, train.micro_batch, allow.micro_batch)
+    if not bs:
+        rejected.append((where, "batch", f"per-replica batch {per_replica} not divisible by any allowed micro-batch {list(allow.micro_batch or ())}"))
+        return None
+    return per_replica, bs, zeros, sps, losses
+
+
+def _schedules(model: ModelSpec, train: TrainSpec, allow: Allow, degrees: tuple[int, int, int, int], b: int, m: int,
+               per_replica: int, unrunnable: set[str], rejected: list[tuple[str, str, str]]) -> list[tuple[str, int]]:
+    """The ``(schedule, v)`` pairs that run ``m`` micro-batches of ``b`` on ``pp`` stages: the rule
+    memplan_auto's setup applies too (1F1B: m >= pp; interleaved: m % pp == 0), so the search never yields
+    a schedule that cannot run (one reason per layout and schedule, ``unrunnable``)."""
+    dp, tp, pp, cp = degrees
+    if pp == 1:
+        return [("1f1b", 1)]
+    schedules: list[tuple[str, int]] = []
+    for sched in allow.schedule:
+        blocker = pipeline_schedule_blocker(pp=pp, schedule=sched, microbatches=m, batch=per_replica)
+        if blocker is not None:
+            if sched not in unrunnable:  # one reason per layout and schedule
+                unrunnable.add(sched)
+                rejected.append((f"dp={dp} tp={tp} pp={pp} cp={cp} {sched} b={b} x{m}", "schedule", blocker))
+            continue
+        if sched != "interleaved":
+            schedules.append((sched, 1))
+            continue
+        # uneven chunks (the first L mod (p v) take one more block) where the stages are uneven anyway
+        # (L mod p != 0: Llama 3's 126 layers on 16 stages); even stages keep even chunks (L mod (p v) == 0)
+        # units: the blocks, plus embedding and head where the stack weighs them (Llama 3)
+        units = pipeline_units(model.n_layers, train.framework)
+        for v in range(2, min(MAX_VIRTUAL_STAGES, units // pp, MAX_PIPELINE_CHUNKS // pp) + 1):
+            if (units % pp == 0 and units % (pp * v)) or not _in(v, allow.virtual_stages):
+                continue
+            schedules.append(("interleaved", v))
+    return schedules

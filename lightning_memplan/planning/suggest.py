@@ -19,6 +19,7 @@ from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model import terms
 from lightning_memplan.model.reserved import ReservedEstimate
 from lightning_memplan.model.result import readable_bytes
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.planning.budget import need_text
 from lightning_memplan.planning.decision import Candidate, Suggestion
 
@@ -51,7 +52,7 @@ def _train_changes(search: Any, closest: Candidate) -> list[Suggestion]:
     tr, plan = closest.train, closest.plan
     changes: list[tuple[str, dict[str, Any]]] = []
     if tr.loss not in ("chunked", "vocab_parallel"):
-        chunk = terms.planned_loss_chunk_tokens(search.model, tr, tr.micro_batch * tr.seq_len // plan.cp)
+        chunk = terms.planned_loss_chunk_tokens(search.model, kernels_of(tr), tr.micro_batch * tr.seq_len // plan.cp)
         changes.append(("loss='chunked'", {"loss": "chunked", "loss_chunk_size": chunk}))
     if tr.recompute != "full":
         changes.append(("recompute='full'", {"recompute": "full"}))

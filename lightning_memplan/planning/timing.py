@@ -1,7 +1,8 @@
 """Step-time model: compute per GEMM shape and GPU generation (:mod:`.efficiency`), communication per parallel axis
 (exposed vs overlapped), the pipeline bubble, and the optimizer step.
 
-``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (seed 003, section "step time").
+``T_step = T_compute + T_bubble + T_comm,exposed + T_optimizer`` (the terms [N21] analyses: computation,
+the pipeline bubble of its section 2.2 and each parallel axis's communication, section 3).
 Per micro-batch "slot" on the bottleneck pipeline stage:
 ``slot = compute_mb + tp_mb + cp_exposed_mb + pp_mb + loss_mb``; a step runs ``m + (p-1)/v`` slots
 (m slots of work plus the bubble [N21 section 2.2]); data-parallel gradient traffic is added once per
@@ -49,6 +50,7 @@ from typing import Any
 
 from lightning_memplan.hardware.spec import HardwareSpec
 from lightning_memplan.model import frameworks, terms
+from lightning_memplan.model.sizes import kernels_of, optimizer_bytes, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import efficiency as E
 from lightning_memplan.planning import flops as F
@@ -59,6 +61,7 @@ from lightning_memplan.planning.comm import (
     p2p_time,
     reduce_scatter_time,
 )
+from lightning_memplan.planning.space import Layout
 
 __all__ = [
     "CAUSAL_KERNEL_SHARE",
@@ -103,32 +106,14 @@ CHUNK_OVERHEAD_S = 30e-6
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Share of the step the pipeline idles: ``(p-1) / (v m + p - 1)`` [N21 2.2.1; v > 1: 2.2.2].
 
-    For v = 1 this is the GPipe/1F1B ``(p-1)/(m+p-1)`` (seed 001)."""
+    For v = 1 this is the GPipe/1F1B ``(p-1)/(m+p-1)`` (Huang et al. 2019, GPipe, arXiv 1811.06965,
+    section 2.2: ``O((K-1)/(M+K-1))`` for K partitions and M micro-batches)."""
     return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
 
 
 def bubble_overhead(p: int, m: int, v: int = 1) -> float:
     """Bubble time relative to the ideal time: ``(p-1) / (v m)`` [N21 eq. in 2.2.2]."""
     return (p - 1) / (v * m) if p > 1 else 0.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The shape-level part of a plan the time model needs.
-
-    Args:
-        dp, tp, pp, cp: parallel degrees. b: micro-batch. m: micro-batches per optimizer step per
-        replica (grad accumulation, or pipeline micro-batches). schedule, v: pipeline schedule.
-    """
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    b: int
-    m: int
-    schedule: str = "1f1b"
-    v: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,7 +277,7 @@ class StepTimeModel:
         self.model, self.train, self.hardware = model, train, hardware
         self.recomputes, self.zeros, self.losses = recomputes, zeros, losses
         s = train.seq_len
-        self.pb = terms.precision_bytes(train)
+        self.pb = precision_bytes(train)
         self.peak = hardware.flops_for(train.precision)
         self.modelled = time_model_applies(hardware, train)
         self.gemm_f = F.layer_matmul_flops_per_token(model)
@@ -312,7 +297,7 @@ class StepTimeModel:
         self.head_p = terms.head_param_count(model) * scale
         self.tied_extra = model.vocab_size * model.hidden * scale if model.tied_embeddings else 0.0
         self.total_p = terms.param_count(model) * scale
-        state_b = terms.optimizer_state_bytes_per_param(train)
+        state_b = optimizer_bytes(train).per_param
         # read + write of params, states and master, read of grads
         self.traffic = 2 * (self.pb.param + state_b + self.pb.master) + self.pb.grad
         self.mem_bw = hardware.resolved("memory_bw") * E.MEMORY_BW_EFFICIENCY
@@ -409,67 +394,96 @@ class StepTimeModel:
         return link
 
     def layout(self, lay: Layout) -> LayoutTimes:
-        """Every time term of ``lay`` (see :class:`LayoutTimes`)."""
-        model, train, hardware, pb = self.model, self.train, self.hardware, self.pb
-        recomputes, zeros, losses = self.recomputes, self.zeros, self.losses
+        """Every time term of ``lay`` (see :class:`LayoutTimes`): compute on the bottleneck stage, tensor-,
+        context- and pipeline-parallel communication per micro-batch, the loss's, data parallelism's per
+        ZeRO stage and recompute mode, and the optimizer step."""
         d, t, p, c, b, m, v = lay.dp, lay.tp, lay.pp, lay.cp, lay.b, lay.m, lay.v
-        s = train.seq_len
+        s = self.train.seq_len
         tokens_mb = b * s  # tokens of one micro-batch of one replica (before the cp split)
-        notes: list[str] = []
-
         # compute on the bottleneck stage, per micro-batch (the last stage also runs the lm_head)
         first_layers, last_layers, most_layers = self.rank_layers(p, v if p > 1 else 1)
         block_s, extra_s, head_s = self.block_seconds(b * s / c, t, c)
         compute_mb = {rc: max(most_layers * (block_s + extra_s[rc]), last_layers * (block_s + extra_s[rc]) + head_s)
-                      for rc in recomputes}
-        tokens_step = d * m * tokens_mb
-
-        # tensor parallel: 4 all-reduces of b (s/c) h per layer per micro-batch, 6 with full recompute
-        # (the recomputed forward repeats its 2); sequence parallelism moves the same volume [N21, K22]
+                      for rc in self.recomputes}
         tp_link = self._link(1, t)
-        notes.extend(topology_notes(hardware, d, t, p, c))
-        per_ar = all_reduce_time(b * (s // c) * model.hidden * pb.compute, t, tp_link)
-        layers_b = most_layers
-        tp_mb = {rc: layers_b * (6 if rc == "full" else 4) * per_ar for rc in recomputes}
+        out = LayoutTimes()
+        out.layout = lay
+        out.world = d * t * p * c
+        out.slots = m + (p - 1) / v if p > 1 else float(m)
+        out.compute_mb = compute_mb
+        out.tp_mb = self._tp_times(lay, most_layers, tp_link)
+        out.cp_mb, out.cp_hidden_mb = self._cp_times(lay, most_layers)
+        out.pp_mb = self._pp_time(lay)
+        out.loss_mb = self._loss_times(lay, tp_link)
+        out.dp_exposed, out.dp_overlapped, out.opt_s = self._dp_times(lay, (first_layers, last_layers, most_layers),
+                                                                      compute_mb)
+        tokens_step = d * m * tokens_mb
+        out.tokens = tokens_step
+        out.model_flops = self.model_f * tokens_step
+        out.recompute_flops = {rc: self.rec_layer_f[rc] * self.model.n_layers * tokens_step for rc in self.recomputes}
+        out.peak = self.peak
+        out.notes = tuple(topology_notes(self.hardware, d, t, p, c))
+        out.modelled = self.modelled
+        if not self.modelled:  # every term flat: the score is the change cost alone (TIME_MODEL_OFF)
+            _flatten(out, d * tokens_mb * UNMODELLED_S_PER_TOKEN, m)
+        return out
 
-        # context parallel: ring K/V exchange hidden under the attention compute [L23]
-        if c > 1:
-            cp_link = self._link(t, c)
-            kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * pb.compute
-            cp_total = layers_b * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
-            # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
-            attn = layers_b * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(hardware, s / (2 * c)))
-            cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
-            if self.cp_exposed:  # Llama 3's all-gather CP: "the all-gather communication latency is exposed
-                cp_mb = cp_total  # in the critical path" [L3 section 3.3.2]: the same K/V volume, not hidden
-            cp_hidden = cp_total - cp_mb
-        else:
-            cp_mb = cp_hidden = 0.0
+    def _tp_times(self, lay: Layout, layers: int, tp_link: Any) -> dict[str, float]:
+        """Tensor parallel: 4 all-reduces of b (s/c) h per layer per micro-batch, 6 with full recompute (the
+        recomputed forward repeats its 2); sequence parallelism moves the same volume [N21, K22]."""
+        s, t = self.train.seq_len, lay.tp
+        per_ar = all_reduce_time(lay.b * (s // lay.cp) * self.model.hidden * self.pb.compute, t, tp_link)
+        return {rc: layers * (6 if rc == "full" else 4) * per_ar for rc in self.recomputes}
 
-        # pipeline: activation forward + gradient backward per micro-batch per virtual stage [N21 4.1]
-        if p > 1:
-            pp_link = self._link(d * c * t, p)
-            pp_mb = 2 * v * p2p_time(b * (s // c) * model.hidden * pb.residual / t, pp_link)
-        else:
-            pp_mb = 0.0
+    def _cp_times(self, lay: Layout, layers: int) -> tuple[float, float]:
+        """Context parallel ``(exposed, hidden)`` per micro-batch: the ring's K/V exchange hidden under the
+        attention compute [L23]."""
+        model, b, s, t, c = self.model, lay.b, self.train.seq_len, lay.tp, lay.cp
+        if c == 1:
+            return 0.0, 0.0
+        cp_link = self._link(t, c)
+        kv_block = 2 * b * (s // c) * max(1, model.kv_heads // t) * model.dim_head * self.pb.compute
+        cp_total = layers * 3 * (c - 1) * p2p_time(kv_block, cp_link)  # fwd K,V; bwd K,V,dK,dV
+        # hidden under each block's attention kernel only (the ring steps interleave with it) [L23]
+        attn = layers * b * (s / c) * self.attn_f * self.attn_share / t / (self.peak * E.attention_efficiency(self.hardware, s / (2 * c)))
+        cp_mb = max(0.0, cp_total - OVERLAP_EFFICIENCY * attn)
+        if self.cp_exposed:  # Llama 3's all-gather CP: "the all-gather communication latency is exposed
+            cp_mb = cp_total  # in the critical path" [L3 section 3.3.2]: the same K/V volume, not hidden
+        return cp_mb, cp_total - cp_mb
 
-        # loss: logits all-gather (+ reduce-scatter of their gradient) when tp > 1 without vocab
-        # parallelism; three b*s all-reduces with it; a fixed cost per chunk when chunked
-        tok_rank = tokens_mb // c
+    def _pp_time(self, lay: Layout) -> float:
+        """Pipeline: activation forward + gradient backward per micro-batch per virtual stage [N21 4.1]."""
+        if lay.pp == 1:
+            return 0.0
+        pp_link = self._link(lay.dp * lay.cp * lay.tp, lay.pp)
+        s = self.train.seq_len
+        return 2 * lay.v * p2p_time(lay.b * (s // lay.cp) * self.model.hidden * self.pb.residual / lay.tp, pp_link)
+
+    def _loss_times(self, lay: Layout, tp_link: Any) -> dict[str, float]:
+        """Loss: logits all-gather (+ reduce-scatter of their gradient) when tp > 1 without vocab
+        parallelism; three b*s all-reduces with it; a fixed cost per chunk when chunked."""
+        train, t = self.train, lay.tp
+        tok_rank = lay.b * train.seq_len // lay.cp
         loss_mb = {}
-        for lm in losses:
+        for lm in self.losses:
             cost = 0.0
             if lm in terms.VOCAB_SHARDED_LOSSES:  # all-reduces of per-token statistics, no logits gather
                 cost += 3 * all_reduce_time(tok_rank * terms.FP32_BYTES, t, tp_link)
             elif t > 1:
-                logits = tok_rank * model.vocab_size * pb.logits
+                logits = tok_rank * self.model.vocab_size * self.pb.logits
                 cost += all_gather_time(logits, t, tp_link) + reduce_scatter_time(logits, t, tp_link)
             if lm == "chunked":
-                chunk = train.loss_chunk_size or terms.planned_loss_chunk_tokens(model, train, tok_rank)
+                chunk = train.loss_chunk_size or terms.planned_loss_chunk_tokens(self.model, kernels_of(train), tok_rank)
                 cost += math.ceil(tok_rank / chunk) * CHUNK_OVERHEAD_S
             loss_mb[lm] = cost
+        return loss_mb
 
-        # data parallel over the d*c replicas of each parameter
+    def _dp_times(self, lay: Layout, layers: tuple[int, int, int], compute_mb: dict[str, float]) -> tuple[
+            dict[tuple[int, str], float], dict[tuple[int, str], float], dict[int, float]]:
+        """Data parallelism over the d*c replicas of each parameter: ``(exposed, overlapped)`` seconds per
+        (ZeRO stage, recompute mode) and the optimizer step per ZeRO stage."""
+        first_layers, last_layers, most_layers = layers
+        d, t, p, c = lay.dp, lay.tp, lay.pp, lay.cp
         n_rep = d * c
         if p > 1:
             stage0 = first_layers * self.layer_p + self.emb_p
@@ -477,94 +491,101 @@ class StepTimeModel:
             local = max(stage0, stage_last, most_layers * self.layer_p) / t
         else:
             local = self.total_p / t
+        pb = self.pb
         grad_bytes, param_bytes, gather_bytes = local * pb.grad, local * pb.param, local * self.gather_b
         dp_exposed: dict[tuple[int, str], float] = {}
         dp_overlapped: dict[tuple[int, str], float] = {}
         opt_s: dict[int, float] = {}
+        colls = None
         if n_rep > 1:
             dp_link = self._link(t, n_rep)
-            ar = all_reduce_time(grad_bytes, n_rep, dp_link)
-            rs = reduce_scatter_time(grad_bytes, n_rep, dp_link)
-            ag = all_gather_time(param_bytes, n_rep, dp_link)  # ZeRO-1: the updated parameters
-            fsdp_ag = all_gather_time(gather_bytes, n_rep, dp_link)  # FSDP: the 16-bit compute copy
-        for z in zeros:
+            colls = _Collectives(
+                ar=all_reduce_time(grad_bytes, n_rep, dp_link),
+                rs=reduce_scatter_time(grad_bytes, n_rep, dp_link),
+                ag=all_gather_time(param_bytes, n_rep, dp_link),  # ZeRO-1: the updated parameters
+                fsdp_ag=all_gather_time(gather_bytes, n_rep, dp_link),  # FSDP: the 16-bit compute copy
+            )
+        for z in self.zeros:
             shard = n_rep if z >= 1 else 1
             opt_s[z] = local / shard * self.traffic / self.mem_bw
-            for rc in recomputes:
-                bwd_window = OVERLAP_EFFICIENCY * compute_mb[rc] * 2 / 3  # backward = 2/3 of fwd+bwd
-                if n_rep == 1:
+            for rc in self.recomputes:
+                if colls is None:
                     comm = hidden = 0.0
-                elif z == 0:  # DDP: all-reduce under the last micro-batch's backward [L20]
-                    comm = max(0.0, ar - bwd_window)
-                    hidden = ar - comm
-                elif z == 1:  # reduce-scatter under backward; the updated-parameter all-gather runs
-                    # after the optimizer step, on the critical path [R20 section 5.1; DeepSpeed stage 1]
-                    comm = max(0.0, rs - bwd_window) + ag
-                    hidden = rs - max(0.0, rs - bwd_window)
-                elif p > 1:  # FSDP inside pipeline stages: one reduce-scatter per step, not per micro-batch
-                    # torch.distributed.pipelining runs every micro-batch's backward with
-                    # set_requires_gradient_sync(False) and set_reshard_after_backward(False), then one
-                    # reduce-scatter per unit after the last backward (torch 2.13 pipelining/stage.py,
-                    # backward_maybe_with_nosync / perform_reduce_grad): exposed, nothing left to hide it.
-                    # ZeRO-2 gathers once per step (never resharded before that reduce); ZeRO-3 still
-                    # reshards after each forward, so each micro-batch's forward and backward gather.
-                    gathers_mb = 2 if z == 3 else 0
-                    per_mb = gathers_mb * fsdp_ag
-                    once = rs + (fsdp_ag if z == 2 else 0.0)
-                    if self.grads_per_mb:
-                        # Llama 3's FSDP reduce-scatters every micro-batch's gradients asynchronously
-                        # [L3 section 3.3.2: DP "can tolerate longer network latency by asynchronously
-                        # prefetching sharded model weights and reducing gradients"]: a reduce-scatter
-                        # issued after a chunk's backward runs on while the schedule's next slot (one
-                        # forward and one backward in the steady state) computes, on the same link as the
-                        # gathers; only the last unit's is left at the end of the step
-                        per_mb += rs
-                        once = rs / max(1, layers_b + 1) + (fsdp_ag if z == 2 else 0.0)
-                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc])
-                    exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
-                    comm = m * exposed_mb + once + (2 if z == 2 else 1) * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
-                    hidden = max(0.0, m * per_mb - m * exposed_mb)
-                else:  # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
-                    collectives = (2 if z == 3 else 1) + 1
-                    per_mb = (collectives - 1) * fsdp_ag + rs
-                    # the first unit's gather and the last unit's reduce-scatter have no compute to hide under
-                    exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute_mb[rc]) + (fsdp_ag + rs) / max(1, layers_b + 1)
-                    exposed_mb += collectives * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
-                    comm = m * exposed_mb
-                    hidden = max(0.0, m * per_mb - comm)
+                else:
+                    comm, hidden = self._dp_comm(z, p, lay.m, most_layers, compute_mb[rc], colls)
                 dp_exposed[(z, rc)] = comm
                 dp_overlapped[(z, rc)] = hidden
+        return dp_exposed, dp_overlapped, opt_s
 
-        out = LayoutTimes()
-        out.layout = lay
-        out.world = d * t * p * c
-        out.slots = m + (p - 1) / v if p > 1 else float(m)
-        out.compute_mb = compute_mb
-        out.tp_mb = tp_mb
-        out.cp_mb = cp_mb
-        out.cp_hidden_mb = cp_hidden
-        out.pp_mb = pp_mb
-        out.loss_mb = loss_mb
-        out.dp_exposed = dp_exposed
-        out.dp_overlapped = dp_overlapped
-        out.opt_s = opt_s
-        out.tokens = tokens_step
-        out.model_flops = self.model_f * tokens_step
-        out.recompute_flops = {rc: self.rec_layer_f[rc] * model.n_layers * tokens_step for rc in recomputes}
-        out.peak = self.peak
-        out.notes = tuple(notes)
-        out.modelled = self.modelled
-        if not self.modelled:  # every term flat: the score is the change cost alone (TIME_MODEL_OFF)
-            out.slots = float(m)
-            flat = d * tokens_mb * UNMODELLED_S_PER_TOKEN
-            out.compute_mb = {rc: flat for rc in recomputes}
-            out.tp_mb = {rc: 0.0 for rc in recomputes}
-            out.cp_mb = out.cp_hidden_mb = out.pp_mb = 0.0
-            out.loss_mb = {lm: 0.0 for lm in losses}
-            out.dp_exposed = {k: 0.0 for k in dp_exposed}
-            out.dp_overlapped = {k: 0.0 for k in dp_overlapped}
-            out.opt_s = {z: 0.0 for z in opt_s}
-        return out
+    def _dp_comm(self, z: int, p: int, m: int, layers_b: int, compute: float, colls: _Collectives) -> tuple[float, float]:
+        """``(exposed, hidden)`` data-parallel seconds per step at ZeRO stage ``z`` for one micro-batch's
+        compute of ``compute`` seconds."""
+        ar, rs, ag, fsdp_ag = colls.ar, colls.rs, colls.ag, colls.fsdp_ag
+        bwd_window = OVERLAP_EFFICIENCY * compute * 2 / 3  # backward = 2/3 of fwd+bwd
+        if z == 0:  # DDP: all-reduce under the last micro-batch's backward [L20]
+            comm = max(0.0, ar - bwd_window)
+            return comm, ar - comm
+        if z == 1:  # reduce-scatter under backward; the updated-parameter all-gather runs
+            # after the optimizer step, on the critical path [R20 section 5.1; DeepSpeed stage 1]
+            return max(0.0, rs - bwd_window) + ag, rs - max(0.0, rs - bwd_window)
+        if p > 1:
+            return self._pipelined_fsdp_comm(z, m, layers_b, compute, colls)
+        # FSDP: per micro-batch gathers (x2 when fully sharded) + reduce-scatter [R20, Z23]
+        collectives = (2 if z == 3 else 1) + 1
+        per_mb = (collectives - 1) * fsdp_ag + rs
+        # the first unit's gather and the last unit's reduce-scatter have no compute to hide under
+        exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute) + (fsdp_ag + rs) / max(1, layers_b + 1)
+        exposed_mb += collectives * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
+        comm = m * exposed_mb
+        return comm, max(0.0, m * per_mb - comm)
+
+    def _pipelined_fsdp_comm(self, z: int, m: int, layers_b: int, compute: float,
+                             colls: _Collectives) -> tuple[float, float]:
+        """FSDP inside pipeline stages: one reduce-scatter per step, not per micro-batch.
+
+        torch.distributed.pipelining runs every micro-batch's backward with set_requires_gradient_sync(False)
+        and set_reshard_after_backward(False), then one reduce-scatter per unit after the last backward
+        (torch 2.13 pipelining/stage.py, backward_maybe_with_nosync / perform_reduce_grad): exposed, nothing
+        left to hide it. ZeRO-2 gathers once per step (never resharded before that reduce); ZeRO-3 still
+        reshards after each forward, so each micro-batch's forward and backward gather."""
+        rs, fsdp_ag = colls.rs, colls.fsdp_ag
+        gathers_mb = 2 if z == 3 else 0
+        per_mb = gathers_mb * fsdp_ag
+        once = rs + (fsdp_ag if z == 2 else 0.0)
+        if self.grads_per_mb:
+            # Llama 3's FSDP reduce-scatters every micro-batch's gradients asynchronously [L3 section 3.3.2:
+            # DP "can tolerate longer network latency by asynchronously prefetching sharded model weights and
+            # reducing gradients"]: a reduce-scatter issued after a chunk's backward runs on while the
+            # schedule's next slot (one forward and one backward in the steady state) computes, on the same
+            # link as the gathers; only the last unit's is left at the end of the step
+            per_mb += rs
+            once = rs / max(1, layers_b + 1) + (fsdp_ag if z == 2 else 0.0)
+        exposed_mb = max(0.0, per_mb - OVERLAP_EFFICIENCY * compute)
+        exposed_mb += gathers_mb * (fsdp_ag / max(1, layers_b + 1) + (layers_b + 1) * FSDP_UNIT_OVERHEAD_S)
+        comm = m * exposed_mb + once + (2 if z == 2 else 1) * (layers_b + 1) * FSDP_UNIT_OVERHEAD_S
+        return comm, max(0.0, m * per_mb - m * exposed_mb)
+
+
+@dataclass(frozen=True)
+class _Collectives:
+    """Seconds of one data-parallel all-reduce, reduce-scatter and all-gathers of a rank's parameters."""
+
+    ar: float
+    rs: float
+    ag: float
+    fsdp_ag: float
+
+
+def _flatten(out: LayoutTimes, flat: float, m: int) -> None:
+    """Every time term of ``out`` flat (a host the time model does not apply to: ``TIME_MODEL_OFF``)."""
+    out.slots = float(m)
+    out.compute_mb = {rc: flat for rc in out.compute_mb}
+    out.tp_mb = {rc: 0.0 for rc in out.tp_mb}
+    out.cp_mb = out.cp_hidden_mb = out.pp_mb = 0.0
+    out.loss_mb = {lm: 0.0 for lm in out.loss_mb}
+    out.dp_exposed = {k: 0.0 for k in out.dp_exposed}
+    out.dp_overlapped = {k: 0.0 for k in out.dp_overlapped}
+    out.opt_s = {z: 0.0 for z in out.opt_s}
 
 
 def predict_step_time(

@@ -1,6 +1,6 @@
 """One escaping helper per medium, for every string that comes from a file or a user (a model's class name,
 a config.json ``model_type``, a report's notes, incident texts or component keys) on its way to a page, a
-Markdown file, a terminal or rich markup (house style 21).
+Markdown file, a terminal or rich markup (one helper per medium; CWE-79, CWE-150).
 
 - HTML (:func:`html_text`): ``html.escape(quote=True)``, for element text and quoted attribute values
   (https://html.spec.whatwg.org/multipage/syntax.html#escapingString).

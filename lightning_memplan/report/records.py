@@ -2,7 +2,7 @@
 per rank and epoch, one :class:`EpochReport` per epoch (all ranks side by side), one
 :class:`MemoryReport` per run.
 
-Everything is integer bytes (house style 5) and round-trips through plain JSON (``to_dict`` /
+Everything is integer bytes (as PyTorch's ``torch/distributed/_tools/mem_tracker.py`` counts them) and round-trips through plain JSON (``to_dict`` /
 ``from_dict``), so a saved ``memory_report.json`` can be rendered again by ``lightning-memplan report``
 and a resumed run can continue it.
 """

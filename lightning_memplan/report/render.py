@@ -1,7 +1,7 @@
 """Text renderings of a :class:`~lightning_memplan.report.records.MemoryReport`: a rich table for the
 console, Markdown for ``memory_report.md`` (and loggers that take text), and unit handling.
 
-Bytes stay integers everywhere else; only these renderers convert to a display unit (house style 5).
+Bytes stay integers everywhere else; only these renderers convert to a display unit.
 Every string from the report (run facts, notes, warnings, component keys, incident texts) is escaped for
 its medium by :mod:`~lightning_memplan.report.escape` (Markdown, rich markup, the terminal).
 """
@@ -35,7 +35,7 @@ __all__ = [
     "report_units",
 ]
 
-#: Display units and their size in bytes (GiB = 2**30, GB = 10**9; docs/DESIGN.md).
+#: Display units and their size in bytes (GiB = 2**30, GB = 10**9; docs/concepts.md).
 UNITS: dict[str, int] = {
     "B": 1,
     "KiB": 2**10,

@@ -1,6 +1,6 @@
 """``MemplanAutoStrategy``: plan the parallel layout at setup, then apply it with PyTorch's own machinery.
 
-A thin adapter (house style 10) over Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+A thin adapter (as torchtitan's ``parallelize.py`` over its ``parallel_dims.py``) over Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
 (process group, DTensor checkpointing, optimizer handling) and PyTorch's FSDP2 ``fully_shard``, DTensor
 ``parallelize_module``, ``torch.distributed.pipelining`` and ``checkpoint_wrapper``. What it adds:
 

@@ -322,9 +322,7 @@ def trace_depths(
     """
     from transformers.utils import logging as hf_logging
 
-    from lightning_memplan.model.hf_build import input_fn_for, vision_tokens
     from lightning_memplan.model.readers import norm_impl_of
-    from lightning_memplan.tracking.trace import calibrate, trace_memory
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notes about the traced copies (use_cache, loss_type) are not the user's
@@ -334,46 +332,9 @@ def trace_depths(
     try:
         copies, plan = _stacks(cfg, t0, lora)
         for name, model, blocks in copies:
-            input_fn, vision = input_fn_for(model, cfg)
-            in_use = getattr(model.config, "_attn_implementation", t0.attention) or t0.attention
-            shapes: tuple[tuple[int, int], ...] = TRACE_SHAPES
-            extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0, in_use)}
-            probe: tuple[int, int] | None = PROBE_SHAPE
-            kernels.append(_score_kernels(cfg, t0, in_use))
-            if vision:
-                s = vision_tokens(cfg)
-                shapes, probe = ((1, s), (2, s)), None
-                extra = {"quadratic": False, "seq_len": s}
-            elif seq_len is not None:
-                top = micro_batch if micro_batch is not None and micro_batch > 2 else 2
-                shapes, probe = ((1, seq_len), (top, seq_len)), None
-                extra = {"quadratic": False}
-            kwargs: dict[str, Any] = {
-                "input_fn": input_fn, "precision": t0.precision, "steps": 1, "device": t0.device,
-                "optimizer": primed_optimizer(t0.optimizer, t0.optimizer_impl),
-            }
-            try:
-                # A failed fake step cannot fall back to a real one: the copy's parameters are on the meta
-                # device, so trace_memory raises instead of allocating.
-                with fake_cpu_grouped_mm(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    cal = calibrate(model, shapes, **kwargs, **extra)
-                    if probe is not None:
-                        held_out = trace_memory(model, batch_shape=probe, **kwargs)
-                        probe_error = max(probe_error, _probe_error(cal, held_out.by_phase, probe))
-            except (ValueError, RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
-                raise ValueError(
-                    f"{type(model).__name__} (model_type={cfg.get('model_type')!r}) could not be traced under fake "
-                    f"tensors ({str(exc).splitlines()[0][:200]}); trace your model with trace_memory(model, "
-                    "batch_shape=(b, s)) or set LIGHTNING_MEMPLAN_HF_TRACE=0 for the analytic terms"
-                ) from exc
-            record = {
-                "calibration": cal.to_dict(),
-                "n_params": sum(p.numel() for p in model.parameters()),
-                "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                "vision_tokens": extra.get("seq_len"),
-                "blocks": list(blocks),
-            }
+            record, error, kernel = _trace_copy(cfg, t0, model, blocks, seq_len=seq_len, micro_batch=micro_batch)
+            probe_error = max(probe_error, error)
+            kernels.append(kernel)
             if name in ("1", "2"):
                 out["depths"][name] = record
             else:
@@ -392,23 +353,82 @@ def trace_depths(
         ]
         out["n_params_full"] = plan.n_params
     if not out["depths"]["1"]["vision_tokens"]:
-        fitted = [list(shape) for shape in _fitted_shapes(out)]
-        out["form"] = {
-            "fitted": fitted,
-            "probe": list(PROBE_SHAPE) if seq_len is None else None,
-            "probe_error": probe_error if seq_len is None else None,
-            "tolerance": PROBE_TOLERANCE,
-            "steps": length_steps(cfg),
-            "seq_len": seq_len,
-            "quadratic": any(any(c[2] for comps in cal["calibration"]["coefficients"].values() for c in comps.values())
-                             for cal in [out["depths"]["1"], out["depths"]["2"], *(out.get("stacks") or {}).values()]),
-        }
-        first = kernels[0] if kernels else None
-        if first is not None and all(k == first for k in kernels):
-            # Every copy ran SDPA: per device, whether its kernel keeps the [b, a, s, s] probabilities, so
-            # whether the traced [s, s] tensors are the math path's (model/traced.py, _on_device).
-            out["form"]["sdpa_keeps_scores"] = dict(first)
+        out["form"] = _form(out, cfg, seq_len, probe_error, kernels)
     return out
+
+
+def _trace_copy(cfg: Mapping[str, Any], t0: TracedStep, model: Any, blocks: tuple[int, ...], *, seq_len: int | None,
+                micro_batch: int | None) -> tuple[dict[str, Any], float, dict[str, bool] | None]:
+    """``(record, probe error, SDPA kernel rule)`` of one traced copy: its calibration at the fitted shapes
+    (:func:`trace_depths`), the relative error of the fit at the held-out probe (0 without one), its
+    parameter counts and blocks."""
+    from lightning_memplan.model.hf_build import input_fn_for, vision_tokens
+    from lightning_memplan.tracking.trace import calibrate, trace_memory
+
+    input_fn, vision = input_fn_for(model, cfg)
+    in_use = getattr(model.config, "_attn_implementation", t0.attention) or t0.attention
+    shapes: tuple[tuple[int, int], ...] = TRACE_SHAPES
+    extra: dict[str, Any] = {"quadratic": _quadratic_in_seq(cfg, t0, in_use)}
+    probe: tuple[int, int] | None = PROBE_SHAPE
+    kernel = _score_kernels(cfg, t0, in_use)
+    if vision:
+        s = vision_tokens(cfg)
+        shapes, probe = ((1, s), (2, s)), None
+        extra = {"quadratic": False, "seq_len": s}
+    elif seq_len is not None:
+        top = micro_batch if micro_batch is not None and micro_batch > 2 else 2
+        shapes, probe = ((1, seq_len), (top, seq_len)), None
+        extra = {"quadratic": False}
+    kwargs: dict[str, Any] = {
+        "input_fn": input_fn, "precision": t0.precision, "steps": 1, "device": t0.device,
+        "optimizer": primed_optimizer(t0.optimizer, t0.optimizer_impl),
+    }
+    error = 0.0
+    try:
+        # A failed fake step cannot fall back to a real one: the copy's parameters are on the meta
+        # device, so trace_memory raises instead of allocating.
+        with fake_cpu_grouped_mm(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cal = calibrate(model, shapes, **kwargs, **extra)
+            if probe is not None:
+                held_out = trace_memory(model, batch_shape=probe, **kwargs)
+                error = _probe_error(cal, held_out.by_phase, probe)
+    except (ValueError, RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={cfg.get('model_type')!r}) could not be traced under fake "
+            f"tensors ({str(exc).splitlines()[0][:200]}); trace your model with trace_memory(model, "
+            "batch_shape=(b, s)) or set LIGHTNING_MEMPLAN_HF_TRACE=0 for the analytic terms"
+        ) from exc
+    record = {
+        "calibration": cal.to_dict(),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "vision_tokens": extra.get("seq_len"),
+        "blocks": list(blocks),
+    }
+    return record, error, kernel
+
+
+def _form(out: Mapping[str, Any], cfg: Mapping[str, Any], seq_len: int | None, probe_error: float,
+          kernels: list[dict[str, bool] | None]) -> dict[str, Any]:
+    """The entry's ``"form"``: the fitted shapes, the probe and its error, the config's length steps, whether
+    any coefficient is quadratic in s and, when every copy ran SDPA, its kernel rule per device."""
+    form: dict[str, Any] = {
+        "fitted": [list(shape) for shape in _fitted_shapes(out)],
+        "probe": list(PROBE_SHAPE) if seq_len is None else None,
+        "probe_error": probe_error if seq_len is None else None,
+        "tolerance": PROBE_TOLERANCE,
+        "steps": length_steps(cfg),
+        "seq_len": seq_len,
+        "quadratic": any(any(c[2] for comps in cal["calibration"]["coefficients"].values() for c in comps.values())
+                         for cal in [out["depths"]["1"], out["depths"]["2"], *(out.get("stacks") or {}).values()]),
+    }
+    first = kernels[0] if kernels else None
+    if first is not None and all(k == first for k in kernels):
+        # Every copy ran SDPA: per device, whether its kernel keeps the [b, a, s, s] probabilities, so
+        # whether the traced [s, s] tensors are the math path's (model/traced.py, _on_device).
+        form["sdpa_keeps_scores"] = dict(first)
+    return form
 
 
 def _fitted_shapes(entry: Mapping[str, Any]) -> list[tuple[int, int]]:

@@ -44,7 +44,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from lightning_memplan.model.estimate import _estimate_stage
+from lightning_memplan.model.estimate import estimate_stage
 from lightning_memplan.model.hf_build import canonical_config_json, model_class, vision_tokens
 from lightning_memplan.model.lora import lora_adapter
 from lightning_memplan.model.result import MemoryEstimate
@@ -179,4 +179,4 @@ def hf_trace_estimate(
     if model.hf_config is None or not hf_trace_available():
         return None
     return traced_estimate(model, train, plan if plan is not None else ParallelPlan(), rank=rank,
-                           source=HFTraceSource(), stage_estimate=_estimate_stage)
+                           source=HFTraceSource(), stage_estimate=estimate_stage)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_memplan.model import terms
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 from lightning_memplan.testing import run_distributed
 
@@ -65,7 +66,7 @@ def test_loss_parallel_working_set_matches_the_estimate():
     model = ModelSpec(1, 64, 4, V, name="vocab-only")
     for e in (2, 4):
         train = TrainSpec(micro_batch=1, seq_len=N, loss="loss_parallel", activation_bytes=e)
-        est = terms.logits_bytes(model, train, N, vocab_shard=WORLD)
+        est = terms.logits_bytes(model, kernels_of(train), N, vocab_shard=WORLD)
         for per_rank in results:
             res = per_rank[e]
             assert res["loss"] == pytest.approx(res["reference"], rel=1e-2 if e == 2 else 1e-5)

@@ -119,7 +119,7 @@ ADAMW = {"optimizer": "adamw", "lr": 1e-3}
 
 # dp x pp: under ``torch.distributed.pipelining`` every micro-batch's backward runs with gradient sync and
 # resharding off and one reduce-scatter ends the step (``_PipelineStageBase.backward_maybe_with_nosync`` /
-# ``perform_reduce_grad``, torch 2.13); the estimate models it (model/estimate.py ``pipelined_fsdp``):
+# ``perform_reduce_grad``, torch 2.13); the estimate models it (model/states.py ``pipelined_fsdp``):
 # measured +2.1 % stage 0, +3.0 % stage 1 (AdamW), where per-block unsharding had given +9.9 % / +8.5 %.
 
 WORLD4_CASES = [

@@ -19,6 +19,7 @@ import torch
 from lightning_memplan.loss import linear_cross_entropy
 from lightning_memplan.model import param_counts, terms
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.sizes import kernels_of, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.testing.zoo import GPT, gpt2_style, llama_style, tied_style
 from lightning_memplan.tracking.trace import trace_memory
@@ -31,6 +32,7 @@ MODELS = {
     "tied": lambda: tied_style(**SIZES, n_heads=4, attention="eager"),
 }
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
 HELD_OUT = ((1, 512, 128), (4, 128, 512))  # (b, s, loss chunk): not the (2, 256, 256) worked on
 TARGET = 0.05
 SOFTMAX_BACKWARD = "aten._softmax_backward_data.default#1"  # the first in the backward: the last block's
@@ -80,14 +82,14 @@ def test_the_peak_is_the_last_blocks_softmax_backward_and_the_point_holds_its_by
     report = measured.report
     assert report.peak_ops["backward"] == SOFTMAX_BACKWARD
     backward = estimate_memory(spec, train, ParallelPlan()).by_phase["backward"]
-    assert backward["workspace"] == (terms.eager_softmax_backward_bytes(spec, train, b, s)
-                                     + terms.eager_softmax_backward_grad_bytes(spec, train, b, s))
+    assert backward["workspace"] == (terms.eager_softmax_backward_bytes(spec, kernels_of(train), b, s)
+                                     + terms.eager_softmax_backward_grad_bytes(spec, kernels_of(train), b, s))
     pinned = sum(report.pinned["backward"].values())
     assert sum(backward.values()) == pytest.approx(pinned, rel=0.03)
     # the gradients of the head and of the last block's parameters after its scores exist by then, exactly
     after_matmul, after_other = param_counts.layer_params_after_scores(spec)
     head = terms.norm_param_count(spec) + spec.vocab_size * spec.hidden
-    grad_bytes = terms.precision_bytes(train).grad
+    grad_bytes = precision_bytes(train).grad
     assert backward["grads"] == (head + after_matmul + after_other) * grad_bytes == report.pinned["backward"]["grads"]
 
 
@@ -102,21 +104,21 @@ def test_the_peak_is_the_last_blocks_softmax_backward_and_the_point_holds_its_by
 @pytest.mark.parametrize(("t", "sp"), [(1, False), (2, False), (4, True)])
 def test_the_split_adds_up_and_divides_as_the_layer_does(spec: ModelSpec, precision: str, t: int, sp: bool) -> None:
     train = TrainSpec(micro_batch=2, seq_len=256, precision=precision, attention="eager")
-    layer = terms.layer_activation_bytes(spec, train, 2, 256, t=t, sp=sp)
-    through, after = terms.layer_activation_split_bytes(spec, train, 2, 256, t=t, sp=sp)
+    layer = terms.layer_activation_bytes(spec, kernels_of(train), 2, 256, t=t, sp=sp)
+    through, after = terms.layer_activation_split_bytes(spec, kernels_of(train), 2, 256, t=t, sp=sp)
     assert through > 0 and after > 0 and through + after == layer
-    freed = terms.eager_softmax_backward_freed_bytes(spec, train, 2, 256, t=t, sp=sp)
+    freed = terms.eager_softmax_backward_freed_bytes(spec, kernels_of(train), 2, 256, t=t, sp=sp)
     assert freed["activations"] == after
-    attention = terms.eager_attention_bytes(spec, train, 2, 256, t=t)
+    attention = terms.eager_attention_bytes(spec, kernels_of(train), 2, 256, t=t)
     assert 0 <= freed["attention"] < attention
-    assert freed["attention"] + terms.eager_softmax_output_bytes(spec, train, 2, 256, t=t) == attention
+    assert freed["attention"] + terms.eager_softmax_output_bytes(spec, kernels_of(train), 2, 256, t=t) == attention
     # the temporaries and the value gradient are split by heads; the residual gradient by SP only
-    one = terms.eager_softmax_backward_bytes(spec, train, 2, 256)
-    assert terms.eager_softmax_backward_bytes(spec, train, 2, 256, t=t) * t == one
-    pb = terms.precision_bytes(train)
+    one = terms.eager_softmax_backward_bytes(spec, kernels_of(train), 2, 256)
+    assert terms.eager_softmax_backward_bytes(spec, kernels_of(train), 2, 256, t=t) * t == one
+    pb = precision_bytes(train)
     residual = 2 * 256 * spec.hidden * pb.residual
-    grads_1 = terms.eager_softmax_backward_grad_bytes(spec, train, 2, 256)
-    grads_t = terms.eager_softmax_backward_grad_bytes(spec, train, 2, 256, t=t, sp=sp)
+    grads_1 = terms.eager_softmax_backward_grad_bytes(spec, kernels_of(train), 2, 256)
+    grads_t = terms.eager_softmax_backward_grad_bytes(spec, kernels_of(train), 2, 256, t=t, sp=sp)
     assert grads_t - residual // (t if sp else 1) == (grads_1 - residual) // t
 
 
@@ -127,15 +129,15 @@ def test_the_split_adds_up_and_divides_as_the_layer_does(spec: ModelSpec, precis
 ], ids=["sdpa", "eager-full", "eager-selective"])
 def test_no_softmax_terms_without_a_materialised_softmax_backward(train: TrainSpec) -> None:
     spec = ModelSpec.preset("llama3-8b")
-    assert terms.eager_softmax_backward_bytes(spec, train, 2, 2048) == 0
-    assert terms.eager_softmax_backward_grad_bytes(spec, train, 2, 2048) == 0
-    assert terms.eager_softmax_backward_freed_bytes(spec, train, 2, 2048) == {"activations": 0, "attention": 0}
+    assert terms.eager_softmax_backward_bytes(spec, kernels_of(train), 2, 2048) == 0
+    assert terms.eager_softmax_backward_grad_bytes(spec, kernels_of(train), 2, 2048) == 0
+    assert terms.eager_softmax_backward_freed_bytes(spec, kernels_of(train), 2, 2048) == {"activations": 0, "attention": 0}
 
 
 def _softmax_point_chosen(backward: dict[str, int], spec: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> bool:
     b, s, t = train.micro_batch, train.seq_len, plan.tp
-    return backward["workspace"] == (terms.eager_softmax_backward_bytes(spec, train, b, s, t=t)
-                                     + terms.eager_softmax_backward_grad_bytes(spec, train, b, s, t=t, sp=plan.sp))
+    return backward["workspace"] == (terms.eager_softmax_backward_bytes(spec, kernels_of(train), b, s, t=t)
+                                     + terms.eager_softmax_backward_grad_bytes(spec, kernels_of(train), b, s, t=t, sp=plan.sp))
 
 
 @pytest.mark.parametrize("plan", [ParallelPlan(), ParallelPlan(tp=2), ParallelPlan(tp=2, sp=True),
@@ -149,11 +151,11 @@ def test_one_stage_point_is_the_forward_less_what_autograd_freed(plan: ParallelP
     est = estimate_memory(spec, train, plan)
     forward, backward = est.by_phase["forward"], est.by_phase["backward"]
     assert _softmax_point_chosen(backward, spec, train, plan)
-    pb = terms.precision_bytes(train)
-    head = terms.norm_saved_bytes(spec, train, b * s, split=t if sp else 1) + b * s * spec.hidden * pb.compute
-    _, after = terms.layer_activation_split_bytes(spec, train, b, s, t=t, sp=sp)
+    pb = precision_bytes(train)
+    head = terms.norm_saved_bytes(spec, kernels_of(train), b * s, split=t if sp else 1) + b * s * spec.hidden * pb.compute
+    _, after = terms.layer_activation_split_bytes(spec, kernels_of(train), b, s, t=t, sp=sp)
     assert backward["activations"] == forward["activations"] - head - after
-    freed = terms.eager_softmax_backward_freed_bytes(spec, train, b, s, t=t, sp=sp)
+    freed = terms.eager_softmax_backward_freed_bytes(spec, kernels_of(train), b, s, t=t, sp=sp)
     assert backward["attention"] == forward["attention"] - freed["attention"]
     if plan.zero < 2:  # the head's and the block's autocast weight copies are gone (FSDP casts itself: none)
         assert backward["other"] < forward["other"]
@@ -172,9 +174,9 @@ def test_pipeline_stages_free_one_micro_batchs_part(plan: ParallelPlan) -> None:
     spec = GPT(MODELS["llama"]()).spec()
     train = TrainSpec(micro_batch=2, seq_len=512, attention="eager", loss="chunked")
     b, s, t = train.micro_batch, train.seq_len, plan.tp
-    _, after = terms.layer_activation_split_bytes(spec, train, b, s, t=t, sp=plan.sp)
-    pb = terms.precision_bytes(train)
-    head = terms.norm_saved_bytes(spec, train, b * s, split=t if plan.sp else 1) + b * s * spec.hidden * pb.compute
+    _, after = terms.layer_activation_split_bytes(spec, kernels_of(train), b, s, t=t, sp=plan.sp)
+    pb = precision_bytes(train)
+    head = terms.norm_saved_bytes(spec, kernels_of(train), b * s, split=t if plan.sp else 1) + b * s * spec.hidden * pb.compute
     for stage in range(plan.pp):
         est = estimate_memory(spec, train, plan, rank=stage * plan.dp * plan.cp * plan.tp)
         forward, backward = est.by_phase["forward"], est.by_phase["backward"]

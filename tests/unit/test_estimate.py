@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_memplan.model import ModelSpec, ParallelPlan, TrainSpec, estimate_memory, terms
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
+from lightning_memplan.model.sizes import kernels_of
 
 GB = 10**9
 
@@ -103,7 +104,7 @@ def test_pipeline_stages_differ():
     assert first.stage == 0 and last.stage == 3
     assert first.by_phase["forward"]["logits"] == 0 and last.by_phase["forward"]["logits"] > 0
     # 1F1B: stage 0 holds p = 4 micro-batches of its 2 layers, the last stage 1 (plus the head's inputs).
-    layer = terms.layer_activation_bytes(model, train, 1, 32)
+    layer = terms.layer_activation_bytes(model, kernels_of(train), 1, 32)
     assert first.by_phase["forward"]["activations"] == 4 * 2 * layer
     worst = estimate_memory(model, train, plan)
     assert worst.total == max(estimate_memory(model, train, plan, rank=r).total for r in range(4))
@@ -315,7 +316,7 @@ def test_pipeline_gradients_meet_a_full_inflight_set_only_in_steady_1f1b():
     m4 = estimate_memory(model, train, ParallelPlan(pp=2, microbatches=4), rank=0)
     assert m2.by_phase["forward"]["grads"] == 0
     assert m4.by_phase["forward"]["grads"] == m4.by_phase["optimizer"]["grads"] > 0
-    layer = terms.layer_activation_bytes(model, train, 1, 32)
+    layer = terms.layer_activation_bytes(model, kernels_of(train), 1, 32)
     # end of the first backward: all of the stage's grads, the other micro-batch's 4 layers, one layer
     end = m2.by_phase["backward"]
     assert end["grads"] == m2.by_phase["optimizer"]["grads"]

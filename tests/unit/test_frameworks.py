@@ -8,6 +8,7 @@ import pytest
 
 from lightning_memplan.model import frameworks, terms
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 
 
@@ -65,13 +66,13 @@ def test_megatron_sequence_parallel_reproduces_korthikanti_table2():
     model = ModelSpec(4, 1024, 16, 1000, ffn_kind="gelu", norm="layernorm", bias=True, dropout=0.1)
     train = TrainSpec(micro_batch=2, seq_len=512, precision="bf16-true", attention="eager", framework="megatron")
     b, s, t = 2, 512, 8
-    got = terms.layer_activation_bytes(model, train, b, s, t=t, sp=True) + terms.eager_attention_bytes(model, train, b, s, t=t)
+    got = terms.layer_activation_bytes(model, kernels_of(train), b, s, t=t, sp=True) + terms.eager_attention_bytes(model, kernels_of(train), b, s, t=t)
     k22 = terms.korthikanti_layer_activation_bytes(s, b, model.hidden, model.n_heads, t=t, sp=True)
     stats = 2 * b * s * terms.LAYERNORM_STAT_COUNT * terms.FP32_BYTES // t
     assert got == k22 + stats
     # DTensor SP (the default stack) keeps the gathered inputs of the two column-parallel matmuls whole
-    torch_sp = terms.layer_activation_bytes(model, train.replace(framework="torch"), b, s, t=t, sp=True)
-    assert torch_sp - terms.layer_activation_bytes(model, train, b, s, t=t, sp=True) == 2 * b * s * model.hidden * 2 * (t - 1) // t
+    torch_sp = terms.layer_activation_bytes(model, kernels_of(train.replace(framework="torch")), b, s, t=t, sp=True)
+    assert torch_sp - terms.layer_activation_bytes(model, kernels_of(train), b, s, t=t, sp=True) == 2 * b * s * model.hidden * 2 * (t - 1) // t
 
 
 def test_llama3_grads_sharded_per_microbatch():

@@ -29,6 +29,7 @@ from lightning_memplan.model.offload import (
     offload_blocker,
     saved_weight_bytes,
 )
+from lightning_memplan.model.sizes import kernels_of, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import Allow, plan
 from lightning_memplan.planning.offload import offload_step_time
@@ -203,10 +204,10 @@ def test_activation_offload_keeps_one_block_on_the_device() -> None:
     plan = ParallelPlan(dp=8, zero=3)
     plain = estimate_memory(LLAMA7B, _train(), plan)
     off = estimate_memory(LLAMA7B, _train(offload_activations=True), plan)
-    layer = terms.layer_activation_bytes(LLAMA7B, _train(), 1, 4096)
+    layer = terms.layer_activation_bytes(LLAMA7B, kernels_of(_train()), 1, 4096)
     assert off.by_phase["forward"]["activations"] <= layer
     assert plain.by_phase["forward"]["activations"] >= LLAMA7B.n_layers * layer
-    weights = saved_weight_bytes(LLAMA7B, _train(), LLAMA7B.n_layers * terms.layer_matmul_param_count(LLAMA7B),
+    weights = saved_weight_bytes(LLAMA7B, precision_bytes(_train()), LLAMA7B.n_layers * terms.layer_matmul_param_count(LLAMA7B),
                                  LLAMA7B.n_layers)
     assert off.details["host_activations"] >= LLAMA7B.n_layers * layer + weights
     assert off.details["host_pinned"] == off.details["host_activations"]

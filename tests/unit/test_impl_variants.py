@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers", reason="Hugging Face's RMSNor
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb  # noqa: E402
 
+from lightning_memplan.model.sizes import kernels_of  # noqa: E402
+
 pytestmark = pytest.mark.hf
 
 B, S, H, A, L = 2, 64, 128, 4, 2
@@ -114,7 +116,7 @@ def _measured_saved_bytes(model: nn.Module) -> int:
 
 def _estimated(norm_impl: str) -> int:
     train = TrainSpec(micro_batch=B, seq_len=S, precision="bf16-true", device="cpu", norm_impl=norm_impl)
-    return L * terms.layer_activation_bytes(_spec(), train, B, S)
+    return L * terms.layer_activation_bytes(_spec(), kernels_of(train), B, S)
 
 
 @pytest.mark.parametrize(
@@ -163,16 +165,16 @@ def test_norm_bytes_on_cuda_worked_by_hand():
         (true16, "native"): 2 * h + 4, (true16, "composite"): 6 * h + 4, (true16, "composite_fp32"): 8 * h + 4,
     }
     for (train, impl), per_token in expect.items():
-        assert terms.norm_saved_bytes(spec, train.replace(norm_impl=impl), n) == n * per_token, (train, impl)
+        assert terms.norm_saved_bytes(spec, kernels_of(train.replace(norm_impl=impl)), n) == n * per_token, (train, impl)
     # a composite norm of a bf16 input saves a copy, not the block input: selective-op shares less with it
-    assert terms.norm_saves_its_input(spec, true16) and not terms.norm_saves_its_input(
-        spec, true16.replace(norm_impl="composite"))
+    assert terms.norm_saves_its_input(spec, kernels_of(true16)) and not terms.norm_saves_its_input(
+        spec, kernels_of(true16.replace(norm_impl="composite")))
     sac = true16.replace(recompute="selective_op")
-    grow = ck.selective_op_rebuild_bytes(spec, sac.replace(norm_impl="composite"), B, S)
-    assert grow - ck.selective_op_rebuild_bytes(spec, sac, B, S) == 2 * n * (4 * h) + n * h * 2
+    grow = ck.selective_op_rebuild_bytes(spec, kernels_of(sac.replace(norm_impl="composite")), B, S)
+    assert grow - ck.selective_op_rebuild_bytes(spec, kernels_of(sac), B, S) == 2 * n * (4 * h) + n * h * 2
     # LayerNorm is native_layer_norm whatever norm_impl says
     ln = ModelSpec(n_layers=1, hidden=h, n_heads=A, vocab_size=256, norm="layernorm")
-    assert terms.norm_saved_bytes(ln, mixed.replace(norm_impl="composite"), n) == n * (4 * h + 8)
+    assert terms.norm_saved_bytes(ln, kernels_of(mixed.replace(norm_impl="composite")), n) == n * (4 * h + 8)
 
 
 def test_norm_impl_is_validated_and_read_by_the_front_doors():

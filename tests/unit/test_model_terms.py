@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_memplan.model import ModelSpec, TrainSpec, terms
+from lightning_memplan.model.sizes import kernels_of, optimizer_bytes, precision_bytes
 
 GB = 10**9
 GiB = 2**30
@@ -30,7 +31,7 @@ def test_layer_param_count_term_by_term():
 def test_sixteen_n_rule_seed_004():
     # Seed 004 section 9.1.2: 2N params + 2N grads + 8N Adam (m, v) + 4N fp32 master = 16N; 7B -> 112 GB.
     train = TrainSpec(micro_batch=1, seq_len=1, precision="bf16-true", master_weights=True)
-    states = terms.model_state_bytes(7 * 10**9, train)
+    states = terms.model_state_bytes(7 * 10**9, precision_bytes(train), optimizer_bytes(train).per_param)
     assert states == {"params": 14 * GB, "grads": 14 * GB, "optimizer": 56 * GB, "master": 28 * GB}
     assert sum(states.values()) == 112 * GB
 
@@ -38,7 +39,7 @@ def test_sixteen_n_rule_seed_004():
 def test_ten_n_with_eight_bit_adam_seed_004():
     # (2 + 2 + 1 + 1 + 4) N = 10N = 70 GB for 7B.
     train = TrainSpec(micro_batch=1, seq_len=1, precision="bf16-true", master_weights=True, optimizer="adamw8bit")
-    assert sum(terms.model_state_bytes(7 * 10**9, train).values()) == 70 * GB
+    assert sum(terms.model_state_bytes(7 * 10**9, precision_bytes(train), optimizer_bytes(train).per_param).values()) == 70 * GB
 
 
 def test_lightning_bf16_mixed_is_not_16n():
@@ -46,9 +47,9 @@ def test_lightning_bf16_mixed_is_not_16n():
     # plus autocast's bf16 copies of the matmul weights (2N) during forward/backward.
     train = TrainSpec(micro_batch=1, seq_len=1, precision="bf16-mixed")
     n = 1000
-    assert terms.model_state_bytes(n, train) == {"params": 4000, "grads": 4000, "optimizer": 8000, "master": 0}
-    assert terms.autocast_copy_bytes(n, train) == 2000
-    assert terms.autocast_copy_bytes(n, train.replace(precision="32-true")) == 0
+    assert terms.model_state_bytes(n, precision_bytes(train), optimizer_bytes(train).per_param) == {"params": 4000, "grads": 4000, "optimizer": 8000, "master": 0}
+    assert terms.autocast_copy_bytes(n, precision_bytes(train)) == 2000
+    assert terms.autocast_copy_bytes(n, precision_bytes(train.replace(precision="32-true"))) == 0
 
 
 def test_logits_128k_by_128k_seed_000():
@@ -58,7 +59,7 @@ def test_logits_128k_by_128k_seed_000():
     elems = 128 * 1024 * 128 * 1024
     assert elems * 2 == 32 * GiB
     assert elems * 4 == 64 * GiB  # the .float() copy
-    out = terms.logits_bytes(model, train, 128 * 1024)
+    out = terms.logits_bytes(model, kernels_of(train), 128 * 1024)
     # forward: bf16 logits (32) + the copy (64) while .float() runs; then the rebinding frees the bf16
     # logits and log_softmax adds fp32 log-probabilities (64): peak max(32 + 64, 64 + 64) = 128 GiB.
     assert out["forward"] == max(32 + 64, 64 + 64) * GiB
@@ -66,21 +67,21 @@ def test_logits_128k_by_128k_seed_000():
     assert out["held"] == 64 * GiB
     assert out["backward"] == 3 * 64 * GiB
     # Under autocast the naive loss keeps the caller's bf16 logits while cross_entropy upcasts a copy.
-    mixed = terms.logits_bytes(model, train.replace(precision="bf16-mixed", loss="naive"), 128 * 1024)
+    mixed = terms.logits_bytes(model, kernels_of(train.replace(precision="bf16-mixed", loss="naive")), 128 * 1024)
     assert mixed["forward"] == (32 + 64 + 64) * GiB
     # vocab-parallel over t=8 (local logits, no .float() copy): bf16 logits + bf16 log-probs, / 8.
-    vp = terms.logits_bytes(model, train.replace(loss="vocab_parallel"), 128 * 1024, vocab_shard=8)
+    vp = terms.logits_bytes(model, kernels_of(train.replace(loss="vocab_parallel")), 128 * 1024, vocab_shard=8)
     assert vp["forward"] == (32 + 32) * GiB // 8
     # chunked (LinearCrossEntropy) with 4096-token chunks: one fp32 [4096, V] buffer and its bf16 copy,
     # the gradients it computes in forward (bf16 hidden grad [S, h], fp32 weight grad [V, h]) and one
     # 16 MiB weight-gradient block: independent of S * V.
-    ch = terms.logits_bytes(model, train.replace(loss="chunked", loss_chunk_size=4096), 128 * 1024)
+    ch = terms.logits_bytes(model, kernels_of(train.replace(loss="chunked", loss_chunk_size=4096)), 128 * 1024)
     v, h, s = 128 * 1024, 128, 128 * 1024
     assert ch["forward"] == 4096 * v * (4 + 2) + s * h * 2 + v * h * 4 + min(v * h * 2, 16 * 2**20)
     assert ch["forward"] < out["forward"] / 20
     # On CPU the 16-bit GEMMs run in fp32 (terms.loss_gemm_bytes): the working set is the fp32 buffer
     # alone, and fp32 copies of W and of the hidden states plus one [chunk, h] fp32 product join it.
-    cpu = terms.logits_bytes(model, train.replace(loss="chunked", loss_chunk_size=4096, device="cpu"), s)
+    cpu = terms.logits_bytes(model, kernels_of(train.replace(loss="chunked", loss_chunk_size=4096, device="cpu")), s)
     assert cpu["forward"] == 4096 * v * 4 + s * h * 2 + v * h * 4 + (v + s) * h * 4 + 4096 * h * 4
     assert cpu["held"] == ch["held"] == s * h * 2 + v * h * 4
 
@@ -119,8 +120,8 @@ def test_framework_activations_reproduce_table_2_for_its_assumptions():
     s, b, h, a = 64, 2, 128, 4
     m = ModelSpec(1, h, a, 1000, ffn_kind="gelu", norm="layernorm", bias=True, dropout=0.1)
     train = TrainSpec(micro_batch=b, seq_len=s, precision="bf16-true", attention="eager")
-    acts = terms.layer_activation_bytes(m, train, b, s)
-    attn = terms.eager_attention_bytes(m, train, b, s)
+    acts = terms.layer_activation_bytes(m, kernels_of(train), b, s)
+    attn = terms.eager_attention_bytes(m, kernels_of(train), b, s)
     assert acts == 34 * s * b * h + 2 * 2 * 4 * s * b
     assert attn == 5 * a * s * s * b
     assert acts + attn == pytest.approx(terms.korthikanti_layer_activation_bytes(s, b, h, a) + 16 * s * b)
@@ -131,7 +132,7 @@ def test_tp_activation_split_matches_table_2_without_sp():
     s, b, h, a, t = 64, 2, 128, 4, 2
     m = ModelSpec(1, h, a, 1000, ffn_kind="gelu", norm="layernorm", bias=True, dropout=0.1)
     train = TrainSpec(micro_batch=b, seq_len=s, precision="bf16-true", attention="eager")
-    acts = terms.layer_activation_bytes(m, train, b, s, t=t)
+    acts = terms.layer_activation_bytes(m, kernels_of(train), b, s, t=t)
     assert acts == (10 + 24 / t) * s * b * h + 16 * s * b
 
 
@@ -140,9 +141,9 @@ def test_eager_attention_under_autocast_keeps_fp32_softmax_and_bf16_copy():
     m = ModelSpec(1, 64, a, 100)
     train = TrainSpec(micro_batch=b, seq_len=s, precision="bf16-mixed", attention="eager")
     # softmax output in fp32 (autocast fp32 op) + its bf16 copy saved by P@V.
-    assert terms.eager_attention_bytes(m, train, b, s) == b * a * s * s * (4 + 2)
-    assert terms.eager_attention_bytes(m, train.replace(attention="sdpa"), b, s) == 0
-    assert terms.eager_attention_bytes(m, train.replace(recompute="selective"), b, s) == 0
+    assert terms.eager_attention_bytes(m, kernels_of(train), b, s) == b * a * s * s * (4 + 2)
+    assert terms.eager_attention_bytes(m, kernels_of(train.replace(attention="sdpa")), b, s) == 0
+    assert terms.eager_attention_bytes(m, kernels_of(train.replace(recompute="selective")), b, s) == 0
 
 
 def test_swiglu_and_gqa_activation_terms():
@@ -157,7 +158,7 @@ def test_swiglu_and_gqa_activation_terms():
         + tok * h * 4 + tok * a * 4  # attention output (o_proj input = sdpa output), log-sum-exp
         + 4 * tok * f * 4  # gate out, silu out, up out, product
     )
-    assert terms.layer_activation_bytes(m, train, b, s) == expected
+    assert terms.layer_activation_bytes(m, kernels_of(train), b, s) == expected
 
 
 def test_pipeline_inflight():
@@ -171,16 +172,16 @@ def test_pipeline_inflight():
 
 def test_optimizer_workspace():
     train = TrainSpec(micro_batch=1, seq_len=1, precision="32-true")
-    assert terms.optimizer_workspace_bytes(train, 1000, 300) == 4000  # foreach: one sqrt per state
-    assert terms.optimizer_workspace_bytes(train.replace(optimizer_impl="for_loop"), 1000, 300) == 2 * 300 * 4
-    assert terms.optimizer_workspace_bytes(train.replace(optimizer_impl="fused"), 1000, 300) == 0
-    assert terms.optimizer_workspace_bytes(train.replace(optimizer="sgd"), 1000, 300) == 0
+    assert terms.optimizer_workspace_bytes(optimizer_bytes(train), 1000, 300) == 4000  # foreach: one sqrt per state
+    assert terms.optimizer_workspace_bytes(optimizer_bytes(train.replace(optimizer_impl="for_loop")), 1000, 300) == 2 * 300 * 4
+    assert terms.optimizer_workspace_bytes(optimizer_bytes(train.replace(optimizer_impl="fused")), 1000, 300) == 0
+    assert terms.optimizer_workspace_bytes(optimizer_bytes(train.replace(optimizer="sgd")), 1000, 300) == 0
 
 
 def test_precision_overrides():
     train = TrainSpec(micro_batch=1, seq_len=1, precision="bf16-true", param_bytes=1, grad_bytes=2,
                       optimizer_bytes_per_param=3)
-    assert terms.model_state_bytes(10, train) == {"params": 10, "grads": 20, "optimizer": 30, "master": 0}
+    assert terms.model_state_bytes(10, precision_bytes(train), optimizer_bytes(train).per_param) == {"params": 10, "grads": 20, "optimizer": 30, "master": 0}
     # An explicit master_bytes declares a master copy of that width (e.g. fp8 params with fp32 master).
-    assert terms.model_state_bytes(10, train.replace(master_bytes=4))["master"] == 40
-    assert terms.model_state_bytes(10, train.replace(master_weights=True))["master"] == 40
+    assert terms.model_state_bytes(10, precision_bytes(train.replace(master_bytes=4)), optimizer_bytes(train.replace(master_bytes=4)).per_param)["master"] == 40
+    assert terms.model_state_bytes(10, precision_bytes(train.replace(master_weights=True)), optimizer_bytes(train.replace(master_weights=True)).per_param)["master"] == 40

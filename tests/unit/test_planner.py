@@ -13,6 +13,7 @@ from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
 from lightning_memplan.model.reserved import reserved_memory
 from lightning_memplan.model.result import readable_bytes
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
     CHANGE_COST,
@@ -304,7 +305,7 @@ def _brute_force(model, train, hw, global_batch, budget_bytes=None, headroom=0.1
                         pp = lc.pp > 1
                         p = ParallelPlan(lc.dp, lc.tp, lc.pp, lc.cp, sp=sp, zero=z, microbatches=lc.m if pp else 1,
                                          schedule=lc.schedule if pp else "1f1b", virtual_stages=lc.v if pp else 1)
-                        chunk = terms.planned_loss_chunk_tokens(model, train, lc.b * train.seq_len // lc.cp) if lm == "chunked" else None
+                        chunk = terms.planned_loss_chunk_tokens(model, kernels_of(train), lc.b * train.seq_len // lc.cp) if lm == "chunked" else None
                         t = train.replace(micro_batch=lc.b, grad_accumulation=1 if pp else lc.m, recompute=rc, loss=lm,
                                           loss_chunk_size=chunk)
                         peak = _reserved(model, t, p)

@@ -7,6 +7,7 @@ import pytest
 
 from lightning_memplan.hardware import HardwareSpec
 from lightning_memplan.model import terms
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning import (
     CUDA_CONTEXT_BYTES,
@@ -141,9 +142,9 @@ def test_chunk_size_mirrors_the_loss_auto_rule():
                                  (32000, 4096, 1024, "bf16-true", torch.bfloat16), (128256, 1024, 131072, "bf16-mixed", torch.bfloat16)]:
         m = ModelSpec(2, h, 8, V)
         t = TrainSpec(micro_batch=1, seq_len=n, precision=prec)
-        assert terms.planned_loss_chunk_tokens(m, t, n) == auto_chunk_size(n, h, V, dtype)
+        assert terms.planned_loss_chunk_tokens(m, kernels_of(t), n) == auto_chunk_size(n, h, V, dtype)
         cpu = t.replace(device="cpu")
-        assert terms.planned_loss_chunk_tokens(m, cpu, n) == auto_chunk_size(n, h, V, dtype, device="cpu")
+        assert terms.planned_loss_chunk_tokens(m, kernels_of(cpu), n) == auto_chunk_size(n, h, V, dtype, device="cpu")
 
 
 def test_budget_terms_by_hand():

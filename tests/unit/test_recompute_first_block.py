@@ -18,7 +18,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memplan.loss import linear_cross_entropy
-from lightning_memplan.model.estimate import _dynamic, estimate_memory, stage_layout
+from lightning_memplan.model.activations import activation_points
+from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.resolve import resolve_stage
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.testing.zoo import GPT, gpt2_style, llama_style
 from lightning_memplan.tracking.trace import trace_memory
@@ -79,5 +81,5 @@ def test_full_recompute_within_target_of_a_real_step(name: str, attention: str, 
 def test_no_first_block_or_checkpoint_point_without_full_recompute(recompute: str, attention: str) -> None:
     spec = ModelSpec.preset("llama3-8b")
     train = TrainSpec(micro_batch=2, seq_len=2048, attention=attention, loss="chunked", recompute=recompute)
-    dynamic = _dynamic(spec, train, ParallelPlan(), stage_layout(spec, ParallelPlan(), 0))
+    dynamic = activation_points(spec, resolve_stage(spec, train, ParallelPlan(), 0), ParallelPlan())
     assert "backward_first" not in dynamic and "forward_checkpoint" not in dynamic

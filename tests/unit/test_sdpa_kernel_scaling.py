@@ -267,9 +267,22 @@ def test_cuda_estimate_against_a_memory_efficient_cpu_step(monkeypatch: pytest.M
             assert on_cuda.attention == 0
 
 
-def test_the_traced_scaling_uses_the_terms_log_sum_exp_size() -> None:
-    """model/traced.py keeps its own copy of the fused kernel's log-sum-exp size (importing terms there
-    would close an import cycle); it must be the analytic term's."""
-    from lightning_memplan.model import traced
+def test_the_log_sum_exp_size_is_defined_once() -> None:
+    """One definition of the fused kernel's log-sum-exp size (``model/sizes.py``): no other module of the
+    package assigns a ``*LSE_BYTES`` name, and the terms, the selective-op policy and the traced scaling
+    read that one (a cycle-free import: ``model/sizes.py`` imports no spec at run time)."""
+    import ast
+    from pathlib import Path
 
-    assert traced._LSE_BYTES == SDPA_LSE_BYTES
+    from lightning_memplan.model import checkpointing, sizes, terms, traced
+
+    root = Path(sizes.__file__).resolve().parents[1]
+    defined = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            defined += [f"{path.relative_to(root)}:{t.id}" for t in targets
+                        if isinstance(t, ast.Name) and t.id.endswith("LSE_BYTES")]
+    assert defined == ["model/sizes.py:SDPA_LSE_BYTES"], defined
+    assert terms.SDPA_LSE_BYTES is sizes.SDPA_LSE_BYTES == SDPA_LSE_BYTES == 4
+    assert traced.SDPA_LSE_BYTES is checkpointing.SDPA_LSE_BYTES is sizes.SDPA_LSE_BYTES

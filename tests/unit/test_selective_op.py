@@ -9,6 +9,7 @@ from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.model import checkpointing as ck
 from lightning_memplan.model import terms
 from lightning_memplan.model.estimate import estimate_memory
+from lightning_memplan.model.sizes import kernels_of
 from lightning_memplan.model.specs import RECOMPUTE_MODES, TrainSpec
 from lightning_memplan.parallel.fsdp import apply_activation_checkpointing
 from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style, llama_style
@@ -42,18 +43,18 @@ def test_selective_op_block_bytes_worked_by_hand():
     block_input = n * 128 * 4
     matmuls = n * (128 + 64 + 512 + 128) * 4  # q, v, gate, down
     sdpa = n * 128 * 4 + n * 4 * 4  # output + fp32 log-sum-exp per (token, head)
-    assert ck.selective_op_layer_bytes(spec, train, B, S) == block_input + matmuls + sdpa == 1_118_208
+    assert ck.selective_op_layer_bytes(spec, kernels_of(train), B, S) == block_input + matmuls + sdpa == 1_118_208
     # bf16-mixed: matmul outputs and the attention output in bf16, the block input (residual) fp32
     mixed = train.replace(precision="bf16-mixed")
-    assert ck.selective_op_layer_bytes(spec, mixed, B, S) == block_input + matmuls // 2 + n * 128 * 2 + n * 4 * 4
+    assert ck.selective_op_layer_bytes(spec, kernels_of(mixed), B, S) == block_input + matmuls // 2 + n * 128 * 2 + n * 4 * 4
     # the estimate: per block, the kept set replaces the full saved set
     none = estimate_memory(spec, train.replace(recompute="none")).by_phase["forward"]["activations"]
     sel = estimate_memory(spec, train).by_phase["forward"]["activations"]
-    full_layer = terms.layer_activation_bytes(spec, train, B, S)
+    full_layer = terms.layer_activation_bytes(spec, kernels_of(train), B, S)
     assert none - sel == 2 * (full_layer - 1_118_208)
     # the recompute rebuilds the rest of one block: what the kept set does not already hold
     shared = block_input + n * 128 * 4 + n * 4 * 4 + n * 64 * 4 + n * 512 * 4  # input, sdpa out+lse, v, gate
-    assert ck.selective_op_rebuild_bytes(spec, train, B, S) == full_layer - shared
+    assert ck.selective_op_rebuild_bytes(spec, kernels_of(train), B, S) == full_layer - shared
 
 
 def test_selective_op_sits_between_selective_and_full():
