@@ -34,6 +34,7 @@ from lightning_memplan.model import (
     deepspeed,
     experts,
     frameworks,
+    low_precision,
     offload,
     param_counts,
     pipeline_timeline,
@@ -82,6 +83,7 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             )
     if train.framework == "deepspeed":
         _check_deepspeed(train, plan)
+    low_precision.check_plan(model, train, plan)  # low precision: quantized base weights, float8
     blocker = offload.offload_blocker(train, plan)
     if blocker is not None:
         raise ValueError(f"plan={plan.describe()} cannot run this TrainSpec: {blocker}")
@@ -370,6 +372,9 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         matmul -= _blocks_matmul_local(model, t, layout.n_layers)
     # The routed experts run transformers' grouped_mm kernel, outside autocast: no 16-bit copy of them.
     matmul -= _routed_experts_local(model, t, layout.n_layers)
+    # low precision: quantized and float8 linears leave autocast nothing to cast (model/low_precision.py)
+    low_matmul = low_precision.uncopied_matmul(model, train, layout.n_layers)
+    matmul -= low_matmul
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
     # grad of the probabilities and of the scores for one layer [PT softmax_backward] (0 unless eager
     # attention without recompute)
@@ -386,6 +391,8 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         # schedule runs its backwards inside the region, whose cache keeps every copy.
         after_matmul, _ = param_counts.layer_params_after_scores(model)
         freed_matmul = math.ceil(after_matmul / t) - math.ceil(param_counts.routed_expert_param_count(model) / t)
+        if low_matmul:  # low precision: the block's linears had no copy
+            freed_matmul = 0
         if layout.has_head:
             freed_matmul += math.ceil(model.vocab_size * model.hidden / t)
         if model.n_params is not None:  # rescaled as _local_params_of rescales the matmul weights
@@ -638,6 +645,9 @@ def _estimate_stage(
         local_for_optimizer = trainable_local
     else:
         local_for_optimizer = local
+    quantized_params = low_precision.stage_param_bytes(model, train, layout.n_layers, local, pb.param)
+    if quantized_params is not None:  # low precision: quantized frozen base weights (model/quantized.py)
+        states["params"] = quantized_params
     # zero=2 is FSDP2 ``fully_shard(reshard_after_forward=False)`` (SHARD_GRAD_OP, parallel/mesh.py):
     # the parameters are sharded as for zero=3 (each rank keeps its 1/N shard for the whole step); the
     # unsharded copy it keeps from forward to backward is the ``comm`` term below [PT fully_shard].
@@ -670,6 +680,7 @@ def _estimate_stage(
     pipelined_fsdp = pipelined_fsdp and not per_mb_grads
     grads_accum = states["grads"] if pipelined_fsdp else grads  # the stage's gradients before the reduce
     optimizer = math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"]
+    optimizer, paged_host = low_precision.paged_optimizer_split(train, optimizer)  # low precision: paged states
     master = math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"]
     opt_local = math.ceil(local_for_optimizer / shard) if plan.zero >= 1 else local_for_optimizer
     opt_ws = terms.optimizer_workspace_bytes(train, opt_local, largest)
@@ -693,7 +704,8 @@ def _estimate_stage(
     elif shard > 1 and plan.zero == 2:
         # SHARD_GRAD_OP keeps every unit unsharded (in the 16-bit compute dtype under mixed
         # precision: FSDP's MixedPrecisionPolicy) from its forward until its backward.
-        comm_fwd = comm_bwd = local * gathered
+        comm_fwd = comm_bwd = local * gathered - low_precision.fp8_gather_saving(model, train, plan, gathered,
+                                                                                  layout.n_layers)
         # In forward, FSDP2 also keeps the last unit's flat all-gather output alive until the next
         # unit's copy-out (synchronous all-gather, world size > 1: ``FSDPParamGroup.wait_for_unshard``
         # stores it in ``comm_ctx.all_gather_state``) [PT fully_shard]; the last block's is still
@@ -707,7 +719,8 @@ def _estimate_stage(
             # over-estimated SHARD_GRAD_OP by +5.3 %, one block's parameters.
             comm_bwd += math.ceil(terms.layer_param_count(model) / plan.tp) * pb.grad
         else:
-            comm_fwd += math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
+            comm_fwd += (math.ceil(terms.layer_param_count(model) / plan.tp) * gathered
+                         - low_precision.fp8_gather_saving(model, train, plan, gathered))
         if per_mb_grads:  # the block whose gradient waits for its reduce-scatter
             comm_bwd += math.ceil(terms.layer_param_count(model) / plan.tp) * pb.grad
     elif shard > 1 and plan.zero == 0 and flat:
@@ -727,6 +740,7 @@ def _estimate_stage(
         # copy at the backward's start would put that phase +3.8 % over its measured peak, -0.02 % without.
         own_emb, own_head = _own_unit_params(model, plan, layout)
         unit, root = unit_params * gathered, max(0, root_params - own_emb - own_head) * gathered
+        unit -= low_precision.fp8_gather_saving(model, train, plan, gathered)  # low precision: float8 all-gather
         # forward: the root unit (embedding/head) and, under ZeRO-3, the last block's flat all-gather
         # output, kept until the next unit's copy-out (``comm_ctx.all_gather_state``); a replicate mesh's
         # shard group has size 1 and keeps none (torch 2.13 ``_fsdp_param_group.py``,
@@ -740,9 +754,9 @@ def _estimate_stage(
         # dropped), the other L - 2 still hold theirs.
         post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
         comm_fwd = root + (unit if plan.zero == 3 and shard > 1 else 0) + post_fwd(layout.n_layers)
-        comm_bwd = root + 2 * unit + unit // gathered * pb.grad + post_fwd(max(layout.n_layers - 2, 0))
+        comm_bwd = root + 2 * unit + unit_params * pb.grad + post_fwd(max(layout.n_layers - 2, 0))
         if pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
-            comm_bwd = local * gathered
+            comm_bwd = local * gathered - low_precision.fp8_gather_saving(model, train, plan, gathered, layout.n_layers)
         # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet:
         # FSDP2 unshards a block in its pre-backward hook [PT fully_shard].
         comm_bwd_start = root + post_fwd(layout.n_layers)
@@ -888,6 +902,8 @@ def _estimate_stage(
                 if total > best[0]:  # only the largest point is built (the planner evaluates many)
                     best = (total, {"grads": grads_now, "comm": comm_static + comm_now, **dyn[key]})
         points["backward"] = {**static, **best[1]}
+    # low precision: the largest linear's rebuilt weight / float8 copies (model/low_precision.py)
+    low_details = low_precision.add_transient_points(points, model, train, plan, layout.n_layers, pb.compute, pb.param)
     points["optimizer"] = {**static, "grads": grads, "comm": comm_static, **dynamic["optimizer"]}
     if calibration is None:  # a calibrated optimizer phase already holds the traced step's temporaries
         points["optimizer"]["workspace"] += opt_ws
@@ -917,6 +933,9 @@ def _estimate_stage(
         details.update({f"host_{part}": value for part, value in host_layout.host.items()})
         details.update(host_pinned=host_layout.pinned, offload_h2d_bytes=host_layout.h2d,
                        offload_d2h_bytes=host_layout.d2h)
+    details.update(low_details, **low_precision.quantized_param_detail(model, train, layout.n_layers))
+    if paged_host:
+        details["host_paged_optimizer"] = paged_host
     return MemoryEstimate(
         **by_phase[peak_phase],
         peak_phase=peak_phase,
@@ -925,7 +944,7 @@ def _estimate_stage(
         by_phase=by_phase,
         details=details,
         source=source,
-        host=0 if host_layout is None else host_layout.total,
+        host=(0 if host_layout is None else host_layout.total) + paged_host,
     )
 
 

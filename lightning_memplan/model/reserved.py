@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memplan.model import terms
+from lightning_memplan.model import low_precision, terms
 from lightning_memplan.model.result import DYNAMIC_COMPONENTS, MemoryEstimate, readable_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_int
@@ -138,8 +138,10 @@ def fsdp_stream_pool_bytes(
     block = math.ceil(terms.layer_param_count(model) / plan.tp)
     root = math.ceil((terms.embedding_param_count(model) + terms.head_param_count(model)) / plan.tp)
     largest = max(block, root)
+    # low precision: FSDP2's float8 all-gather of the float8 linears' weights (model/low_precision.py)
+    fp8_saving = low_precision.fp8_gather_saving(model, train, plan, pb.compute) if plan.tp == 1 else 0
     return {
-        "all_gather": (root + 2 * block) * pb.compute,
+        "all_gather": (root + 2 * block) * pb.compute - 2 * fp8_saving,
         "reduce_scatter": largest * reduce_bytes + sharded_grad_bytes,
     }
 

@@ -14,9 +14,11 @@ from typing import Any
 
 from lightning_memplan.model import presets, readers
 from lightning_memplan.model.experts import check_expert_fields
+from lightning_memplan.model.float8 import FLOAT8_RECIPES
 from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS, FSDP2_OFFLOADS, ZeroConfig
 from lightning_memplan.model.lora import check_lora_fields, lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
+from lightning_memplan.model.quantized import BASE_WEIGHT_FORMATS, LOW_BIT_OPTIMIZERS
 from lightning_memplan.model.traced import CoefficientSource, coefficient_source
 from lightning_memplan.validation import MAX_WORLD_SIZE, divisor_hint, divisors, plain_scalar
 from lightning_memplan.validation import check_bool as _check_bool
@@ -51,7 +53,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_IMPLS = ("native", "composite", "composite_fp32")
 POSITION_KINDS = ("learned", "rope", "none")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion")
+OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion", *LOW_BIT_OPTIMIZERS)
 OPTIMIZER_IMPLS = ("foreach", "fused", "for_loop")
 RECOMPUTE_MODES = ("none", "selective", "selective_op", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
@@ -470,7 +472,12 @@ class TrainSpec:
             ``"16-true"``, ``"bf16-true"`` (aliases ``"32"``, ``"16"``, ``"bf16"`` accepted).
         optimizer: ``"adamw"``/``"adam"`` (2 states), ``"adamw8bit"`` (2 one-byte states),
             ``"sgd"`` (none), ``"sgd_momentum"`` (1 state), ``"adafactor"`` (factored, ~0 per param),
-            ``"lion"`` (1 state).
+            ``"lion"`` (1 state); block-quantized and 16-bit Adam states as libraries keep them
+            (``lightning_memplan.model.quantized``): ``"adamw4bit"`` (torchao ``AdamW4bit``: 4-bit states,
+            a fp32 scale per 128 values), ``"adamw_fp8"`` (torchao ``AdamWFp8``: float8 states, a scale per
+            256), ``"adamw_bf16"`` (two bf16 states: torchao ``_AdamW(bf16_stochastic_round=True)`` on bf16
+            parameters), ``"paged_adamw8bit"`` / ``"paged_adamw"`` (bitsandbytes' paged optimizers: 8-bit
+            / fp32 states in CUDA unified memory, counted in :attr:`MemoryEstimate.host`, not the device).
         optimizer_impl: ``"foreach"`` (PyTorch's default on CUDA: temporaries the size of the states),
             ``"fused"`` (no temporaries) or ``"for_loop"`` (one parameter's temporaries at a time; the
             default for CPU tensors).
@@ -534,6 +541,19 @@ class TrainSpec:
         zero_config: DeepSpeed's bucket and stage-3 sizes (:class:`~lightning_memplan.model.frameworks.
             ZeroConfig`; a mapping of its fields is accepted); ``None`` means DeepSpeed's defaults.
             ``framework="deepspeed"`` only.
+        base_weights: how the frozen base weights of a LoRA model are stored (QLoRA): ``None`` (in the
+            parameter dtype), ``"nf4"``/``"fp4"`` (bitsandbytes 4-bit: half a byte per value and a fp32
+            absmax per 64), ``"nf4-dq"``/``"fp4-dq"`` (double quantisation: the absmaxes in 8 bits, a fp32
+            scale per 256 of them) or ``"int8"`` (bitsandbytes ``Linear8bitLt``: int8 values, a fp32 scale
+            per row), Lightning's ``BitsandbytesPrecision`` modes. The blocks' linears are quantized;
+            embeddings, norms and the lm_head are not (transformers' ``BitsAndBytesConfig``); each
+            quantized linear rebuilds its weight while it runs (``lightning_memplan.model.quantized``).
+            Needs ``framework="torch"``, no tensor parallelism and no FSDP sharding (zero <= 1).
+        float8: torchao float8 training of the blocks' linears, as torchtitan runs it (compiled casts):
+            ``None``, ``"tensorwise"`` (one scale per tensor; under FSDP2 the weights are all-gathered in
+            float8) or ``"rowwise"`` (one scale per row). The linears save their bf16 inputs as a bf16 step
+            does; the float8 copies are transients (``lightning_memplan.model.float8``). Needs a bf16
+            precision and ``framework="torch"``.
     """
 
     micro_batch: int
@@ -559,6 +579,8 @@ class TrainSpec:
     offload: str = "none"
     zero_config: ZeroConfig | None = None
     offload_activations: bool = False
+    base_weights: str | None = None
+    float8: str | None = None
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
@@ -588,6 +610,30 @@ class TrainSpec:
             _keep(self, name, _check_bool(name, getattr(self, name)))
         self._check_deepspeed()
         self._check_torch_offload()
+        self._check_low_precision()
+
+    def _check_low_precision(self) -> None:
+        """``base_weights`` (QLoRA) and ``float8`` (torchao): one of the known formats, on the stack they
+        are modelled for (``framework="torch"``), float8 under a bf16 precision, not both at once."""
+        for name, choices in (("base_weights", BASE_WEIGHT_FORMATS), ("float8", FLOAT8_RECIPES)):
+            value = getattr(self, name)
+            if value is not None:
+                _keep(self, name, _check_choice(name, value, choices))
+                if self.framework != "torch":
+                    raise ValueError(
+                        f"{name}={value!r} needs framework='torch' (got framework={self.framework!r}): it is "
+                        f"modelled as bitsandbytes / torchao run under PyTorch; pass framework='torch' or {name}=None"
+                    )
+        if self.base_weights is not None and self.float8 is not None:
+            raise ValueError(
+                f"base_weights={self.base_weights!r} and float8={self.float8!r} together are not modelled "
+                "(quantized frozen weights and float8 matmuls); choose one of them"
+            )
+        if self.float8 is not None and self.precision not in ("bf16-mixed", "bf16-true"):
+            raise ValueError(
+                f"float8={self.float8!r} needs a bf16 precision (got precision={self.precision!r}): torchao's "
+                "float8 linears cast from bf16 activations; use precision='bf16-mixed' or 'bf16-true'"
+            )
 
     def _check_torch_offload(self) -> None:
         """FSDP2's offloads (``framework="torch"``): ``offload`` ``"none"``/``"params"``; activation offloading

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_memplan.model.experts import is_moe, uses_mla
+from lightning_memplan.model.quantized import LOW_BIT_OPTIMIZERS, optimizer_state_rate
 from lightning_memplan.model.param_counts import (
     active_layer_matmul_param_count,
     blocks_param_count,
@@ -204,6 +205,8 @@ def optimizer_state_bytes_per_param(train: TrainSpec) -> float:
     if train.optimizer_bytes_per_param is not None:
         return float(train.optimizer_bytes_per_param)
     state = precision_bytes(train).state
+    if train.optimizer in LOW_BIT_OPTIMIZERS:  # low precision: block-quantized / bf16 states (model/quantized.py)
+        return optimizer_state_rate(train.optimizer, state)
     return {
         "adamw": ADAM_STATE_COUNT * state,
         "adam": ADAM_STATE_COUNT * state,
@@ -920,6 +923,8 @@ def optimizer_workspace_bytes(train: TrainSpec, local_params: int, largest_param
     """
     state = precision_bytes(train).state
     if train.optimizer_impl == "fused" or train.optimizer in ("sgd", "sgd_momentum", "adafactor"):
+        return 0
+    if train.optimizer in LOW_BIT_OPTIMIZERS:  # low precision: one fused (or compiled) kernel per tensor
         return 0
     if train.optimizer == "lion":
         return local_params * state if train.optimizer_impl == "foreach" else largest_param * state
