@@ -7,7 +7,8 @@ of a :class:`~lightning_memplan.model.specs.ModelSpec`. Sources (released packag
          ``[(n + 1) // 2, 1]`` uint8 and one fp32 absmax per block of 64 from ``bitsandbytes/_ops.py``;
          with ``compress_statistics`` the absmaxes minus their mean (``offset``, a 0-d fp32 tensor)
          quantized by ``quantize_blockwise(..., blocksize=256)``: one uint8 per absmax and one fp32 absmax
-         per 256 of them, its code the shared 256-entry fp32 ``name2qmap["dynamic"]``; ``get_4bit_type``:
+         per 256 of them, with its own copy of the 256-entry fp32 dynamic map, ``code.to(A.device,
+         copy=True)``; ``get_4bit_type``:
          a new 16-entry fp32 code per ``QuantState``), ``bitsandbytes/nn/modules.py`` (``Params4bit``,
          ``Int8Params``: int8 ``CB`` and fp32 row scales ``SCB``), ``bitsandbytes/autograd/_functions.py``
          (``MatMul4Bit`` keeps only the packed weight for backward and dequantizes it again there;
@@ -53,7 +54,6 @@ __all__ = [
     "optimizer_state_bytes",
     "optimizer_state_rate",
     "quantized_block_numel",
-    "quantized_shared_bytes",
     "quantized_weight_bytes",
 ]
 
@@ -66,7 +66,8 @@ BNB_4BIT_BLOCK = 64
 BNB_NESTED_BLOCK = 256
 #: Entries of the fp32 code each ``QuantState`` holds (NF4 / FP4 levels) [BNB].
 BNB_4BIT_CODE_ENTRIES = 16
-#: Entries of bitsandbytes' shared fp32 dynamic map (``create_dynamic_map``), one per device [BNB].
+#: Entries of bitsandbytes' fp32 dynamic map (``create_dynamic_map``); ``quantize_blockwise`` gives every
+#: ``QuantState`` its own copy (``code.to(A.device, copy=True)``), so each double-quantised weight holds one [BNB].
 BNB_DYNAMIC_MAP_ENTRIES = 256
 #: Values per fp32 absmax of bitsandbytes' blockwise 8-bit optimizer states [BNB].
 BNB_STATE_BLOCK = 256
@@ -102,8 +103,8 @@ def quantized_weight_bytes(out_features: int, in_features: int, fmt: str) -> int
     - ``"nf4"``/``"fp4"``: ``ceil(n / 2)`` packed bytes + ``4 ceil(n / 64)`` fp32 absmaxes + a 16-entry
       fp32 code (64 B), ``n = out * in``;
     - ``"nf4-dq"``/``"fp4-dq"``: the absmaxes as uint8 (``ceil(n / 64)`` B) + ``4 ceil(ceil(n / 64) / 256)``
-      fp32 second-level absmaxes + the fp32 ``offset`` (4 B) + the code (64 B); the shared dynamic map is
-      :func:`quantized_shared_bytes`;
+      fp32 second-level absmaxes + the fp32 ``offset`` (4 B) + the code (64 B) + the second level's own
+      256-entry fp32 dynamic map (1 KiB);
     - ``"int8"``: ``n`` int8 bytes (``CB``) + ``4 out`` fp32 row scales (``SCB``).
     """
     _check_format(fmt)
@@ -114,22 +115,15 @@ def quantized_weight_bytes(out_features: int, in_features: int, fmt: str) -> int
     packed = (n + 1) // 2
     code = BNB_4BIT_CODE_ENTRIES * _FP32
     if fmt.endswith("-dq"):
-        return packed + blocks + _FP32 * math.ceil(blocks / BNB_NESTED_BLOCK) + _FP32 + code
+        nested = _FP32 * math.ceil(blocks / BNB_NESTED_BLOCK) + _FP32 + BNB_DYNAMIC_MAP_ENTRIES * _FP32
+        return packed + blocks + nested + code
     return packed + _FP32 * blocks + code
 
 
-def quantized_shared_bytes(fmt: str) -> int:
-    """Bytes shared by every weight of one device: the 256-entry fp32 dynamic map double quantisation
-    codes its absmaxes with (1 KiB, ``name2qmap["dynamic"]``), 0 for the other formats [BNB]."""
-    _check_format(fmt)
-    return BNB_DYNAMIC_MAP_ENTRIES * _FP32 if fmt.endswith("-dq") else 0
-
-
 def base_weight_bytes(shapes: Iterable[tuple[int, int]], fmt: str, *, layers: int = 1) -> int:
-    """``layers * sum over (in, out) of quantized_weight_bytes(out, in) + quantized_shared_bytes`` (the
-    quantized linears of ``layers`` identical blocks, ``shapes`` as :func:`block_linear_shapes` gives)."""
-    per_block = sum(quantized_weight_bytes(out, inp, fmt) for inp, out in shapes)
-    return layers * per_block + (quantized_shared_bytes(fmt) if layers else 0)
+    """``layers * sum over (in, out) of quantized_weight_bytes(out, in, fmt)``: the quantized linears of
+    ``layers`` identical blocks, ``shapes`` as :func:`block_linear_shapes` gives them."""
+    return layers * sum(quantized_weight_bytes(out, inp, fmt) for inp, out in shapes)
 
 
 def dequant_transient_bytes(out_features: int, in_features: int, fmt: str, *, compute_bytes: int,
