@@ -137,6 +137,11 @@ def dequant_transient_bytes(out_features: int, in_features: int, fmt: str, *, co
     - backward, 4-bit: ``n * stored_bytes`` (``dequantize_4bit`` returns the dtype the weight was
       quantized from) + ``n * compute_bytes`` when that differs from the gradient's dtype (``.to``),
       + the rebuilt absmaxes; int8: ``n * compute_bytes`` (``CB.to(dtype_A, copy=True)``).
+
+    The rebuilt absmaxes are freed before the matmul runs, so adding them bounds the transient from above
+    by ``4 ceil(n / 64)`` bytes (under 1/16 of the weight term in fp32). On the CPU the forward's
+    rebuild happens inside bitsandbytes' ``gemm_4bit`` custom op, where dispatch-mode trackers
+    (MemTracker, ``TensorTracker``) do not see it; on CUDA the caching allocator does.
     """
     _check_format(fmt)
     if phase not in ("forward", "backward"):
