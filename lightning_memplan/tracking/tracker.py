@@ -65,7 +65,7 @@ from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 
-__all__ = ["TensorTracker"]
+__all__ = ["TensorTracker", "quantization_constants"]
 
 # Components a storage can move *into* after its creation; only these re-classifications are applied to
 # peak snapshots taken before the move (a gradient or an optimizer state is what the bytes are).
@@ -124,7 +124,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
-def _quantization_constants(param: torch.Tensor) -> list[torch.Tensor]:
+def quantization_constants(param: torch.Tensor) -> list[torch.Tensor]:
     """The tensors a quantized parameter keeps beside its storage, which ``module.parameters()`` does not
     reach: a bitsandbytes ``Params4bit``'s ``quant_state`` (``absmax``, ``code``, ``offset`` and, under
     double quantisation, ``state2.absmax`` / ``state2.code``) and an ``Int8Params``' fp32 row scales
@@ -404,7 +404,7 @@ class TensorTracker(TorchDispatchMode):
     def _register_module(self, module: nn.Module) -> None:
         for p in module.parameters():
             self._classify_existing(p, "params")
-            for constant in _quantization_constants(p):  # bitsandbytes' absmaxes, codes, row scales
+            for constant in quantization_constants(p):  # bitsandbytes' absmaxes, codes, row scales
                 self._classify_existing(constant, "params")
             if p.grad is not None:
                 self._classify_existing(p.grad, "grads")

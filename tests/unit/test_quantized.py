@@ -70,24 +70,24 @@ def test_llama3_8b_qlora_nf4_dq_parameter_bytes_equal_a_hand_count() -> None:
 @pytest.mark.parametrize("fmt", ["nf4", "nf4-dq", "fp4", "fp4-dq"])
 def test_four_bit_weight_bytes_are_bitsandbytes_storages(fmt: str) -> None:
     bnb = pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
-    from lightning_memplan.tracking.tracker import _quantization_constants
+    from lightning_memplan.tracking.tracker import quantization_constants
 
     kind, nested = fmt.split("-")[0], fmt.endswith("-dq")
     for out, inp in ((128, 96), (200, 72), (1, 10), (512, 640)):
         layer = bnb.nn.Linear4bit(inp, out, bias=False, compute_dtype=torch.float32, quant_type=kind,
                                   compress_statistics=nested).to("cpu")  # quantized on the move
         assert layer.weight.bnb_quantized
-        measured = _storage_bytes([layer.weight, *_quantization_constants(layer.weight)])
+        measured = _storage_bytes([layer.weight, *quantization_constants(layer.weight)])
         assert measured == quantized.quantized_weight_bytes(out, inp, fmt), (fmt, out, inp)
 
 
 def test_int8_weight_bytes_are_bitsandbytes_storages() -> None:
     bnb = pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
-    from lightning_memplan.tracking.tracker import _quantization_constants
+    from lightning_memplan.tracking.tracker import quantization_constants
 
     layer = bnb.nn.Linear8bitLt(96, 128, bias=False, has_fp16_weights=False).to("cpu")
     assert layer.weight.dtype == torch.int8
-    assert _storage_bytes([layer.weight, *_quantization_constants(layer.weight)]) == \
+    assert _storage_bytes([layer.weight, *quantization_constants(layer.weight)]) == \
         quantized.quantized_weight_bytes(128, 96, "int8")
 
 
@@ -107,7 +107,7 @@ def test_four_bit_backward_rebuilds_the_weight_measured_by_memtracker() -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_memplan.testing.hf_architectures import _skip_frozen_grad_hooks
-    from lightning_memplan.tracking.tracker import _quantization_constants
+    from lightning_memplan.tracking.tracker import quantization_constants
 
     layer = bnb.nn.Linear4bit(256, 512, bias=False, compute_dtype=torch.float32, quant_type="nf4").to("cpu")
     x = torch.randn(4, 256, requires_grad=True)
@@ -117,7 +117,7 @@ def test_four_bit_backward_rebuilds_the_weight_measured_by_memtracker() -> None:
     y = layer(x)
     tracker = MemTracker()
     _skip_frozen_grad_hooks(tracker, layer)
-    constants = _quantization_constants(layer.weight)
+    constants = quantization_constants(layer.weight)
     tracker.track_external(layer, x, grad, y, *constants)
     with tracker:
         y.backward(grad)
