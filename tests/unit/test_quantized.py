@@ -305,3 +305,23 @@ def test_float8_linear_and_optimizers_are_read() -> None:
     bnb = pytest.importorskip("bitsandbytes", reason="the quant extra")
     assert infer_optimizer(bnb.optim.PagedAdamW8bit(params))[0] == "paged_adamw8bit"
     assert infer_optimizer(bnb.optim.AdamW8bit(params))[0] == "adamw8bit"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lightning_memplan.cli import main
+
+    argv = ["estimate", "--model", "llama3-8b", "--seq-len", "2048", "--micro-batch", "1", "--precision", "bf16-true",
+            "--lora-rank", "16", "--lora-targets", ",".join(LLAMA_ALL), "--base-weights", "nf4-dq", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = ModelSpec.preset("llama3-8b").with_lora(rank=16, targets=LLAMA_ALL)
+    want = estimate_memory(spec, TrainSpec(micro_batch=1, seq_len=2048, precision="bf16-true", base_weights="nf4-dq"))
+    assert data["train"]["base_weights"] == "nf4-dq" and data["model"]["lora_rank"] == 16
+    assert data["estimates"][0]["params"] == want.params
+    assert main(argv[:-3] + ["--float8", "tensorwise", "--precision", "bf16-mixed"]) == 0
+    assert "float8=tensorwise" in capsys.readouterr().out
+    assert main(["estimate", "--model", "llama3-8b", "--seq-len", "64", "--base-weights", "nf4"]) == 2
+    assert "with_lora" in capsys.readouterr().err
