@@ -34,7 +34,7 @@ __all__ = ["QUANT_EXTRA", "base_weights_of", "float8_of", "infer_low_precision",
 
 #: The extra that installs what these readers recognise.
 QUANT_EXTRA = 'pip install "lightning-memplan[quant]"'
-_PRECISION_OF_DTYPE = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
+_PRECISION_OF_DTYPE: dict[Any, str] = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
 
 
 @functools.lru_cache(maxsize=8)

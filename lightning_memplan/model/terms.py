@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 from lightning_memplan.model.experts import is_moe, uses_mla
-from lightning_memplan.model.quantized import LOW_BIT_OPTIMIZERS, optimizer_state_rate
 from lightning_memplan.model.param_counts import (
     active_layer_matmul_param_count,
     blocks_param_count,
@@ -36,6 +35,7 @@ from lightning_memplan.model.param_counts import (
     norm_param_count,
     param_count,
 )
+from lightning_memplan.model.quantized import LOW_BIT_OPTIMIZERS, optimizer_state_rate
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
 __all__ = [

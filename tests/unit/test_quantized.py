@@ -325,3 +325,21 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "float8=tensorwise" in capsys.readouterr().out
     assert main(["estimate", "--model", "llama3-8b", "--seq-len", "64", "--base-weights", "nf4"]) == 2
     assert "with_lora" in capsys.readouterr().err
+
+
+def test_max_micro_batch_and_planner_take_quantized_weights_into_account() -> None:
+    """A 24 GiB card: Llama-3-8B with a bf16 base and a q/v adapter does not fit one sequence of 2048, with
+    NF4-DQ base weights it does; the planner rejects the sharded layouts base_weights is not modelled for."""
+    from lightning_memplan.hardware import HardwareSpec
+    from lightning_memplan.planning import plan
+    from lightning_memplan.planning.fit import max_micro_batch
+
+    spec = ModelSpec.preset("llama3-8b").with_lora(rank=16, targets=("q_proj", "v_proj"))
+    train = TrainSpec(micro_batch=1, seq_len=2048, precision="bf16-true")
+    budget = 24 * 2**30
+    assert max_micro_batch(spec, train, ParallelPlan(), memory_budget=budget) == 0
+    assert max_micro_batch(spec, train.replace(base_weights="nf4-dq"), ParallelPlan(), memory_budget=budget) >= 1
+    decision = plan(spec, train.replace(base_weights="nf4-dq"), HardwareSpec.preset("h100-80gb", gpus_per_node=2),
+                    global_batch=8)
+    assert decision.fits and decision.plan.tp == 1 and decision.plan.zero <= 1
+    assert any("base_weights='nf4-dq'" in r.reason for r in decision.rejected)
