@@ -140,7 +140,10 @@ def run(args: argparse.Namespace) -> int:
     title = (  # the name may come from a config.json: escaped for rich markup and the terminal
         f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B params) | "
         f"b={train.micro_batch} "
-        f"s={train.seq_len} {train.precision} {train.optimizer} | {plan.describe()}"
+        f"s={train.seq_len} {train.precision} {train.optimizer}"
+        + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision (issue 35)
+        + (f" float8={train.float8}" if train.float8 else "")
+        + f" | {plan.describe()}"
     )
     table = Table()
     table.add_column("component")

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 
-from lightning_memplan.model import frameworks, offload
+from lightning_memplan.model import frameworks, low_precision, offload
 from lightning_memplan.model.assemble import assemble_stage
 from lightning_memplan.model.comm_buffers import comm_buffers
 from lightning_memplan.model.resolve import resolve_stage
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
+from lightning_memplan.model.sizes import low_precision_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.model.stage_layout import StageLayout, stage_layout
 from lightning_memplan.model.states import stage_states
@@ -73,6 +74,8 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             )
     if train.framework == "deepspeed":
         _check_deepspeed(train, plan)
+    # quantized base weights, float8 linears: the layouts they are modelled for
+    low_precision.check_plan(model, low_precision_of(train), plan)
     blocker = offload.offload_blocker(train, plan)
     if blocker is not None:
         raise ValueError(f"plan={plan.describe()} cannot run this TrainSpec: {blocker}")

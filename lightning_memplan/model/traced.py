@@ -400,6 +400,11 @@ def traced_train(train: TrainSpec, device: str) -> TrainSpec:
         # the trace is a plain step: FSDP2's offloads are scaled in by the analytic terms
         offload=train.offload if train.framework == "deepspeed" else "none",
         offload_activations=False,
+        # low precision: the trace runs the unquantized bf16/fp32 copy; quantized base weights and float8
+        # linears are scaled in by the analytic terms (model/low_precision.py)
+        base_weights=None,
+        quantized_head=False,
+        float8=None,
     )
 
 

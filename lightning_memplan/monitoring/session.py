@@ -93,6 +93,9 @@ class RunContext:
     strategy: Any
     #: Lightning precision string, e.g. ``"32-true"``, ``"bf16-mixed"``.
     precision: str
+    #: The precision plugin object (``BitsandbytesPrecision``, ``TransformerEnginePrecision`` ... are read
+    #: from it: ``live/low_precision.py``); ``None`` when the front door has none to give.
+    precision_plugin: Any = None
     #: Micro-batches per optimizer step.
     accumulate_grad_batches: int = 1
     world_size: int = 1

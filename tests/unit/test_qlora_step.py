@@ -1,0 +1,119 @@
+"""Issue 35: a QLoRA step measured on the CPU: a small Hugging Face Llama loaded by transformers with
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)``
+(bitsandbytes >= 0.45 quantizes on the CPU), peft LoRA on q/v, one real training step.
+
+Three numbers agree within 5%: PyTorch's MemTracker on the real step (handed bitsandbytes' absmaxes and
+codes, which are no parameters), ``trace_memory`` of the same module (its fake-tensor copy cannot hold
+bitsandbytes' ``Params4bit``, whose ``__deepcopy__`` copies real tensors, so it measures a real CPU step and
+says so), and the config-only estimate ``ModelSpec.from_hf_config(config).with_lora(...)`` with
+``TrainSpec(base_weights="nf4-dq")``, which traces the unquantized LoRA copies and scales the parameters by
+the bitsandbytes layout (``model/quantized.py``). Nothing of the quantized terms is fitted; the traced
+coefficients are: (2, 128) is one of ``TRACE_SHAPES`` (fitted), (3, 96) is held out (b=3 is never traced).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft", reason="LoRA adapters")
+pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
+
+import torch  # noqa: E402
+
+from lightning_memplan.model.estimate import estimate_memory  # noqa: E402
+from lightning_memplan.model.specs import ModelSpec, TrainSpec  # noqa: E402
+from lightning_memplan.testing.hf_architectures import example_batch, measure_step  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+LAYERS, HIDDEN, VOCAB, RANK = 4, 128, 2048, 8
+TARGETS = ("q_proj", "v_proj")
+SHAPES = [(2, 128), (3, 96)]  # fitted (a traced shape); held out
+
+
+def _config() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=344, vocab_size=VOCAB)
+
+
+def qlora_model(folder: Path, *, quant_type: str = "nf4", double_quant: bool = True) -> Any:
+    """The tiny Llama saved to ``folder`` and loaded back 4-bit quantized (fp32 compute), LoRA on q/v."""
+    import transformers
+
+    config = _config()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                            bnb_4bit_use_double_quant=double_quant,
+                                            bnb_4bit_compute_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=quant, dtype=torch.float32, device_map="cpu")
+    return peft.get_peft_model(base, peft.LoraConfig(r=RANK, target_modules=list(TARGETS)))
+
+
+def _train(b: int, s: int, fmt: str | None) -> TrainSpec:
+    return TrainSpec(micro_batch=b, seq_len=s, precision="32-true", optimizer_impl="for_loop", device="cpu",
+                     base_weights=fmt)
+
+
+@pytest.mark.parametrize(("b", "s"), SHAPES, ids=["fitted-2x128", "held-out-3x96"])
+def test_qlora_step_memtracker_trace_and_config_only_agree(b: int, s: int, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, two_threads: None) -> None:
+    import bitsandbytes as bnb
+
+    from lightning_memplan.tracking.trace import trace_memory
+
+    monkeypatch.setenv("LIGHTNING_MEMPLAN_HF_TRACE_CACHE", "0")
+    model = qlora_model(tmp_path)
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 7 * LAYERS and not isinstance(model.base_model.model.lm_head, bnb.nn.Linear4bit)
+    batch = example_batch(model, b, s)
+    with pytest.warns(RuntimeWarning, match="fake-tensor step failed"):
+        traced = trace_memory(model, batch, optimizer="adamw", optimizer_impl="for_loop", precision="32-true")
+    measured = measure_step(model, batch, precision="32-true")
+
+    spec = ModelSpec.from_hf_config(_config()).with_lora(rank=RANK, targets=TARGETS)
+    estimate = estimate_memory(spec, _train(b, s, "nf4-dq"))
+    unquantized = estimate_memory(spec, _train(b, s, None))
+    assert estimate.source == "hf_trace"
+    assert abs(traced.estimate.total / measured - 1) < 0.05, (traced.estimate.total, measured)
+    assert abs(estimate.total / measured - 1) < 0.05, (estimate.total, measured)
+    # the parameters component as the libraries hold it: packed weights, their constants, the rest in fp32
+    assert estimate.params == traced.estimate.by_phase[traced.estimate.peak_phase]["params"]
+    assert unquantized.total / measured - 1 > 0.10  # what the estimate said before: every weight in fp32
+
+
+def test_fp4_without_double_quantisation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None) -> None:
+    """The other layout: FP4 values, one fp32 absmax per 64 (no second level), held-out shape."""
+    monkeypatch.setenv("LIGHTNING_MEMPLAN_HF_TRACE_CACHE", "0")
+    model = qlora_model(tmp_path, quant_type="fp4", double_quant=False)
+    batch = example_batch(model, 3, 96)
+    measured = measure_step(model, batch, precision="32-true")
+    spec = ModelSpec.from_hf_config(_config()).with_lora(rank=RANK, targets=TARGETS)
+    estimate = estimate_memory(spec, _train(3, 96, "fp4"))
+    assert abs(estimate.total / measured - 1) < 0.05, (estimate.total, measured)
+
+
+def test_module_is_read_as_nf4_dq(tmp_path: Path) -> None:
+    """What the callback reads from the module: the format (peft-wrapped ``Linear4bit``), and the logical
+    parameter count (a ``Params4bit`` stores two values per byte)."""
+    from types import SimpleNamespace
+
+    from lightning_memplan.live.low_precision import infer_low_precision
+
+    model = qlora_model(tmp_path)
+    fields = infer_low_precision(SimpleNamespace(precision_plugin=None, lightning_module=model, precision="32-true"))
+    assert fields == {"base_weights": "nf4-dq"}
+    spec = ModelSpec.from_module(model)
+    dense = ModelSpec.from_hf_config(_config(), calibration="analytic")
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec.n_params == dense.num_params + lora and spec.n_trainable_params == lora
