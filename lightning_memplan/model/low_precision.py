@@ -83,11 +83,18 @@ def check_plan(model: ModelSpec, low: LowPrecision, plan: ParallelPlan) -> None:
                 "parameter (n_trainable_params=None); add the adapter: ModelSpec.with_lora(rank=..., targets=...) "
                 "or ModelSpec(..., n_trainable_params=N)"
             )
-        if plan.tp > 1 or plan.zero >= 2:
+        if plan.tp > 1:
             raise ValueError(
-                f"base_weights={low.base_weights!r} is modelled without tensor parallelism or FSDP sharding (got "
-                f"tp={plan.tp}, zero={plan.zero}): bitsandbytes' packed weights are split by neither here; use "
-                "tp=1 and zero<=1 (data parallelism), or base_weights=None"
+                f"base_weights={low.base_weights!r} cannot run with tensor parallelism (got tp={plan.tp}): "
+                "bitsandbytes' packed weights and their per-block constants are not DTensors, so they cannot be "
+                "split by rows or columns; use tp=1 with data parallelism (DDP, or FSDP zero=2/3 with "
+                "bnb_4bit_quant_storage set to the parameter dtype), or base_weights=None"
+            )
+        if low.base_weights == "int8" and plan.zero >= 2:
+            raise ValueError(
+                f"base_weights='int8' cannot be sharded by FSDP (got zero={plan.zero}): bitsandbytes' Int8Params "
+                "keeps its row scales (SCB) on the parameter, which FSDP drops when it flattens it; use zero<=1 "
+                "(DDP) or a 4-bit format (nf4, nf4-dq, fp4, fp4-dq)"
             )
     if low.float8 is not None:
         quantized.block_linear_shapes(model)

@@ -552,7 +552,9 @@ class TrainSpec:
             per row), Lightning's ``BitsandbytesPrecision`` modes. The blocks' linears are quantized;
             embeddings, norms and the lm_head are not (transformers' ``BitsAndBytesConfig``); each
             quantized linear rebuilds its weight while it runs (``lightning_memplan.model.quantized``).
-            Needs ``framework="torch"``, no tensor parallelism and no FSDP sharding (zero <= 1).
+            Needs ``framework="torch"`` and no tensor parallelism; DDP and FSDP2 (``zero`` 2 or 3: the
+            packed 4-bit values stored in the parameter dtype, bitsandbytes' ``quant_storage``, are sharded;
+            each layer's ``QuantState`` stays whole on every rank) are modelled; ``"int8"`` is not sharded.
         quantized_head: the lm_head is quantized too (``base_weights`` needed): Lightning's
             ``BitsandbytesPrecision`` replaces every ``nn.Linear`` not in its ``ignore_modules``, the head
             included (``lightning/fabric/plugins/precision/bitsandbytes.py`` ``_convert_layers``);

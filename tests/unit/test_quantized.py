@@ -64,6 +64,17 @@ def test_llama3_8b_qlora_nf4_dq_parameter_bytes_equal_a_hand_count() -> None:
     plain = estimate_memory(spec, train.replace(base_weights=None))
     assert plain.params == (embedding + head + norms + layers * sum(i * o for i, o in linears)) * bf16
     assert est.grads == plain.grads and est.by_phase["optimizer"]["optimizer"] == adapter * 2 * 2  # bf16 Adam
+    # FSDP2 on 8 ranks (bnb_4bit_quant_storage=bfloat16): the packed values and the bf16 rest sharded, every
+    # layer's QuantState constants whole on each rank; a gathered block holds its packed values, norms, adapter
+    packed = layers * sum(i * o for i, o in linears) // 2
+    constants = quantized_bytes - packed
+    fsdp = estimate_memory(spec, train, ParallelPlan(dp=8, zero=3))
+    assert fsdp.params == math.ceil((packed + (embedding + head + norms + adapter) * bf16) / 8) + constants
+    assert fsdp.by_phase["optimizer"]["optimizer"] == math.ceil(adapter * 2 * 2 / 8)
+    block_unit = sum(i * o for i, o in linears) // 2 + (2 * h + adapter // layers) * bf16
+    zero2 = estimate_memory(spec, train, ParallelPlan(dp=8, zero=2))  # every unit kept gathered from forward on
+    root = (embedding + head + h) * bf16
+    assert zero2.by_phase["forward"]["comm"] == layers * block_unit + root + block_unit
 
 
 # ---------------------------------------------------------------------------------- library layouts
@@ -243,11 +254,12 @@ def test_base_weights_needs_frozen_weights_and_a_plain_layout() -> None:
     with pytest.raises(ValueError, match="tp=2"):
         estimate_memory(lora, train, ParallelPlan(tp=2))
     with pytest.raises(ValueError, match="zero=3"):
-        estimate_memory(lora, train, ParallelPlan(dp=2, zero=3))
+        estimate_memory(lora, train.replace(base_weights="int8"), ParallelPlan(dp=2, zero=3))
     moe = ModelSpec(2, 64, 4, 256, n_experts=4, experts_per_token=2).with_lora(rank=4)
     with pytest.raises(ValueError, match="n_experts=4"):
         estimate_memory(moe, train)
     assert estimate_memory(lora, train, ParallelPlan(dp=2)).total > 0  # DDP is modelled
+    assert estimate_memory(lora, train, ParallelPlan(dp=2, zero=3)).total > 0  # FSDP2 + QLoRA too
 
 
 # ----------------------------------------------------------------------------------- reading a run
@@ -329,7 +341,8 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_max_micro_batch_and_planner_take_quantized_weights_into_account() -> None:
     """A 24 GiB card: Llama-3-8B with a bf16 base and a q/v adapter does not fit one sequence of 2048, with
-    NF4-DQ base weights it does; the planner rejects the sharded layouts base_weights is not modelled for."""
+    NF4-DQ base weights it does; on 2 GPUs the planner ranks DDP and FSDP layouts for QLoRA and refuses
+    tensor parallelism with the reason."""
     from lightning_memplan.hardware import HardwareSpec
     from lightning_memplan.planning import plan
     from lightning_memplan.planning.fit import max_micro_batch
@@ -341,5 +354,8 @@ def test_max_micro_batch_and_planner_take_quantized_weights_into_account() -> No
     assert max_micro_batch(spec, train.replace(base_weights="nf4-dq"), ParallelPlan(), memory_budget=budget) >= 1
     decision = plan(spec, train.replace(base_weights="nf4-dq"), HardwareSpec.preset("h100-80gb", gpus_per_node=2),
                     global_batch=8)
-    assert decision.fits and decision.plan.tp == 1 and decision.plan.zero <= 1
-    assert any("base_weights='nf4-dq'" in r.reason for r in decision.rejected)
+    assert decision.fits and decision.plan.tp == 1
+    ranked = {(c.plan.dp, c.plan.zero) for c in decision.candidates if c.plan.pp == c.plan.tp == c.plan.cp == 1}
+    assert {(2, 0), (2, 2)} <= ranked, ranked  # DDP and FSDP (SHARD_GRAD_OP, the fastest sharding here)
+    assert all(c.plan.tp == 1 for c in decision.candidates)
+    assert any("base_weights='nf4-dq' cannot run with tensor parallelism" in r.reason for r in decision.rejected)
