@@ -122,6 +122,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
     # low precision (docs/quantized.md): QLoRA base weights need a LoRA adapter (--lora-rank)
     group.add_argument("--base-weights", default=None, choices=list(BASE_WEIGHT_FORMATS),
                        help="frozen base weights stored quantized (bitsandbytes; QLoRA); needs --lora-rank")
+    group.add_argument("--quantized-head", action="store_true",
+                       help="the lm_head is quantized too (Lightning's BitsandbytesPrecision converts every "
+                       "nn.Linear, the head included); needs --base-weights")
     group.add_argument("--float8", default=None, choices=list(FLOAT8_RECIPES),
                        help="torchao float8 training of the blocks' linears, as torchtitan runs it")
     group.add_argument("--lora-rank", type=int_at_least(1), default=None, help="a LoRA adapter of rank r (peft's r)")
@@ -190,6 +193,7 @@ def train_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSpec:
         grad_accumulation=args.grad_accumulation,
         norm_impl=args.norm_impl,
         base_weights=getattr(args, "base_weights", None),
+        quantized_head=bool(getattr(args, "quantized_head", False)),
         float8=getattr(args, "float8", None),
     )
     fields.update(overrides)

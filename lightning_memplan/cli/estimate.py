@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         f"b={train.micro_batch} "
         f"s={train.seq_len} {train.precision} {train.optimizer}"
         + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision (issue 35)
+        + (" quantized_head" if train.quantized_head else "")
         + (f" float8={train.float8}" if train.float8 else "")
         + f" | {plan.describe()}"
     )

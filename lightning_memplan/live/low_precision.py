@@ -2,14 +2,19 @@
 
 What is read, and from where:
 
-- Lightning's ``BitsandbytesPrecision(mode, dtype)`` (``lightning/fabric/plugins/precision/bitsandbytes.py``):
-  its mode through its public ``convert_module`` on a one-linear probe (the replacement layer says
-  ``quant_type`` / ``compress_statistics`` / ``has_fp16_weights``), its compute dtype from ``dtype``. Its
-  ``precision`` attribute is the base class's ``"32-true"``, so the precision string comes from here.
+- Lightning's ``BitsandbytesPrecision(mode, dtype, ignore_modules)``
+  (``lightning/fabric/plugins/precision/bitsandbytes.py``): its mode through its public ``convert_module``
+  on a probe (the replacement layer says ``quant_type`` / ``compress_statistics`` / ``has_fp16_weights``),
+  its compute dtype from ``dtype``. Its ``precision`` attribute is the base class's ``"32-true"``, so the
+  precision string comes from here. Whether it quantizes the lm_head (``quantized_head``): its
+  ``_convert_layers`` replaces every ``nn.Linear`` whose dotted name starts with none of ``ignore_modules``,
+  the head included; the probe carries a linear at the module's head path (``live/layouts.find_layout``),
+  so the plugin's own rule answers.
 - Lightning's ``TransformerEnginePrecision(weights_dtype=...)``: float8 linears (the estimate's
   ``float8="tensorwise"``, the closest torchao recipe: docs/quantized.md says where TransformerEngine
   differs) with ``weights_dtype`` parameters.
-- the module: bitsandbytes ``Linear4bit`` (``weight.quant_type`` ``"nf4"``/``"fp4"``,
+- the module (which wins: after setup it is converted): its lm_head quantized or not; bitsandbytes
+  ``Linear4bit`` (``weight.quant_type`` ``"nf4"``/``"fp4"``,
   ``weight.compress_statistics`` for double quantisation) and ``Linear8bitLt`` with frozen int8 weights
   (``state.has_fp16_weights`` false), whether wrapped by peft or not; torchao ``NF4Tensor`` weights
   (torchtune's QLoRA: 4-bit NF4 values, int8 scalers per 64 and a fp32 factor per 256, the layout of
@@ -30,7 +35,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["QUANT_EXTRA", "base_weights_of", "float8_of", "infer_low_precision", "plugin_low_precision"]
+from lightning_memplan.live.layouts import find_layout
+
+__all__ = [
+    "QUANT_EXTRA",
+    "base_weights_of",
+    "float8_of",
+    "head_path",
+    "infer_low_precision",
+    "plugin_low_precision",
+    "quantized_head_of",
+]
 
 #: The extra that installs what these readers recognise.
 QUANT_EXTRA = 'pip install "lightning-memplan[quant]"'
@@ -93,6 +108,47 @@ def base_weights_of(module: Any) -> str | None:
     return max(counts, key=lambda fmt: counts[fmt])
 
 
+def _layout_paths(module: Any) -> tuple[str | None, str | None]:
+    """``(the first linear of the first block, the lm_head)`` of ``module`` as ``named_modules`` names them,
+    from its :func:`~lightning_memplan.live.layouts.find_layout` layout (``None`` where none is found)."""
+    if not isinstance(module, torch.nn.Module):
+        return None, None
+    layout = find_layout(module)
+    if layout is None:
+        return None, None
+    prefix = f"{layout.root_path}." if layout.root_path else ""
+    head = f"{prefix}{layout.head}" if layout.head else None
+    blocks = layout.root.get_submodule(layout.blocks)
+    first = next(iter(blocks.children()), None) if isinstance(blocks, torch.nn.Module) else None
+    linear = next((name for name, sub in first.named_modules() if isinstance(sub, torch.nn.Linear)), None) if first else None
+    block = f"{prefix}{layout.blocks}.0.{linear}" if linear else None
+    return block, head
+
+
+def _blocks_of(module: Any) -> Any:
+    """The module's list of blocks (:func:`~lightning_memplan.live.layouts.find_layout`), the module itself
+    when none is found: where ``base_weights`` is read (a quantized head alone is not a block format)."""
+    layout = find_layout(module) if isinstance(module, torch.nn.Module) else None
+    return module if layout is None else layout.root.get_submodule(layout.blocks)
+
+
+def head_path(module: Any) -> str | None:
+    """The dotted path of ``module``'s output projection (``lm_head``) as ``named_modules`` names it, from
+    its :func:`~lightning_memplan.live.layouts.find_layout` layout; ``None`` when none is found."""
+    return _layout_paths(module)[1]
+
+
+def quantized_head_of(module: Any) -> bool | None:
+    """Whether ``module``'s lm_head is a quantized layer (bitsandbytes or torchao, peft-wrapped or not);
+    ``None`` when the head is not found."""
+    path = head_path(module)
+    if path is None:
+        return None
+    head = module.get_submodule(path)
+    head = getattr(head, "base_layer", head)  # a peft LoRA layer around it
+    return base_weights_of(torch.nn.ModuleList([head])) is not None
+
+
 def float8_of(module: Any) -> str | None:
     """``"tensorwise"`` or ``"rowwise"`` when ``module`` has torchao ``Float8Linear`` layers (the scaling
     of their first one's input cast), else ``None``."""
@@ -108,32 +164,84 @@ def float8_of(module: Any) -> str | None:
     return None
 
 
-def _bitsandbytes_plugin(plugin: Any) -> tuple[str | None, str | None]:
-    """``(precision, base_weights)`` of a ``BitsandbytesPrecision``: its mode read from the layer its
-    ``convert_module`` puts in place of a 64 x 64 probe linear (nothing is quantized: bitsandbytes
-    quantizes when a layer moves to a GPU), its compute ``dtype`` as the ``"-true"`` precision of that
-    dtype. The probe is initialised on the CPU, so the CPU generator is forked around it: the run's
-    random state is left as it was."""
+def _probe(path: str | None) -> tuple[torch.nn.Module, str]:
+    """A module with a 64 x 64 linear at ``path`` (containers along the dotted path; ``"0"`` without one):
+    what ``convert_module`` sees of the run's head, by its name."""
+    path = path or "0"
+    root = torch.nn.Module()
+    parent = root
+    *parents, leaf = path.split(".")
+    for name in parents:
+        child = torch.nn.Module()
+        parent.add_module(name, child)
+        parent = child
+    parent.add_module(leaf, torch.nn.Linear(64, 64, bias=False))
+    return root, path
+
+
+def _converted(plugin: Any, path: str) -> str | None:
+    """The format of the layer ``plugin.convert_module`` puts at ``path`` of a probe (``None``: left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        probe, at = _probe(path)
+        return base_weights_of(plugin.convert_module(probe).get_submodule(at))
+
+
+def _free_name(ignore: Any) -> str | None:
+    """A module name no prefix of ``ignore`` covers (``None`` when ``""`` covers every name)."""
+    prefixes = {str(p) for p in ignore or ()}
+    if "" in prefixes:
+        return None
+    first = {p[0] for p in prefixes}
+    return next(f"{c}memplan_probe" for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in first)
+
+
+def _bitsandbytes_plugin(plugin: Any, module: Any) -> tuple[str | None, str | None, bool | None]:
+    """``(precision, base_weights, quantized_head)`` of a ``BitsandbytesPrecision``, each from the layer its
+    ``convert_module`` puts in place of a probe linear named as the module's (nothing is quantized:
+    bitsandbytes quantizes when a layer moves to a device), so the plugin's own ``ignore_modules`` rule
+    answers: the mode at the first block's first linear (without a module, at a name ``ignore_modules``
+    leaves alone), the head at the lm_head's path; the compute ``dtype`` as the ``"-true"`` precision of
+    that dtype. Without a head path: every linear is converted unless ``ignore_modules`` names it, so the
+    head is quantized when ``ignore_modules`` is empty and not known otherwise (a ``UserWarning``). The
+    probes are initialised on the CPU, so the CPU generator is forked around them: the run's random state
+    is left as it was."""
     fmt = None
+    head: bool | None = None
+    ignore = getattr(plugin, "ignore_modules", None)
+    block, path = _layout_paths(module)
     try:
-        with torch.random.fork_rng(devices=[]):
-            probe = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
-            fmt = base_weights_of(plugin.convert_module(probe))
+        name = block or _free_name(ignore)
+        fmt = None if name is None else _converted(plugin, name)
+        if path is not None:
+            head = isinstance(module.get_submodule(path), torch.nn.Linear) and _converted(plugin, path) is not None
+        if fmt is None and head:
+            warnings.warn(f"BitsandbytesPrecision(ignore_modules={ignore!r}) quantizes the lm_head but not the blocks' "
+                          "linears: the estimate models quantized block linears (base_weights) only and counts "
+                          "every weight unquantized here", UserWarning, stacklevel=3)
     except (RuntimeError, TypeError, ValueError) as err:  # a plugin that cannot convert here: mode unknown
         warnings.warn(f"could not read BitsandbytesPrecision's mode ({err}); base_weights left unset",
                       UserWarning, stacklevel=3)
-    return _PRECISION_OF_DTYPE.get(getattr(plugin, "dtype", None)), fmt
+    if fmt is not None and path is None:
+        head = True if not ignore else None
+        if head is None:
+            warnings.warn(f"BitsandbytesPrecision(ignore_modules={ignore!r}) and no lm_head found in the module: "
+                          "whether the head is quantized is not known; the estimate counts it unquantized",
+                          UserWarning, stacklevel=3)
+    return _PRECISION_OF_DTYPE.get(getattr(plugin, "dtype", None)), fmt, head
 
 
-def plugin_low_precision(plugin: Any) -> dict[str, Any]:
-    """TrainSpec fields a precision plugin implies: ``{"precision": ..., "base_weights": ...}`` for
-    ``BitsandbytesPrecision``, ``{"precision": ..., "float8": "tensorwise"}`` for
+def plugin_low_precision(plugin: Any, module: Any = None) -> dict[str, Any]:
+    """TrainSpec fields a precision plugin implies: ``{"precision": ..., "base_weights": ...,
+    "quantized_head": True}`` for ``BitsandbytesPrecision`` (the head as its rule treats ``module``'s,
+    :func:`_bitsandbytes_plugin`), ``{"precision": ..., "float8": "tensorwise"}`` for
     ``TransformerEnginePrecision`` (``weights_dtype`` bf16; other dtypes: the precision only), ``{}``
     for any other plugin. Matched by class name, so Lightning is not imported here."""
     names = {cls.__name__ for cls in type(plugin).__mro__}
     if "BitsandbytesPrecision" in names and _available("bitsandbytes"):
-        precision, fmt = _bitsandbytes_plugin(plugin)
+        precision, fmt, head = _bitsandbytes_plugin(plugin, module)
         out: dict[str, Any] = {"precision": precision} if precision else {}
+        if fmt and head:
+            out["quantized_head"] = True
         return {**out, "base_weights": fmt} if fmt else out
     if "TransformerEnginePrecision" in names:
         precision = _PRECISION_OF_DTYPE.get(getattr(plugin, "weights_dtype", None))
@@ -159,11 +267,19 @@ def infer_low_precision(trainer: Any) -> dict[str, Any]:
     (``trainer.lightning_module``), which wins where it says more (peft + bitsandbytes loaded by
     transformers under any plugin). With a plugin's ``"-true"`` precision, ``param_bytes`` is the
     module's own parameter element size when that differs (fp32 parameters computed in bf16)."""
-    fields = plugin_low_precision(getattr(trainer, "precision_plugin", None))
     module = getattr(trainer, "lightning_module", None)
-    fmt, recipe = base_weights_of(module), float8_of(module)
-    if fmt is not None:
+    fields = plugin_low_precision(getattr(trainer, "precision_plugin", None), module)
+    fmt, recipe, head = base_weights_of(_blocks_of(module)), float8_of(module), quantized_head_of(module)
+    if fmt is not None:  # the converted module says what the plugin did
         fields["base_weights"] = fmt
+        if head is not None:
+            fields.pop("quantized_head", None)
+            if head:
+                fields["quantized_head"] = True
+    elif head:
+        warnings.warn("the module's lm_head is quantized but not its blocks' linears: the estimate models quantized "
+                      "block linears (base_weights) only and counts every weight unquantized here",
+                      UserWarning, stacklevel=2)
     precision = fields.get("precision", str(getattr(trainer, "precision", "")))
     if recipe is not None and precision in ("bf16-mixed", "bf16-true"):
         fields["float8"] = recipe

@@ -38,6 +38,8 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan
 from lightning_memplan.model.stage_layout import blocks_matmul_local, rescaled, routed_experts_local
 
 __all__ = [
+    "LOW_PRECISION_HEAD_BACKWARD",
+    "LOW_PRECISION_HEAD_POINT",
     "LOW_PRECISION_POINT",
     "PHASE_OF_POINT",
     "MicroBatchBytes",
@@ -53,6 +55,8 @@ PHASE_OF_POINT = {
     "forward_block": "forward",
     "forward_checkpoint": "forward",
     "forward_low_precision": "forward",
+    "forward_head_low_precision": "forward",
+    "backward_head_low_precision": "backward",
     "backward_start": "backward",
     "backward_layer": "backward",
     "backward_softmax": "backward",
@@ -372,8 +376,12 @@ def _offloaded_block_points(out: dict[str, dict[str, int]], mb: MicroBatchBytes,
     end["activations"], end["attention"] = max(end["activations"], saved_layer), max(end["attention"], attn_layer)
 
 
-#: The forward's point inside its largest quantized or float8 linear (:func:`low_precision_points`).
+#: The forward's points inside its largest quantized or float8 block linear and inside a quantized lm_head
+#: (:func:`low_precision_points`).
 LOW_PRECISION_POINT = "forward_low_precision"
+LOW_PRECISION_HEAD_POINT = "forward_head_low_precision"
+#: The loss's backward inside a quantized lm_head: the logits' gradient and the head's rebuilt weight.
+LOW_PRECISION_HEAD_BACKWARD = "backward_head_low_precision"
 
 
 def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage) -> dict[str, dict[str, int]]:
@@ -381,15 +389,23 @@ def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage) ->
     or calibrated alike (a trace runs the unquantized step: ``model/traced.traced_train``; on the CPU
     bitsandbytes' forward rebuild happens inside its ``gemm_4bit`` op, which dispatch-mode trackers do not
     see). Forward: a point of its own inside the last block, its largest linear running (the forward
-    without the loss's logits, :data:`LOW_PRECISION_POINT`); backward: the last block's backward
-    (``backward_layer``) holds the largest linear's backward transient in ``workspace``; float8's
-    persistent scales are ``other`` at every point."""
+    without the loss's logits, :data:`LOW_PRECISION_POINT`), and with a quantized lm_head one inside it
+    (its rebuilt weight beside its ``[b s, V]`` output, :data:`LOW_PRECISION_HEAD_POINT`); backward: the
+    last block's backward (``backward_layer``) holds the largest linear's backward transient in
+    ``workspace``; a quantized head's backward is a point of its own after the loss's
+    (:data:`LOW_PRECISION_HEAD_BACKWARD`: the loss's buffers gone but the logits' gradient, the head's
+    rebuilt weight); float8's persistent scales are ``other`` at every point."""
     low = r.low
     if low is None:
         return points
     out = {key: dict(point, other=point["other"] + low.scales) for key, point in points.items()}
     out[LOW_PRECISION_POINT] = dict(out["forward"], logits=0, workspace=out["forward"]["workspace"] + low.forward)
     out["backward_layer"]["workspace"] += low.backward
+    if low.head_output:  # a quantized lm_head: its rebuilt weight beside its output / its output's gradient
+        out[LOW_PRECISION_HEAD_POINT] = dict(out["forward"], logits=low.head_output,
+                                             workspace=out["forward"]["workspace"] + low.head_forward)
+        out[LOW_PRECISION_HEAD_BACKWARD] = dict(out["backward_start"], logits=low.head_output,
+                                                workspace=out["backward_start"]["workspace"] + low.head_backward)
     return out
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from lightning_memplan.model import offload, pipeline_timeline, terms
 from lightning_memplan.model.activations import (
+    LOW_PRECISION_HEAD_BACKWARD,
+    LOW_PRECISION_HEAD_POINT,
     LOW_PRECISION_POINT,
     activation_points,
     calibrated_points,
@@ -121,12 +123,15 @@ def _one_stage_points(r: ResolvedStage, states: StageStates, comm: CommBuffers, 
     grads_bwd_start = states.grads if r.accumulating else 0
     fwd = comm.static + comm.forward
     points: Points = {"forward": {**static, "grads": grads_fwd, "comm": fwd, **dynamic["forward"]}}
-    for key in ("forward_block", "forward_checkpoint", LOW_PRECISION_POINT):  # inside the last block's forward
-        if key in dynamic:  # (activation offloading; full recompute with eager attention; low precision)
+    for key in ("forward_block", "forward_checkpoint", LOW_PRECISION_POINT, LOW_PRECISION_HEAD_POINT):  # inside a
+        # block (activation offloading; full recompute with eager attention; low precision) or a quantized head
+        if key in dynamic:
             points[key] = {**static, "grads": grads_fwd, "comm": fwd, **dynamic[key]}
     bwd = comm.static + comm.backward
     points["backward_start"] = {**static, "grads": grads_bwd_start, "comm": comm.static + comm.backward_start,
                                 **dynamic["backward_start"]}
+    if LOW_PRECISION_HEAD_BACKWARD in dynamic:  # inside a quantized lm_head's backward (model/activations.py)
+        points[LOW_PRECISION_HEAD_BACKWARD] = {**points["backward_start"], **dynamic[LOW_PRECISION_HEAD_BACKWARD]}
     points["backward_layer"] = {**static, "grads": max(grads_bwd_start, states.head_grads), "comm": bwd,
                                 **dynamic["backward_layer"]}
     if "backward_softmax" in dynamic:
@@ -162,8 +167,9 @@ def _pipeline_points(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, sta
     most = max(mom.inflight for mom in moments)
     grads_fwd = grads_at(max(mom.grads_before for mom in moments if mom.inflight >= most - 1e-9))
     points: Points = {"forward": {**static, "grads": grads_fwd, "comm": comm.static + comm.forward, **dynamic["forward"]}}
-    if LOW_PRECISION_POINT in dynamic:  # inside the largest quantized or float8 linear (model/activations.py)
-        points[LOW_PRECISION_POINT] = {**points["forward"], **dynamic[LOW_PRECISION_POINT]}
+    for key in (LOW_PRECISION_POINT, LOW_PRECISION_HEAD_POINT):  # inside a quantized or float8 linear
+        if key in dynamic:  # (model/activations.py)
+            points[key] = {**points["forward"], **dynamic[key]}
     if states.pipelined_fsdp and grads_fwd:
         # a forward after a backward starts with every unit still unsharded (the backward kept them);
         # each unit reshards after its forward (measured, 2 x 4 gloo ranks, dp=2 tp=2 pp=2), so at
@@ -199,6 +205,7 @@ def _best_backward(plan: ParallelPlan, r: ResolvedStage, states: StageStates, co
         block_new = states.after_scores_grads if not r.accumulating and made else 0
         for key, grads_now, comm_now in (
             ("backward_start", before, start_comm),
+            (LOW_PRECISION_HEAD_BACKWARD, before, start_comm),
             ("backward_layer", before + head_new, comm.backward),
             ("backward_softmax", before + head_new + block_new, comm.backward),
             ("backward_end", after, comm.backward_end),

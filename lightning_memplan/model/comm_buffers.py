@@ -142,7 +142,7 @@ def _fully_sharded(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
     # quantized or float8 weights gathered in fewer bytes; only a quantized base's adapter gets gradients
     unit -= _low_saving(r, 1, root=False)
     root -= _low_saving(r, 0, root=not own_head)
-    grad_params = r.low.block_trainable if r.low is not None and r.low.quantized else unit_params
+    grad_params = r.low.block_trainable if r.low is not None and r.low.quantized_bytes else unit_params
     post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
     forward = root + (unit if plan.zero == 3 and shard > 1 else 0) + post_fwd(n_layers)
     backward = root + 2 * unit + grad_params * r.sizes.grad + post_fwd(max(n_layers - 2, 0))

@@ -40,8 +40,8 @@ class LowPrecisionStage(NamedTuple):
     """One stage's quantized or float8 linears on one rank, as numbers (:func:`stage_low_precision`).
 
     Attributes:
-        quantized: values of the stage's quantized linears (0 for float8 runs: their weights are stored
-            in the parameter dtype). quantized_bytes: their bytes with every constant.
+        quantized_bytes: the bytes of the stage's quantized linears with every constant (0 for float8
+            runs: their weights are stored in the parameter dtype).
         state_bytes: the part of ``quantized_bytes`` that is the layers' ``QuantState`` constants (kept
             whole on every rank under FSDP; the rest, the packed values, is sharded).
         adapter: LoRA adapter values a :meth:`ModelSpec.with_lora` spec leaves out of N (stored at the
@@ -53,7 +53,11 @@ class LowPrecisionStage(NamedTuple):
             the block's share of a :meth:`ModelSpec.with_lora` adapter, gathered beside them.
         block_trainable: parameters of one block unit that get a gradient (the adapter's share; the
             quantized base and the norms are frozen).
-        forward, backward: the largest linear's rebuilt weight (quantized) or float8 casts, freed with the op.
+        quantized: the values counted out of the stage's parameters (a tied head the stage does not count
+            is quantized on top of them). forward, backward: the largest block linear's rebuilt weight
+            (quantized) or float8 casts, freed with the op. head_forward, head_backward: the quantized
+            lm_head's (its forward beside its ``[b s, V]`` output, ``head_output`` bytes; its backward at
+            the loss's backward).
         scales: float8's persistent precomputed scales.
         details: what ``MemoryEstimate.details`` reports of them.
     """
@@ -69,6 +73,9 @@ class LowPrecisionStage(NamedTuple):
     block_trainable: int = 0
     forward: int = 0
     backward: int = 0
+    head_forward: int = 0
+    head_backward: int = 0
+    head_output: int = 0
     scales: int = 0
     details: tuple[tuple[str, int], ...] = ()
 
@@ -128,18 +135,12 @@ def gather_saving_bytes(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
     return 0, 0
 
 
-def _linear_shapes(model: ModelSpec, low: LowPrecision, has_head: bool) -> tuple[tuple[int, int], ...]:
-    """``(in, out)`` of the low-precision linears one of the stage's blocks (and its quantized head) runs."""
-    shapes = quantized.block_linear_shapes(model)
-    if low.quantized_head and has_head:
-        shapes = (*shapes, (model.hidden, model.vocab_size))
-    return shapes
-
-
-def _transients(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, sizes: PrecisionBytes, tokens: int,
-                has_head: bool) -> tuple[int, int]:
-    """``(forward, backward)`` bytes of the largest linear's rebuilt weight (quantized) or float8 copies."""
-    shapes = _linear_shapes(model, low, has_head)
+def _transients(low: LowPrecision, plan: ParallelPlan, sizes: PrecisionBytes, tokens: int,
+                shapes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """``(forward, backward)`` bytes of the largest of ``shapes``' rebuilt weights (quantized) or float8
+    copies (``(0, 0)`` without shapes)."""
+    if not shapes:
+        return 0, 0
     if low.base_weights is not None:
         fmt = low.base_weights
 
@@ -154,6 +155,16 @@ def _transients(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, sizes: 
                  for phase in ("forward", "backward"))  # type: ignore[return-value]
 
 
+def _float8_stage(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, n: int, forward: int, backward: int,
+                  gather_block: int) -> LowPrecisionStage:
+    shapes = quantized.block_linear_shapes(model)
+    scales = float8.float8_scale_bytes(n * len(shapes), float8.fp8_all_gather(low.float8 or "", _fsdp_gathers(plan)))
+    return LowPrecisionStage(uncopied_blocks=n * quantized.quantized_block_numel(model), gather_block=gather_block,
+                             forward=forward, backward=backward, scales=scales,
+                             details=(("low_precision_forward_transient", forward),
+                                      ("low_precision_backward_transient", backward), ("float8_scale_bytes", scales)))
+
+
 def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, layout: StageLayout,
                         sizes: PrecisionBytes, tokens: int) -> LowPrecisionStage | None:
     """The :class:`LowPrecisionStage` of ``layout`` (``tokens``: one micro-batch's tokens on the rank),
@@ -161,27 +172,23 @@ def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
     head = low.quantized_head and layout.has_head
     if not low.active or not (layout.n_layers or head):
         return None
-    n = layout.n_layers
+    n, v, h = layout.n_layers, model.vocab_size, model.hidden
     shapes = quantized.block_linear_shapes(model)
-    block_numel = quantized.quantized_block_numel(model)
-    head_numel = model.vocab_size * model.hidden if head else 0
     gathered = sizes.compute if sizes.autocast_copy else sizes.param  # FSDP2's all-gather dtype
     gather_block, gather_head = gather_saving_bytes(model, low, plan, gathered)
-    forward, backward = _transients(model, low, plan, sizes, tokens, layout.has_head)
+    forward, backward = _transients(low, plan, sizes, tokens, shapes if n else ())
     if low.float8 is not None:
-        scales = float8.float8_scale_bytes(n * len(shapes), float8.fp8_all_gather(low.float8, _fsdp_gathers(plan)))
-        return LowPrecisionStage(uncopied_blocks=n * block_numel, gather_block=gather_block, forward=forward,
-                                 backward=backward, scales=scales,
-                                 details=(("low_precision_forward_transient", forward),
-                                          ("low_precision_backward_transient", backward),
-                                          ("float8_scale_bytes", scales)))
+        return _float8_stage(model, low, plan, n, forward, backward, gather_block)
     fmt = low.base_weights
     assert fmt is not None
-    q = n * block_numel + head_numel
-    q_bytes = quantized.base_weight_bytes(shapes, fmt, layers=n) + (
-        quantized.quantized_weight_bytes(model.vocab_size, model.hidden, fmt) if head else 0)
+    head_fwd, head_bwd = _transients(low, plan, sizes, tokens, ((h, v),) if head else ())
+    q = n * quantized.quantized_block_numel(model) + (v * h if head else 0)
+    q_bytes = quantized.base_weight_bytes(shapes, fmt, layers=n) + (quantized.quantized_weight_bytes(v, h, fmt) if head else 0)
     packed = n * sum(quantized.packed_weight_bytes(o, i, fmt) for i, o in shapes) + (
-        quantized.packed_weight_bytes(model.vocab_size, model.hidden, fmt) if head else 0)
+        quantized.packed_weight_bytes(v, h, fmt) if head else 0)
+    # A tied head the stage does not count (ModelSpec.tied_embeddings, one stage) becomes a quantized copy of
+    # its own: _convert_layers gives the replacement ``child.weight.data.clone()``.
+    tied_head = head and model.tied_embeddings and (plan.pp == 1 or layout.has_embedding)
     # the adapter's share of the stage: its matrices sit in the blocks' linears; a spec read from a live
     # module counts them in n_params already, and its trainable share of a block is the model-wide one
     adapter = adapter_block = 0
@@ -190,10 +197,13 @@ def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
         adapter = round(model.n_trainable_params * n / model.n_layers)
         adapter_block = block_trainable = round(model.n_trainable_params / model.n_layers)
     return LowPrecisionStage(
-        quantized=q, quantized_bytes=q_bytes, state_bytes=q_bytes - packed, adapter=adapter,
-        uncopied_blocks=n * block_numel, uncopied_head=head_numel, gather_block=gather_block - adapter_block * gathered,
-        gather_head=gather_head, block_trainable=block_trainable, forward=forward, backward=backward,
-        details=(("low_precision_forward_transient", forward), ("low_precision_backward_transient", backward),
+        quantized=q - (v * h if tied_head else 0), quantized_bytes=q_bytes, state_bytes=q_bytes - packed,
+        adapter=adapter, uncopied_blocks=n * quantized.quantized_block_numel(model), uncopied_head=v * h if head else 0,
+        gather_block=gather_block - adapter_block * gathered, gather_head=gather_head, block_trainable=block_trainable,
+        forward=forward, backward=backward, head_forward=head_fwd, head_backward=head_bwd,
+        head_output=tokens * v * sizes.logits if head else 0,
+        details=(("low_precision_forward_transient", max(forward, head_fwd)),
+                 ("low_precision_backward_transient", max(backward, head_bwd)),
                  ("float8_scale_bytes", 0), ("quantized_params", q), ("quantized_param_bytes", q_bytes),
                  ("quantized_bits_x1000", math.floor(8000 * q_bytes / max(q, 1)))),
     )

@@ -96,7 +96,7 @@ def stage_states(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> Stag
     # fully_shard]. Measured on 2 gloo ranks (tests/distributed/test_zero2_memory.py): a whole-parameter
     # term here over-estimated by the other ranks' shards, +2.9 %.
     params = math.ceil(states["params"] / shard) if plan.zero >= 2 else states["params"]
-    if r.low is not None and r.low.quantized:
+    if r.low is not None and r.low.quantized_bytes:
         params = _quantized_params(r, plan)
     grads = math.ceil(states["grads"] / shard) if plan.zero >= 2 else states["grads"]
     if r.flat_params and plan.zero >= 2 and shard > 1 and local:

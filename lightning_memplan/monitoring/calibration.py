@@ -96,7 +96,7 @@ def _precision_label(precision: str, train: TrainSpec | None) -> str:
         return precision
     parts = [precision]
     if train.base_weights is not None:
-        parts.append(f"base weights {train.base_weights}")
+        parts.append(f"base weights {train.base_weights}" + (" (lm_head too)" if train.quantized_head else ""))
     if train.float8 is not None:
         parts.append(f"float8 {train.float8}")
     if train.optimizer not in ("adamw", "adam", "sgd", "sgd_momentum", "adafactor", "lion"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -117,3 +118,34 @@ def test_module_is_read_as_nf4_dq(tmp_path: Path) -> None:
     dense = ModelSpec.from_hf_config(_config(), calibration="analytic")
     lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert spec.n_params == dense.num_params + lora and spec.n_trainable_params == lora
+
+
+def test_lightning_plugin_quantizes_the_head_and_the_estimate_counts_it(two_threads: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's ``BitsandbytesPrecision`` converts every ``nn.Linear``, the lm_head included (Lightning
+    2.6.6 ``_convert_layers``): the tiny Llama converted by the plugin's real ``convert_module`` (NF4-DQ,
+    fp32 compute), quantized on the move to the CPU, then peft LoRA on q/v. The reader says
+    ``quantized_head=True``; the config-only estimate with it holds the parameter bytes exactly and the
+    step within 5 % (measured here: +0.05 %); without it, the head's fp32 weight is counted (+5.3 %)."""
+    import transformers
+    from lightning.pytorch.plugins import BitsandbytesPrecision
+
+    from lightning_memplan.live.low_precision import infer_low_precision
+    from lightning_memplan.tracking.tracker import quantization_constants
+
+    monkeypatch.setenv("LIGHTNING_MEMPLAN_HF_TRACE_CACHE", "0")
+    torch.manual_seed(0)
+    plugin = BitsandbytesPrecision("nf4-dq", dtype=torch.float32)
+    model = plugin.convert_module(transformers.LlamaForCausalLM(_config())).to("cpu")  # quantized on the move
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules=list(TARGETS)))
+    fields = infer_low_precision(SimpleNamespace(precision_plugin=plugin, lightning_module=model, precision="32-true"))
+    assert fields == {"precision": "32-true", "base_weights": "nf4-dq", "quantized_head": True}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for p in model.parameters() for t in (p, *quantization_constants(p))}
+    spec = ModelSpec.from_hf_config(_config()).with_lora(rank=RANK, targets=TARGETS)
+    train = _train(3, 96, "nf4-dq").replace(quantized_head=True)
+    estimate, unquantized_head = estimate_memory(spec, train), estimate_memory(spec, train.replace(quantized_head=False))
+    assert estimate.params == sum(storages.values())
+    measured = measure_step(model, example_batch(model, 3, 96), precision="32-true")
+    assert abs(estimate.total / measured - 1) < 0.05, (estimate.total, measured)
+    assert abs(estimate.total / measured - 1) < abs(unquantized_head.total / measured - 1)

@@ -283,6 +283,50 @@ def test_bitsandbytes_plugin_is_read(mode: str, want: str | None) -> None:
     assert fields["precision"] == ("16-true" if mode.startswith("int8") else "bf16-true")
 
 
+@pytest.mark.parametrize("ignore", [None, {"model.lm_head"}, {"lm_head"}, {"model.blocks"}, {"model"}])
+def test_bitsandbytes_plugin_head_rule_is_its_own_conversion(ignore: set[str] | None) -> None:
+    """Lightning's ``BitsandbytesPrecision`` replaces every ``nn.Linear`` whose dotted name starts with none
+    of ``ignore_modules``, the lm_head included (Lightning 2.6.6 ``lightning/fabric/plugins/precision/
+    bitsandbytes.py`` ``_convert_layers``). What the reader says of the blocks and the head, from the plugin
+    object and the module before conversion, is what the plugin's real ``convert_module`` then does to a
+    copy of that module (on the CPU it swaps the classes, quantizing nothing); reading the converted module
+    agrees; the run's RNG is untouched."""
+    bnb = pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
+    import copy
+
+    from lightning.pytorch.plugins import BitsandbytesPrecision
+
+    from lightning_memplan.live.low_precision import infer_low_precision
+    from lightning_memplan.testing.zoo import GPT, GPTConfig
+
+    class Lit(torch.nn.Module):  # names as the Trainer converts them: relative to the LightningModule
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(GPTConfig(vocab_size=128, n_layers=2, hidden=64, n_heads=4, max_positions=32))
+
+    lit = Lit()
+    plugin = BitsandbytesPrecision("nf4-dq", dtype=torch.float32, ignore_modules=ignore)
+    state = torch.get_rng_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read = infer_low_precision(SimpleNamespace(precision_plugin=plugin, lightning_module=lit, precision="32-true"))
+    assert torch.equal(state, torch.get_rng_state())
+    converted = plugin.convert_module(copy.deepcopy(lit))
+    head = isinstance(converted.model.lm_head, bnb.nn.Linear4bit)
+    blocks = any(isinstance(m, bnb.nn.Linear4bit) for m in converted.model.blocks.modules())
+    if head and not blocks:  # a quantized head alone is not a layout the estimate has: said, not hidden
+        assert any("quantizes the lm_head but not the blocks" in str(w.message) for w in caught)
+        head = False
+    assert read.get("quantized_head", False) is head and (read.get("base_weights") == "nf4-dq") is blocks, read
+    assert {None: (True, True), "model.lm_head": (False, True), "lm_head": (True, True), "model.blocks": (False, False),
+            "model": (False, False)}[next(iter(ignore)) if ignore else None] == (head, blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        after = infer_low_precision(SimpleNamespace(precision_plugin=plugin, lightning_module=converted,
+                                                    precision="32-true"))
+    assert after.get("quantized_head", False) is head and (after.get("base_weights") == "nf4-dq") is blocks, after
+
+
 def test_transformer_engine_plugin_is_read() -> None:
     """TransformerEngine is not installable without CUDA, so the plugin object is made without its
     ``__init__`` (which imports it): the reader needs only its class and ``weights_dtype``."""
@@ -337,6 +381,14 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "float8=tensorwise" in capsys.readouterr().out
     assert main(["estimate", "--model", "llama3-8b", "--seq-len", "64", "--base-weights", "nf4"]) == 2
     assert "with_lora" in capsys.readouterr().err
+    assert main(argv[:-1] + ["--quantized-head", "--json"]) == 0  # Lightning's plugin: the lm_head too
+    head = json.loads(capsys.readouterr().out)
+    v, h = 128256, 4096
+    assert head["train"]["quantized_head"] is True
+    assert data["estimates"][0]["params"] - head["estimates"][0]["params"] == v * h * 2 - quantized.quantized_weight_bytes(
+        v, h, "nf4-dq")
+    assert main(argv[:-3] + ["--quantized-head"]) == 2  # needs --base-weights
+    assert "quantized_head=True needs base_weights" in capsys.readouterr().err
 
 
 def test_max_micro_batch_and_planner_take_quantized_weights_into_account() -> None:
