@@ -25,6 +25,7 @@ the asked or the worst rank.
 from __future__ import annotations
 
 import math
+import warnings
 
 from lightning_memplan.model import frameworks, low_precision, offload
 from lightning_memplan.model.assemble import assemble_stage
@@ -203,6 +204,11 @@ def estimate_memory(
     rank = check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
                               hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
     check_compatible(model, train, plan)
+    return _warn_unknown(_estimate(model, train, plan, rank, calibration))
+
+
+def _estimate(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, rank: int | None,
+              calibration: Calibration | None) -> MemoryEstimate:
     source = model.calibration_source
     if calibration is None and source is not None and source.available():
         # traced coefficients handed over with the spec (e.g. a Hugging Face config's real class): scaled
@@ -217,3 +223,16 @@ def estimate_memory(
         estimate_stage(model, train, plan, stage, stage * ranks_per_stage, calibration) for stage in range(plan.pp)
     ]
     return max(estimates, key=lambda e: e.total)
+
+
+def _warn_unknown(estimate: MemoryEstimate) -> MemoryEstimate:
+    """Warn about bytes the estimate cannot know and leaves out (their bound is in its details)."""
+    if estimate.details.get("int8_outlier_bound"):
+        warnings.warn(
+            "base_weights='int8' on CUDA: LLM.int8()'s outlier columns (bitsandbytes keeps a copy of each int8 "
+            "linear's input columns that hold a value >= its threshold, for backward) depend on the data and are "
+            "not in the estimate; MemoryEstimate.details['int8_outlier_bound'] bounds them (every column); "
+            "threshold=0 (llm_int8_threshold=0.0) keeps none",
+            UserWarning, stacklevel=3,
+        )
+    return estimate

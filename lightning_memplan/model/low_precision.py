@@ -29,7 +29,7 @@ import math
 from typing import NamedTuple
 
 from lightning_memplan.model import float8, param_counts, quantized
-from lightning_memplan.model.sizes import LowPrecision, PrecisionBytes
+from lightning_memplan.model.sizes import Kernels, LowPrecision
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan
 from lightning_memplan.model.stage_layout import StageLayout
 
@@ -135,16 +135,19 @@ def gather_saving_bytes(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
     return 0, 0
 
 
-def _transients(low: LowPrecision, plan: ParallelPlan, sizes: PrecisionBytes, tokens: int,
+def _transients(low: LowPrecision, plan: ParallelPlan, k: Kernels, tokens: int,
                 shapes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
-    """``(forward, backward)`` bytes of the largest of ``shapes``' rebuilt weights (quantized) or float8
-    copies (``(0, 0)`` without shapes)."""
+    """``(forward, backward)`` bytes of the largest of ``shapes``' rebuilt weights (quantized; a CUDA int8
+    forward's per-token buffers) or float8 copies (``(0, 0)`` without shapes)."""
     if not shapes:
         return 0, 0
+    sizes = k.sizes
     if low.base_weights is not None:
         fmt = low.base_weights
 
         def rebuilt(phase: str) -> int:
+            if fmt == "int8" and phase == "forward" and k.device == "cuda":  # MatMul8bitLt: int8 matmul
+                return max(quantized.int8_cuda_forward_bytes(tokens, i, o, input_fp16=low.fp16) for i, o in shapes)
             return max(quantized.dequant_transient_bytes(o, i, fmt, compute_bytes=sizes.compute,
                                                          stored_bytes=sizes.param, phase=phase) for i, o in shapes)
         return rebuilt("forward"), rebuilt("backward")
@@ -153,6 +156,20 @@ def _transients(low: LowPrecision, plan: ParallelPlan, sizes: PrecisionBytes, to
     rowwise = low.float8 == "rowwise"
     return tuple(float8.float8_largest_cast_bytes(tokens, shapes, weight_in_fp8=in_fp8, rowwise=rowwise, phase=phase)
                  for phase in ("forward", "backward"))  # type: ignore[return-value]
+
+
+def _int8_details(model: ModelSpec, k: Kernels, n: int, tokens: int, inflight: float) -> tuple[tuple[str, int], ...]:
+    """int8's saved inputs beyond a frozen-linear LoRA trace (``model/traced.py`` adds them to a trace
+    with a LoRA adapter) and, on CUDA, the bound of LLM.int8()'s outlier copies (not in the total: how
+    many columns hold outliers depends on the data), for the in-flight micro-batches of ``n`` blocks."""
+    shapes = quantized.block_linear_shapes(model)
+    kept = quantized.int8_kept_inputs_bytes(model, tokens, k.sizes.compute, targets=model.lora_targets,
+                                            sdpa=k.attention == "sdpa")
+    out: tuple[tuple[str, int], ...] = (("int8_kept_inputs", round(inflight * n * kept)),)
+    if k.device == "cuda":
+        bound = quantized.int8_outlier_bound_bytes(tokens, shapes, k.sizes.compute)
+        out += (("int8_outlier_bound", round(inflight * n * bound)),)
+    return out
 
 
 def _float8_stage(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, n: int, forward: int, backward: int,
@@ -165,10 +182,12 @@ def _float8_stage(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, n: in
                                       ("low_precision_backward_transient", backward), ("float8_scale_bytes", scales)))
 
 
-def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan, layout: StageLayout,
-                        sizes: PrecisionBytes, tokens: int) -> LowPrecisionStage | None:
-    """The :class:`LowPrecisionStage` of ``layout`` (``tokens``: one micro-batch's tokens on the rank),
-    ``None`` without quantized weights or float8 linears, or on a stage without blocks or a quantized head."""
+def stage_low_precision(model: ModelSpec, k: Kernels, plan: ParallelPlan, layout: StageLayout, tokens: int,
+                        inflight: float = 1.0) -> LowPrecisionStage | None:
+    """The :class:`LowPrecisionStage` of ``layout`` (``tokens``: one micro-batch's tokens on the rank;
+    ``inflight``: the micro-batches the stage holds), ``None`` without quantized weights or float8
+    linears, or on a stage without blocks or a quantized head."""
+    low, sizes = k.low_precision, k.sizes
     head = low.quantized_head and layout.has_head
     if not low.active or not (layout.n_layers or head):
         return None
@@ -176,12 +195,12 @@ def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
     shapes = quantized.block_linear_shapes(model)
     gathered = sizes.compute if sizes.autocast_copy else sizes.param  # FSDP2's all-gather dtype
     gather_block, gather_head = gather_saving_bytes(model, low, plan, gathered)
-    forward, backward = _transients(low, plan, sizes, tokens, shapes if n else ())
+    forward, backward = _transients(low, plan, k, tokens, shapes if n else ())
     if low.float8 is not None:
         return _float8_stage(model, low, plan, n, forward, backward, gather_block)
     fmt = low.base_weights
     assert fmt is not None
-    head_fwd, head_bwd = _transients(low, plan, sizes, tokens, ((h, v),) if head else ())
+    head_fwd, head_bwd = _transients(low, plan, k, tokens, ((h, v),) if head else ())
     q = n * quantized.quantized_block_numel(model) + (v * h if head else 0)
     q_bytes = quantized.base_weight_bytes(shapes, fmt, layers=n) + (quantized.quantized_weight_bytes(v, h, fmt) if head else 0)
     packed = n * sum(quantized.packed_weight_bytes(o, i, fmt) for i, o in shapes) + (
@@ -196,6 +215,7 @@ def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
     if model.n_params is None and model.lora_rank is not None and model.n_trainable_params:
         adapter = round(model.n_trainable_params * n / model.n_layers)
         adapter_block = block_trainable = round(model.n_trainable_params / model.n_layers)
+    int8 = _int8_details(model, k, n, tokens, inflight) if fmt == "int8" else ()
     return LowPrecisionStage(
         quantized=q - (v * h if tied_head else 0), quantized_bytes=q_bytes, state_bytes=q_bytes - packed,
         adapter=adapter, uncopied_blocks=n * quantized.quantized_block_numel(model), uncopied_head=v * h if head else 0,
@@ -205,5 +225,5 @@ def stage_low_precision(model: ModelSpec, low: LowPrecision, plan: ParallelPlan,
         details=(("low_precision_forward_transient", max(forward, head_fwd)),
                  ("low_precision_backward_transient", max(backward, head_bwd)),
                  ("float8_scale_bytes", 0), ("quantized_params", q), ("quantized_param_bytes", q_bytes),
-                 ("quantized_bits_x1000", math.floor(8000 * q_bytes / max(q, 1)))),
+                 ("quantized_bits_x1000", math.floor(8000 * q_bytes / max(q, 1))), *int8),
     )

@@ -51,6 +51,9 @@ __all__ = [
     "base_weight_bytes",
     "block_linear_shapes",
     "dequant_transient_bytes",
+    "int8_cuda_forward_bytes",
+    "int8_kept_inputs_bytes",
+    "int8_outlier_bound_bytes",
     "optimizer_state_bytes",
     "optimizer_state_rate",
     "packed_weight_bytes",
@@ -164,6 +167,55 @@ def dequant_transient_bytes(out_features: int, in_features: int, fmt: str, *, co
     if phase == "forward":
         return n * compute_bytes + absmax
     return n * stored_bytes + (n * compute_bytes if stored_bytes != compute_bytes else 0) + absmax
+
+
+def int8_cuda_forward_bytes(tokens: int, in_features: int, out_features: int, *, input_fp16: bool) -> int:
+    """Per-token buffers one frozen ``Linear8bitLt`` makes in a CUDA forward (``MatMul8bitLt``, freed with
+    the op) [BNB ``autograd/_functions.py``, ``backends/cuda/ops.py``, ``backends/default/ops.py``]: the
+    input cast to fp16 (``A.to(torch.float16)``, ``2 T in`` unless it is fp16), its row-wise int8 copy
+    ``CA`` (``T in``) and fp32 row scales (``4 T``, ``int8_vectorwise_quant``), and the int32 product
+    ``4 T out`` (``int8_linear_matmul``) before ``int8_mm_dequant`` writes the output. ``T`` tokens."""
+    cast = 0 if input_fp16 else 2 * tokens * in_features
+    return cast + tokens * in_features + _FP32 * tokens + _FP32 * tokens * out_features
+
+
+#: LoRA target names of each of a block's four linear inputs (the names ``model/lora.py`` knows): the
+#: attention input (q, k, v), the attention output, the MLP input, the MLP's inner activation.
+_INPUT_GROUP_TARGETS = (
+    ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value"),
+    ("o_proj", "dense", "c_proj"),
+    ("gate_proj", "up_proj", "gate_up_proj", "c_fc", "dense_h_to_4h"),
+    ("down_proj", "dense_4h_to_h", "c_proj"),
+)
+
+
+def int8_kept_inputs_bytes(model: ModelSpec, tokens: int, input_bytes: int, *, targets: Iterable[str],
+                           sdpa: bool) -> int:
+    """Bytes one block's frozen int8 linears keep for backward beyond a LoRA step with frozen linears that
+    keep nothing (``model/lora.py``): ``MatMul8bitLt`` keeps its input ``A`` whether it needs it or not
+    (``ctx.tensors = (CAt, subA, A)``; on the CPU ``MatMul8bitFp`` sets ``ctx.A = A``) [BNB
+    ``autograd/_functions.py``]. Counted per distinct input storage (q, k and v read one tensor; so do
+    gate and up): the attention input ``T h`` and the MLP input ``T h`` unless a LoRA adapter on one of
+    their linears already keeps them (``lora_A`` saves the input it shares with the base layer), the MLP's
+    inner activation ``T f`` (the product or activation feeding the down projection, which no other op
+    saves) unless adapted, and the attention output ``T a d_h`` only with eager attention (a fused SDPA
+    kernel saves its output, whose transposed view the output projection reads) unless adapted."""
+    names = set(targets)
+    h, q, f = model.hidden, model.n_heads * model.dim_head, model.ffn
+    widths = (h, 0 if sdpa else q, h, f)
+    kept = sum(w for w, group in zip(widths, _INPUT_GROUP_TARGETS, strict=True) if not names & set(group))
+    return tokens * kept * input_bytes
+
+
+def int8_outlier_bound_bytes(tokens: int, shapes: Iterable[tuple[int, int]], input_bytes: int) -> int:
+    """Upper bound of the outlier columns one block's int8 linears keep on CUDA (LLM.int8()'s mixed
+    decomposition, ``threshold > 0``: transformers' ``llm_int8_threshold`` and Lightning's int8 layers
+    default to 6.0): ``subA = A[:, outlier_cols].contiguous()``, a copy per linear of the input columns
+    holding a value of magnitude >= threshold, saved for backward [BNB ``backends/default/ops.py``
+    ``int8_mixed_scaled_mm``]. How many columns that is depends on the data (Dettmers et al. 2022,
+    arXiv 2208.07339, section 4: a few feature dimensions); the bound is every column,
+    ``sum of T in input_bytes``."""
+    return sum(tokens * inp * input_bytes for inp, _ in shapes)
 
 
 def block_linear_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:

@@ -115,6 +115,7 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
     kernels, optimizer, facts, offload_params, zero_config = _step(train)
     layout = stage_layout(model, plan, stage, train.framework)
     b, s = train.micro_batch, train.seq_len // plan.cp
+    inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
     return ResolvedStage(
         kernels=kernels,
         optimizer=optimizer,
@@ -127,8 +128,7 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
         t=plan.tp,
         sp=plan.sp,
         shard=plan.dp * plan.cp,
-        inflight=terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule,
-                                                      plan.virtual_stages),
+        inflight=inflight,
         batch_tokens=train.micro_batch * train.seq_len * (plan.microbatches if plan.pp > 1 else 1),
         accumulation=train.grad_accumulation,
         grads_alive_in_forward=train.grads_alive_in_forward,
@@ -139,5 +139,5 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
         offload_params=offload_params,
         offload_activations=train.offload_activations,
         zero_config=zero_config,
-        low=stage_low_precision(model, kernels.low_precision, plan, layout, kernels.sizes, b * s),
+        low=stage_low_precision(model, kernels, plan, layout, b * s, inflight),
     )

@@ -209,11 +209,14 @@ class LowPrecision:
         quantized_head: ``TrainSpec.quantized_head``: the lm_head is quantized too (Lightning's
             ``BitsandbytesPrecision`` converts every ``nn.Linear``; transformers' ``BitsAndBytesConfig``
             leaves the output embedding in the parameter dtype).
+        fp16: the activations are float16 (``"16-true"``): bitsandbytes' int8 matmul casts any other input
+            to float16 first.
     """
 
     base_weights: str | None = None
     float8: str | None = None
     quantized_head: bool = False
+    fp16: bool = False
 
     @property
     def active(self) -> bool:
@@ -229,7 +232,8 @@ def low_precision_of(train: TrainSpec) -> LowPrecision:
     """The :class:`LowPrecision` of ``train`` (:data:`NO_LOW_PRECISION` for a plain step)."""
     if train.base_weights is None and train.float8 is None:
         return NO_LOW_PRECISION
-    return LowPrecision(base_weights=train.base_weights, float8=train.float8, quantized_head=train.quantized_head)
+    return LowPrecision(base_weights=train.base_weights, float8=train.float8, quantized_head=train.quantized_head,
+                        fp16=train.precision == "16-true")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -262,6 +262,33 @@ def test_base_weights_needs_frozen_weights_and_a_plain_layout() -> None:
     assert estimate_memory(lora, train, ParallelPlan(dp=2, zero=3)).total > 0  # FSDP2 + QLoRA too
 
 
+def test_int8_on_cuda_counts_its_per_token_buffers_and_warns_of_the_outliers() -> None:
+    """CUDA int8 (``MatMul8bitLt``, bitsandbytes 0.50.2 ``autograd/_functions.py``): the forward's per-token
+    buffers (the fp16 cast of a non-fp16 input, the int8 row copy, its fp32 row scales, the int32 product)
+    are the largest linear's forward transient; LLM.int8()'s outlier columns depend on the data, so the
+    estimate leaves them out, bounds them in its details and warns. No GPU measured this (the CPU runs
+    ``MatMul8bitFp``, measured in tests/unit/test_qlora_step.py)."""
+    spec = ModelSpec(2, 64, 4, 256, ffn_kind="swiglu", ffn_hidden=160).with_lora(rank=4, targets=("q_proj", "v_proj"))
+    b, s, h, f = 2, 32, 64, 160
+    tokens = b * s
+    train = TrainSpec(micro_batch=b, seq_len=s, precision="16-true", base_weights="int8")
+    with pytest.warns(UserWarning, match=r"LLM\.int8\(\)'s outlier columns"):
+        est = estimate_memory(spec, train)
+    linears = quantized.block_linear_shapes(spec)
+    assert est.details["low_precision_forward_transient"] == max(
+        tokens * i + 4 * tokens + 4 * tokens * o for i, o in linears)  # fp16 input: no cast
+    assert est.details["int8_outlier_bound"] == 2 * sum(tokens * i * 2 for i, _ in linears)  # every column, 2 blocks
+    assert est.details["int8_kept_inputs"] == 2 * tokens * (h + f) * 2  # MLP input and inner activation, fp16
+    with pytest.warns(UserWarning, match="outlier columns"):
+        bf16 = estimate_memory(spec, train.replace(precision="bf16-true"))
+    assert bf16.details["low_precision_forward_transient"] == max(
+        3 * tokens * i + 4 * tokens + 4 * tokens * o for i, o in linears)  # + the fp16 cast
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CPU path keeps no outlier columns: no warning
+        cpu = estimate_memory(spec, train.replace(device="cpu", precision="32-true"))
+    assert "int8_outlier_bound" not in cpu.details
+
+
 # ----------------------------------------------------------------------------------- reading a run
 @pytest.mark.parametrize(("mode", "want"), [
     ("nf4", "nf4"), ("nf4-dq", "nf4-dq"), ("fp4", "fp4"), ("fp4-dq", "fp4-dq"), ("int8", "int8"), ("int8-training", None),
