@@ -288,7 +288,7 @@ class MemorySession:
                 if bound and "int8_outliers" not in self.warned:  # bytes the estimate cannot know (issue 35)
                     self.warned.add("int8_outliers")
                     self.note(f"int8 base weights on CUDA: LLM.int8()'s outlier columns are not in the estimate (they "
-                              f"depend on the data); at most {format_bytes(bound, "MiB")} at batch {b} x {s}")
+                              f"depend on the data); at most {format_bytes(bound, 'MiB')} at batch {b} x {s}")
             except (ValueError, TypeError) as exc:
                 self.note(f"the memory model cannot estimate batch {b} x {s}: {exc}")
         fit.estimates[key] = est
