@@ -15,9 +15,12 @@ Importing this module imports no Lightning; a LightningModule is recognised by i
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
+import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ from torch import nn
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
 from lightning_memplan.tracking.batch import first_tensor
 from lightning_memplan.tracking.fake_fidelity import real_step_branches
+from lightning_memplan.tracking.fake_params import fake_parameter_memo
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import TensorTracker
@@ -179,14 +183,31 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-def _copy_module(module: nn.Module) -> nn.Module:
+def _copy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     # Never deep-copy what a LightningModule merely points at (its Trainer / Fabric).
-    memo: dict[int, Any] = {}
+    memo = {} if memo is None else memo
     for attr in ("_trainer", "_fabric", "_fabric_optimizers"):
         value = module.__dict__.get(attr)
         if value is not None:
             memo[id(value)] = None
     return copy.deepcopy(module, memo)
+
+
+@contextlib.contextmanager
+def _private_random_state() -> Iterator[None]:
+    """The CPU and CUDA generators (``torch.random.fork_rng``), Python's ``random`` and NumPy's global
+    state (when NumPy is imported) put back on exit: a real step run beside the user's leaves their
+    random draws as they were."""
+    numpy = sys.modules.get("numpy")
+    py_state, np_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(py_state)
+        if numpy is not None:
+            numpy.random.set_state(np_state)
 
 
 def _move(module: nn.Module, device: torch.device) -> nn.Module:
@@ -404,7 +425,7 @@ def trace_memory(
         try:
             with FakeCopyMode(fake_mode), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-                fake_module = _copy_module(module)
+                fake_module = _copy_module(module, fake_parameter_memo(module, fake_mode))  # bitsandbytes' params
             if batch_shape is None:
                 fake_batch = _map_tensors(example_input, fake_mode.from_tensor)
                 make_fake: Callable[[], Any] = lambda: fake_batch  # noqa: E731
@@ -431,7 +452,8 @@ def trace_memory(
         if device.type != "cpu":
             run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
         cpu_module = _copy_module(module).to("cpu")  # a private copy: the user's module is never stepped
-        report = _run(cpu_module, make_batch, fake=False, device=torch.device("cpu"), **run_kwargs)  # type: ignore[arg-type]
+        with _private_random_state():  # its dropout and synthetic batches draw from the run's generators
+            report = _run(cpu_module, make_batch, fake=False, device=torch.device("cpu"), **run_kwargs)  # type: ignore[arg-type]
     return TraceResult(
         estimate=report.to_estimate(source="traced"),
         report=report,

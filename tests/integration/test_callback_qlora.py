@@ -69,7 +69,7 @@ def test_callback_reads_nf4_dq_and_estimates_within_5_percent(tmp_path: Path) ->
     cb = MemoryPlanCallback(measure_every_n_steps=1, print_report=False, write_files=False)
     trainer = make_trainer(tmp_path, [cb], limit_train_batches=4, logger=False, precision="32-true")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the calibration's fake copy cannot hold Params4bit (a real step then)
+        warnings.simplefilter("ignore")
         trainer.fit(LitQLoRA(model), _loader(model.config.vocab_size))
     assert cb._train is not None and cb._train.base_weights == "nf4-dq"
     assert cb.report.run["precision"] == "32-true; base weights nf4-dq"

@@ -3,9 +3,9 @@
 (bitsandbytes >= 0.45 quantizes on the CPU), peft LoRA on q/v, one real training step.
 
 Three numbers agree within 5%: PyTorch's MemTracker on the real step (handed bitsandbytes' absmaxes and
-codes, which are no parameters), ``trace_memory`` of the same module (its fake-tensor copy cannot hold
-bitsandbytes' ``Params4bit``, whose ``__deepcopy__`` copies real tensors, so it measures a real CPU step and
-says so), and the config-only estimate ``ModelSpec.from_hf_config(config).with_lora(...)`` with
+codes, which are no parameters), ``trace_memory`` of the same module (a fake-tensor step: bitsandbytes'
+``Params4bit`` is faked by ``tracking/fake_params.py``, its own ``__deepcopy__`` would copy real tensors),
+and the config-only estimate ``ModelSpec.from_hf_config(config).with_lora(...)`` with
 ``TrainSpec(base_weights="nf4-dq")``, which traces the unquantized LoRA copies and scales the parameters by
 the bitsandbytes layout (``model/quantized.py``). Nothing of the quantized terms is fitted; the traced
 coefficients are: (2, 128) is one of ``TRACE_SHAPES`` (fitted), (3, 96) is held out (b=3 is never traced).
@@ -78,9 +78,11 @@ def test_qlora_step_memtracker_trace_and_config_only_agree(b: int, s: int, tmp_p
     quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 7 * LAYERS and not isinstance(model.base_model.model.lm_head, bnb.nn.Linear4bit)
     batch = example_batch(model, b, s)
-    with pytest.warns(RuntimeWarning, match="fake-tensor step failed"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fall back to a real step
         traced = trace_memory(model, batch, optimizer="adamw", optimizer_impl="for_loop", precision="32-true")
     measured = measure_step(model, batch, precision="32-true")
+    assert traced.mode == "fake" and traced.estimate.total == measured  # the fake step is the real one's
 
     spec = ModelSpec.from_hf_config(_config()).with_lora(rank=RANK, targets=TARGETS)
     estimate = estimate_memory(spec, _train(b, s, "nf4-dq"))

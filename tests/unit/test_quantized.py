@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -287,6 +288,62 @@ def test_int8_on_cuda_counts_its_per_token_buffers_and_warns_of_the_outliers() -
         warnings.simplefilter("error")  # the CPU path keeps no outlier columns: no warning
         cpu = estimate_memory(spec, train.replace(device="cpu", precision="32-true"))
     assert "int8_outlier_bound" not in cpu.details
+
+
+def _bnb_net(bnb: Any, dropout: float = 0.0) -> torch.nn.Module:
+    """An embedding, an NF4-DQ ``Linear4bit``, a frozen ``Linear8bitLt`` and a trainable head, quantized on
+    the move to the CPU."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Dropout(dropout),
+        bnb.nn.Linear4bit(32, 128, bias=False, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True),
+        bnb.nn.Linear8bitLt(128, 32, bias=False, has_fp16_weights=False, threshold=0.0), torch.nn.Linear(32, 64),
+    ).to("cpu")
+
+
+def test_trace_memory_fakes_bitsandbytes_parameters() -> None:
+    """``trace_memory``'s fake copy of bitsandbytes' ``Params4bit`` and ``Int8Params``
+    (``tracking/fake_params.py``): the fake step runs (no fall back to a real one) and its peak is the real
+    CPU step's to the byte; the module itself is left as it was (its parameters, the layer's
+    ``quant_state`` still the weight's)."""
+    bnb = pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
+    from lightning_memplan.tracking.trace import trace_memory
+
+    net = _bnb_net(bnb)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = [(p, p.data_ptr()) for p in net.parameters()]
+    net[3](torch.zeros(1, 128))  # Linear8bitLt moves CB/SCB to its MatmulLtState on its first call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fake = trace_memory(net, example_input=(ids, ids.clone()), optimizer="adamw", optimizer_impl="for_loop",
+                            precision="32-true")
+    real = trace_memory(net, example_input=(ids, ids.clone()), optimizer="adamw", optimizer_impl="for_loop",
+                        precision="32-true", fake=False)
+    assert fake.mode == "fake" and real.mode == "real"
+    assert fake.estimate.total == real.estimate.total and fake.estimate.params == real.estimate.params
+    assert [(p, p.data_ptr()) for p in net.parameters()] == before
+    assert net[2].quant_state is net[2].weight.quant_state and not net[2].weight.requires_grad
+
+
+def test_trace_memory_real_step_leaves_the_random_state() -> None:
+    """The real CPU step ``trace_memory`` runs (``fake=False``, and the fall back when a fake step fails)
+    draws from the run's generators (dropout, synthetic batches): the CPU generator, Python's ``random``
+    and NumPy's global state are put back."""
+    bnb = pytest.importorskip("bitsandbytes", reason="the quant extra (pip install 'lightning-memplan[quant]')")
+    import random
+
+    import numpy as np
+
+    from lightning_memplan.tracking.trace import trace_memory
+
+    net = _bnb_net(bnb, dropout=0.5)
+    random.seed(3)
+    np.random.seed(3)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    trace_memory(net, batch_shape=(2, 16), optimizer="adamw", optimizer_impl="for_loop", precision="32-true",
+                 fake=False)
+    assert torch.equal(states[0], torch.get_rng_state())
+    assert states[1] == random.getstate() and np.array_equal(states[2], np.random.get_state()[1])
 
 
 # ----------------------------------------------------------------------------------- reading a run
