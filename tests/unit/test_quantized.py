@@ -346,6 +346,24 @@ def test_trace_memory_real_step_leaves_the_random_state() -> None:
     assert states[1] == random.getstate() and np.array_equal(states[2], np.random.get_state()[1])
 
 
+def test_the_report_names_the_int8_outlier_bound() -> None:
+    """The callback's session notes what the estimate leaves out for CUDA int8 (once, with the bound)."""
+    from lightning_memplan.monitoring.options import MonitorOptions
+    from lightning_memplan.monitoring.session import MemorySession
+
+    session = MemorySession(MonitorOptions(write_files=False, print_report=False))
+    session.fit.spec = ModelSpec(2, 64, 4, 256, ffn_kind="swiglu", ffn_hidden=160).with_lora(rank=4)
+    session.fit.train = TrainSpec(micro_batch=1, seq_len=32, precision="16-true", base_weights="int8")
+    session.fit.plan = ParallelPlan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = session.estimate(2, 32)
+        session.estimate(4, 32)
+    assert est is not None and est.details["int8_outlier_bound"] > 0
+    notes = [n for n in session.report.notes if "outlier columns" in n]
+    assert len(notes) == 1 and "at most" in notes[0] and "batch 2 x 32" in notes[0], session.report.notes
+
+
 # ----------------------------------------------------------------------------------- reading a run
 @pytest.mark.parametrize(("mode", "want"), [
     ("nf4", "nf4"), ("nf4-dq", "nf4-dq"), ("fp4", "fp4"), ("fp4-dq", "fp4-dq"), ("int8", "int8"), ("int8-training", None),
