@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
 from lightning_memplan.tracking.batch import first_tensor
-from lightning_memplan.tracking.fake_fidelity import real_step_branches
+from lightning_memplan.tracking.fake_fidelity import masks_padded, real_kernel_sizes, real_step_branches
+from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import TensorTracker
@@ -276,6 +277,134 @@ def _run(
     return tracker.report()
 
 
+@dataclass(frozen=True)
+class _Batches:
+    """How one trace gets its batch: ``real()`` builds real tensors (the real fallback step), ``fake(mode)``
+    fake ones; b and s of the batch, and whether its attention masks hold padding (``None``: unknown)."""
+
+    micro_batch: int
+    seq: int | None
+    real: Callable[[], Any]
+    fake: Callable[[Any], Any]
+    padded: bool | None
+
+
+def _clone_batch(batch: Any) -> Any:
+    """The batch with every tensor cloned once (a tensor that appears twice stays one tensor)."""
+    clones: dict[int, torch.Tensor] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in clones:
+            clones[id(t)] = t.detach().clone()
+        return clones[id(t)]
+
+    return _map_tensors(batch, clone)
+
+
+def _batch_source(module: nn.Module, example_input: Any, batch_shape: tuple[int, int] | None,
+                  input_fn: Callable[[int, int], Any] | None) -> _Batches:
+    """The :class:`_Batches` of ``example_input``, or of ``batch_shape`` built by ``input_fn`` (token ids
+    from the module's largest embedding when none); a batch factory's ``padded`` answer is kept."""
+    if batch_shape is not None:
+        b, s = batch_shape
+
+        def make_batch(_mode: Any = None) -> Any:
+            return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
+
+        return _Batches(b, s, make_batch, make_batch, getattr(input_fn, "padded", None))
+    first = first_tensor(example_input)
+    if first is None:
+        raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
+    micro_batch = int(first.shape[0]) if first.dim() else 1
+    seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
+    return _Batches(micro_batch, seq, lambda: _clone_batch(example_input),
+                    lambda mode: _map_tensors(example_input, mode.from_tensor), masks_padded(example_input))
+
+
+def _check_device(device: Any) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device={device!r:.80} must be a device string such as 'cpu' or 'cuda', or a torch.device")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r:.80} is not a torch device; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA build with a visible GPU to trace its kernels; use device='cpu'")
+    return device
+
+
+def _check_inputs(module: Any, example_input: Any, batch_shape: Any, input_fn: Any, loss_fn: Any,
+                  optimizer: Any, optimizer_impl: Any, pin_moments: Any) -> tuple[int, int] | None:
+    """The checks of :func:`trace_memory`'s module, batch and callables; the checked ``batch_shape``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module={module!r:.80} must be an nn.Module (a LightningModule or any torch module) to trace; "
+            "e.g. trace_memory(model, example_input=batch)"
+        )
+    if (example_input is None) == (batch_shape is None):
+        raise ValueError(
+            "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
+            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r:.80}"
+        )
+    _check_callable("input_fn", input_fn, "(b, s) -> batch")
+    _check_callable("loss_fn", loss_fn, "(module, batch) -> loss")
+    if not isinstance(optimizer, str) and not callable(optimizer):
+        raise TypeError(f"optimizer={optimizer!r:.80} must be a name such as 'adamw' or a factory params -> Optimizer")
+    if pin_moments is not None and not isinstance(pin_moments, Mapping):
+        raise TypeError(f"pin_moments={pin_moments!r:.80} must be a dict {{phase: '<operator>#<k>'}} or None")
+    if isinstance(optimizer, str) and optimizer not in _OPTIMIZER_NAMES:
+        make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
+    if optimizer_impl not in _OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
+    if batch_shape is None:
+        return None
+    checked = _check_shape("batch_shape", batch_shape, module)
+    if input_fn is None and _vocab_of(module) is None:
+        _token_batch(module, *checked)  # raises: nothing to draw token ids from
+    return checked
+
+
+def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
+                 run_kwargs: dict[str, Any]) -> tuple[TrackerReport | None, str | None]:
+    """The fake-tensor step's report, or ``(None, why it failed)``."""
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with FakeCopyMode(fake_mode), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            fake_module = _copy_module(module)
+        # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
+        # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
+        # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)
+        with fake_mode, real_step_branches(padded=batches.padded), real_kernel_sizes():
+            fake_batch = batches.fake(fake_mode)  # inside the mode: a factory's tensors are made fake
+            report = _run(fake_module, lambda: fake_batch, fake=True, device=device, **run_kwargs)
+        return report, None
+    except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        warnings.warn(
+            f"trace_memory: the fake-tensor step failed ({reason}); measuring a real CPU step instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None, reason
+
+
+def _real_report(module: nn.Module, batches: _Batches, reason: str | None,
+                 run_kwargs: dict[str, Any]) -> TrackerReport:
+    """A real CPU step of a private copy of ``module`` (the user's module is never stepped)."""
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "module has parameters on the meta device, so a real step cannot run"
+            + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
+        )
+    cpu_module = _copy_module(module).to("cpu")
+    return _run(cpu_module, batches.real, fake=False, device=torch.device("cpu"), **run_kwargs)
+
+
 def trace_memory(
     module: nn.Module,
     example_input: Any = None,
@@ -298,12 +427,15 @@ def trace_memory(
 
     Args:
         module: any ``nn.Module`` (a LightningModule runs its ``training_step``); it is copied, never
-            modified or stepped.
+            modified or stepped, and the global random states (CPU, CUDA, Python, NumPy) are as they were
+            after the call (:func:`~lightning_memplan.tracking.isolation.preserved_run_state`).
         example_input: a batch (tensor, tuple, list or dict of tensors) as the loss function takes it.
         batch_shape: ``(b, s)`` instead of ``example_input``: random token ids ``[b, s]`` from the
             module's largest ``nn.Embedding`` (or ``input_fn(b, s)`` when given). Made directly as fake
             tensors, so a batch that would not fit anywhere can be traced.
-        input_fn: ``(b, s) -> batch`` used with ``batch_shape``.
+        input_fn: ``(b, s) -> batch`` used with ``batch_shape`` (its ``padded`` attribute, when it has one,
+            says whether the real batch's attention masks hold padding, as
+            :func:`~lightning_memplan.live.batch_factory` sets it).
         loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
             :func:`default_loss`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``.
@@ -329,16 +461,8 @@ def trace_memory(
         ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
             ``steps``; an unknown precision or optimizer.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"module={module!r:.80} must be an nn.Module (a LightningModule or any torch module) to trace; "
-            "e.g. trace_memory(model, example_input=batch)"
-        )
-    if (example_input is None) == (batch_shape is None):
-        raise ValueError(
-            "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
-            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r:.80}"
-        )
+    batch_shape = _check_inputs(module, example_input, batch_shape, input_fn, loss_fn, optimizer, optimizer_impl,
+                                pin_moments)
     steps = check_int("steps", steps, maximum=MAX_TRACE_STEPS,
                       hint=f"training steps to run, the last measured: 2 reach the steady state (at most {MAX_TRACE_STEPS})")
     grads_alive_in_forward = check_bool(
@@ -347,101 +471,26 @@ def trace_memory(
     fake = check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step")
     seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it")
     vocab_size = check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it")
-    _check_callable("input_fn", input_fn, "(b, s) -> batch")
-    _check_callable("loss_fn", loss_fn, "(module, batch) -> loss")
-    if not isinstance(optimizer, str) and not callable(optimizer):
-        raise TypeError(f"optimizer={optimizer!r:.80} must be a name such as 'adamw' or a factory params -> Optimizer")
-    if pin_moments is not None and not isinstance(pin_moments, Mapping):
-        raise TypeError(f"pin_moments={pin_moments!r:.80} must be a dict {{phase: '<operator>#<k>'}} or None")
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device={device!r:.80} must be a device string such as 'cpu' or 'cuda', or a torch.device")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device={device!r:.80} is not a torch device; use 'cpu' or 'cuda'") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' needs a CUDA build with a visible GPU to trace its kernels; use device='cpu'")
+    device = _check_device(device)
     emulation = PrecisionEmulation(precision=precision, device_type=device.type)
-    if isinstance(optimizer, str) and optimizer not in _OPTIMIZER_NAMES:
-        make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
-    if optimizer_impl not in _OPTIMIZER_IMPLS:
-        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
-    if batch_shape is not None:
-        batch_shape = _check_shape("batch_shape", batch_shape, module)
-        if input_fn is None and _vocab_of(module) is None:
-            _token_batch(module, *batch_shape)  # raises: nothing to draw token ids from
-    loss_fn = loss_fn or default_loss
-    if batch_shape is not None:
-        b, s = batch_shape
-        micro_batch: int = b
-        seq: int | None = s
-
-        def make_batch() -> Any:
-            return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
-    else:
-        first = first_tensor(example_input)
-        if first is None:
-            raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
-        micro_batch = int(first.shape[0]) if first.dim() else 1
-        seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
-
-        def make_batch() -> Any:
-            return _map_tensors(example_input, lambda t: t.detach().clone())
-    seq_len = seq_len if seq_len is not None else seq
-    vocab_size = vocab_size if vocab_size is not None else _vocab_of(module)
-    n_params = sum(p.numel() for p in module.parameters())
-    run_kwargs = dict(
-        loss_fn=loss_fn, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation, steps=steps,
-        seq_len=seq_len, vocab_size=vocab_size, pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
+    batches = _batch_source(module, example_input, batch_shape, input_fn)
+    seq_len = seq_len if seq_len is not None else batches.seq
+    run_kwargs: dict[str, Any] = dict(
+        loss_fn=loss_fn or default_loss, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation,
+        steps=steps, seq_len=seq_len, vocab_size=vocab_size if vocab_size is not None else _vocab_of(module),
+        pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
     )
-    mode, reason = "real", None
-    if fake:
-        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        try:
-            with FakeCopyMode(fake_mode), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-                fake_module = _copy_module(module)
-            if batch_shape is None:
-                fake_batch = _map_tensors(example_input, fake_mode.from_tensor)
-                make_fake: Callable[[], Any] = lambda: fake_batch  # noqa: E731
-            else:
-                make_fake = make_batch
-            # real_step_branches: library code that branches on "is this a FakeTensor" takes the real
-            # step's branch (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks)
-            with fake_mode, real_step_branches():
-                report = _run(fake_module, make_fake, fake=True, device=device, **run_kwargs)  # type: ignore[arg-type]
-            mode = "fake"
-        except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step
-            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            warnings.warn(
-                f"trace_memory: the fake-tensor step failed ({reason}); measuring a real CPU step instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    if mode == "real":
-        if any(p.is_meta for p in module.parameters()):
-            raise ValueError(
-                "module has parameters on the meta device, so a real step cannot run"
-                + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
-            )
-        if device.type != "cpu":
-            run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
-        cpu_module = _copy_module(module).to("cpu")  # a private copy: the user's module is never stepped
-        report = _run(cpu_module, make_batch, fake=False, device=torch.device("cpu"), **run_kwargs)  # type: ignore[arg-type]
+    with preserved_run_state(module):
+        report, reason = _fake_report(module, batches, device, run_kwargs) if fake else (None, None)
+        mode = "fake" if report is not None else "real"
+        if report is None:
+            if device.type != "cpu":
+                run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
+            report = _real_report(module, batches, reason, run_kwargs)
     return TraceResult(
-        estimate=report.to_estimate(source="traced"),
-        report=report,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        precision=emulation.precision,
-        mode=mode,
-        fallback_reason=reason,
-        n_params=n_params,
-        steps=steps,
+        estimate=report.to_estimate(source="traced"), report=report, micro_batch=batches.micro_batch,
+        seq_len=seq_len, precision=emulation.precision, mode=mode,
+        fallback_reason=reason, n_params=sum(p.numel() for p in module.parameters()), steps=steps,
     )
 
 
@@ -461,6 +510,64 @@ def _design(shapes: Sequence[tuple[int, int]], terms: int) -> torch.Tensor:
 def _rank(shapes: Sequence[tuple[int, int]], terms: int) -> int:
     x = _design(shapes, terms)
     return int(torch.linalg.matrix_rank(x / x.abs().amax(dim=0).clamp_min(1.0)))
+
+
+def _check_shapes(module: Any, shapes: Any, quadratic: Any) -> tuple[list[tuple[int, int]], bool | None]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r:.80} must be an nn.Module to calibrate; e.g. calibrate(model)")
+    if not isinstance(shapes, (tuple, list)) or not 1 <= len(shapes) <= MAX_CALIBRATION_SHAPES:
+        raise ValueError(
+            f"shapes={shapes!r:.80} must be a list of one to {MAX_CALIBRATION_SHAPES} (micro_batch, seq_len) "
+            "pairs (one trace each; two or three separate the terms), e.g. ((1, 64), (2, 128))"
+        )
+    checked = [_check_shape(f"shapes[{i}]", pair, module) for i, pair in enumerate(shapes)]
+    if quadratic is not None:
+        quadratic = check_bool("quadratic", quadratic, hint="or None to decide from the attention")
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"shapes={checked!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
+    return checked, quadratic
+
+
+def _pinned_tracer(module: nn.Module, reference: tuple[int, int], ref: TraceResult,
+                   input_fn: Callable[[int, int], Any] | None,
+                   trace_kwargs: Mapping[str, Any]) -> Callable[[tuple[int, int]], Mapping[str, Mapping[str, int]]]:
+    """``shape -> {phase: {component: bytes}}`` at the moments where the ``reference`` shape peaks."""
+    pin = dict(ref.report.peak_ops)
+
+    def at_moment(shape: tuple[int, int]) -> Mapping[str, Mapping[str, int]]:
+        if shape == reference:
+            return ref.by_phase
+        pinned = trace_memory(module, batch_shape=shape, input_fn=input_fn, pin_moments=pin, **trace_kwargs).report.pinned
+        missing = [p for p in pin if p not in pinned]
+        if missing:
+            raise ValueError(
+                f"the step for shape {shape} never reaches the moment(s) {[pin[p] for p in missing]} where "
+                f"{reference} peaks in phase(s) {missing}: its op sequence depends on the batch shape, so shapes "
+                "cannot be compared at one moment; calibrate with shapes closer to each other"
+            )
+        return pinned
+
+    return at_moment
+
+
+def _fit(shapes: Sequence[tuple[int, int]], measured: Sequence[Mapping[str, Mapping[str, int]]],
+         phases: Sequence[str], terms: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """``{phase: {component: (c0, c1, c2)}}``: solved exactly with as many shapes as terms, else by least
+    squares (columns scaled first: they span 1 .. b*s^2)."""
+    x = _design(shapes, terms)
+    scale = x.abs().amax(dim=0).clamp_min(1.0)
+    coefficients: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for phase in phases:
+        coefficients[phase] = {}
+        for component in COMPONENTS:
+            y = torch.tensor([[float(m[phase].get(component, 0))] for m in measured], dtype=torch.float64)
+            if len(shapes) == terms:
+                sol = (torch.linalg.solve(x / scale, y).flatten() / scale).tolist()
+            else:
+                sol = (torch.linalg.lstsq(x / scale, y, driver="gelsd").solution.flatten() / scale).tolist()
+            c = (sol + [0.0, 0.0, 0.0])[:3]
+            coefficients[phase][component] = (float(c[0]), float(c[1]), float(c[2]))
+    return coefficients
 
 
 def calibrate(
@@ -488,45 +595,25 @@ def calibrate(
     the traced shapes (as many shapes as terms). ``quadratic=False`` forces the two-term fit (an input
     whose sequence length is fixed by the model, such as a vision transformer's patch count, where the
     b*s^2 term cannot be separated); ``True`` forces the three-term fit; ``None`` decides as above.
+    One shape is a measurement, not a fit: c0 is its bytes and c1 = c2 = 0, exact at that shape only
+    (for a batch none of whose tensors can be resized).
 
     Raises:
-        ValueError: fewer than 2 shapes, a non-positive size, or shapes that cannot separate the terms
-            (e.g. the same b*s twice).
+        ValueError: no shape or more than :data:`MAX_CALIBRATION_SHAPES`, a non-positive size, or shapes
+            that cannot separate the terms (e.g. the same b*s twice).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={module!r:.80} must be an nn.Module to calibrate; e.g. calibrate(model)")
-    if not isinstance(shapes, (tuple, list)) or not 2 <= len(shapes) <= MAX_CALIBRATION_SHAPES:
-        raise ValueError(
-            f"shapes={shapes!r:.80} must be a list of at least two (micro_batch, seq_len) pairs and at most "
-            f"{MAX_CALIBRATION_SHAPES} (one trace each), e.g. ((1, 64), (2, 128))"
-        )
-    shapes = [_check_shape(f"shapes[{i}]", pair, module) for i, pair in enumerate(shapes)]
-    if quadratic is not None:
-        quadratic = check_bool("quadratic", quadratic, hint="or None to decide from the attention")
-    if len(set(shapes)) != len(shapes):
-        raise ValueError(f"shapes={shapes!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
+    shapes, quadratic = _check_shapes(module, shapes, quadratic)
     reference = max(shapes, key=lambda bs: (bs[0] * bs[1] * bs[1], bs[0] * bs[1]))
     ref = trace_memory(module, batch_shape=reference, input_fn=input_fn, **trace_kwargs)
-    pin = dict(ref.report.peak_ops)
-
-    def at_moment(shape: tuple[int, int]) -> Mapping[str, Mapping[str, int]]:
-        if shape == reference:
-            return ref.by_phase
-        pinned = trace_memory(module, batch_shape=shape, input_fn=input_fn, pin_moments=pin, **trace_kwargs).report.pinned
-        missing = [p for p in pin if p not in pinned]
-        if missing:
-            raise ValueError(
-                f"the step for shape {shape} never reaches the moment(s) {[pin[p] for p in missing]} where "
-                f"{reference} peaks in phase(s) {missing}: its op sequence depends on the batch shape, so shapes "
-                "cannot be compared at one moment; calibrate with shapes closer to each other"
-            )
-        return pinned
-
+    at_moment = _pinned_tracer(module, reference, ref, input_fn, trace_kwargs)
     measured = [at_moment(shape) for shape in shapes]
-    if quadratic is None:
-        quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
-    terms = 3 if quadratic else 2
-    if quadratic and _rank(shapes, 3) < 3:
+    if len(shapes) == 1:
+        terms = 1
+    else:
+        if quadratic is None:
+            quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
+        terms = 3 if quadratic else 2
+    if terms == 3 and _rank(shapes, 3) < 3:
         third = _third_shape(shapes)
         if third is None:
             raise ValueError(f"shapes={shapes!r} cannot separate the b*s and b*s^2 terms; add a third (b, s)")
@@ -537,22 +624,9 @@ def calibrate(
             f"shapes={shapes!r} do not separate the fitted terms (need different b*s"
             + (" and b*s^2" if terms == 3 else "") + "); use shapes such as ((1, 64), (2, 128))"
         )
-    x = _design(shapes, terms)
-    scale = x.abs().amax(dim=0).clamp_min(1.0)  # columns span 1 .. b*s^2: scale before solving
-    coefficients: dict[str, dict[str, tuple[float, float, float]]] = {}
-    for phase in pin:
-        coefficients[phase] = {}
-        for component in COMPONENTS:
-            y = torch.tensor([[float(m[phase].get(component, 0))] for m in measured], dtype=torch.float64)
-            if len(shapes) == terms:
-                sol = (torch.linalg.solve(x / scale, y).flatten() / scale).tolist()
-            else:
-                sol = (torch.linalg.lstsq(x / scale, y, driver="gelsd").solution.flatten() / scale).tolist()
-            c = (sol + [0.0, 0.0, 0.0])[:3]
-            coefficients[phase][component] = (float(c[0]), float(c[1]), float(c[2]))
     return Calibration(
-        coefficients=coefficients,
-        traced_shapes=tuple(shapes),  # type: ignore[arg-type]
+        coefficients=_fit(shapes, measured, list(ref.report.peak_ops), terms),
+        traced_shapes=tuple(shapes),
         precision=ref.precision,
         n_params=ref.n_params,
     )
