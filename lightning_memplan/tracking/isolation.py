@@ -86,7 +86,7 @@ def _forked_rngs() -> Iterator[None]:
         random.setstate(python_state)
         if numpy_state is not None:
             sys.modules["numpy"].random.set_state(numpy_state)
-        if mps_state is not None:
+        if mps_state is not None and mps is not None:
             mps.set_rng_state(mps_state)
         if not cuda_before and _cuda_devices():
             _reseed_new_cuda()
@@ -113,7 +113,7 @@ class _ModuleState:
         self.params = params
         self.requires_grad = [p.requires_grad for _, p in params]
         self.grads = [p.grad for _, p in params]
-        tensors = [(f"parameter {n}", p) for n, p in params]
+        tensors: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in params]
         tensors += [(f"gradient {n}", p.grad) for n, p in params if p.grad is not None]
         if module is not None:
             tensors += [(f"buffer {n}", b) for n, b in module.named_buffers(remove_duplicate=False)]
