@@ -213,7 +213,10 @@ class StateGuard:
                 return hook(trainer, pl_module, *args, **kwargs)
             finally:
                 self.calls += 1
-                moved = snapshot_differences(before, run_state_snapshot(pl_module, optimizers))
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():  # no op of the comparison reaches a tracker of the step
+                    moved = snapshot_differences(before, run_state_snapshot(pl_module, optimizers))
                 if moved:
                     where = f"{name}@{getattr(trainer, 'global_step', '?')}"
                     self.changes.append(f"{where}: {', '.join(moved[:8])}" + (" ..." if len(moved) > 8 else ""))
