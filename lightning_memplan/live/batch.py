@@ -80,18 +80,19 @@ class BatchFactory:
             sequence), e.g. ``("input_ids[0,1]", "labels[0,1]", "pixel_values[0]")``.
         resizes_batch: whether any tensor has the batch dimension (``micro_batch`` first).
         resizes_seq: whether any tensor has a dimension of ``seq_len`` after the first (``seq_len > 1``).
-        padded: whether the real batch's attention masks hold padding (``None``: it has none), what a fake
-            step answers when a library asks (``tracking/fake_fidelity.py``).
+        batch_only_inputs: the floating-point tensors resized along the batch alone while others have the
+            sequence axis (a dual encoder's ``pixel_values`` beside its ``input_ids``): then memory is not
+            a function of b*s alone.
+    :meth:`padding_at` says which attention masks of a resized batch hold padding: what a fake step
+    answers when a library asks (``tracking/fake_fidelity.py``).
     """
 
     def __init__(self, batch: Any, micro_batch: int, seq_len: int) -> None:
-        from lightning_memplan.tracking.fake_fidelity import masks_padded
-
         self.batch, self.micro_batch, self.seq_len = batch, int(micro_batch), int(seq_len)
         self.resized: tuple[str, ...] = tuple(self._plan(batch, "batch", 0))
         self.resizes_batch = any("[0" in r for r in self.resized)
         self.resizes_seq = self.seq_len > 1 and any(r.split("[")[-1] != "0]" for r in self.resized)
-        self.padded = masks_padded(batch)
+        self.batch_only_inputs: tuple[str, ...] = tuple(self._batch_only(batch, "batch", 0))
 
     def _dims(self, t: torch.Tensor) -> tuple[bool, ...]:
         if not t.ndim or t.shape[0] != self.micro_batch:
@@ -109,6 +110,14 @@ class BatchFactory:
         return [r for key, value in items for r in self._plan(value, f"{path}.{key}" if path != "batch" else
                                                                  str(key), depth + 1)]
 
+    def _batch_only(self, obj: Any, path: str, depth: int) -> list[str]:
+        if not self.resizes_seq or depth > 6:
+            return []
+        if isinstance(obj, torch.Tensor):
+            return [path] if obj.is_floating_point() and self._dims(obj) == (True,) + (False,) * (obj.ndim - 1) else []
+        return [r for key, value in _children(obj)
+                for r in self._batch_only(value, f"{path}.{key}" if path != "batch" else str(key), depth + 1)]
+
     def describe(self) -> str:
         """One line: what is resized, for the report's notes."""
         if not self.resized:
@@ -118,11 +127,23 @@ class BatchFactory:
 
     def _tensor(self, t: torch.Tensor, b: int, s: int) -> torch.Tensor:
         from torch._guards import active_fake_mode
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from lightning_memplan.tracking.fake_fidelity import fake_batch_tensor
 
         dims = self._dims(t)
         shape = [(b if d == 0 else s) if r else n for d, (n, r) in enumerate(zip(t.shape, dims, strict=True))]
-        if active_fake_mode() is not None:  # a fake step: no values, only the shape and dtype
-            return torch.empty(shape, dtype=t.dtype, device=t.device)
+        mode = active_fake_mode()
+        if mode is not None and (t.is_floating_point() or t.is_complex()):
+            return torch.empty(shape, dtype=t.dtype, device=t.device)  # a fake step: no values, no allocation
+        if mode is not None:  # integer ids, labels and masks keep their values (fake_batch_tensor)
+            with _disable_current_modes():
+                real = self._resampled(t, dims, shape)
+            return fake_batch_tensor(mode, real)
+        return self._resampled(t, dims, shape)
+
+    @staticmethod
+    def _resampled(t: torch.Tensor, dims: tuple[bool, ...], shape: list[int]) -> torch.Tensor:
         out = t.detach()
         for d, resize in enumerate(dims):
             if resize and shape[d] != t.shape[d]:
@@ -132,6 +153,20 @@ class BatchFactory:
 
     def __call__(self, b: int, s: int) -> Any:
         return _rebuild(self.batch, lambda t: self._tensor(t, b, s))
+
+    def padding_at(self, b: int, s: int) -> dict[tuple[int, int], bool]:
+        """``{(rows, length): padded}`` of the attention masks of the batch resized to ``(b, s)``
+        (:func:`~lightning_memplan.tracking.fake_fidelity.mask_padding` of the real values, resized)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from lightning_memplan.tracking.fake_fidelity import mask_padding
+
+        def masks_only(t: torch.Tensor) -> torch.Tensor:  # the 2-d integer tensors: masks and token ids
+            small = t.ndim == 2 and not t.is_floating_point() and not t.is_complex()
+            return self._tensor(t, b, s) if small else t
+
+        with _disable_current_modes():  # real values, also when asked inside a fake step
+            return mask_padding(_rebuild(self.batch, masks_only))
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:

@@ -49,6 +49,13 @@ def _shapes_for(factory: BatchFactory, b: int, s: int, head_dim: int | None,
             "the length of a batch dimension that varies"
         )
         return [(b, s), (2 * b, s)]
+    if factory.batch_only_inputs:
+        note(
+            f"calibration varies the micro-batch only: the batch holds floating-point inputs without the sequence "
+            f"axis ({', '.join(factory.batch_only_inputs[:4])}) beside tensors with it, so its memory is not a "
+            f"function of b*s alone; it is fitted at s={s} (exact for any micro-batch at that length)"
+        )
+        return [(b, s), (2 * b, s)]
     return calibration_shapes(b, s, head_dim)
 
 

@@ -31,15 +31,19 @@ answer for a training batch (no KV cache, positions from 0):
   returns ``None``; a fake step returns ``None`` too (unpatched it returned the all-zero index tensor,
   and the masks were built for packed sequences, as the real step does not).
 
-Functions that read whether a batch's attention mask holds padding (``padding_mask.all()``, a value a
-fake tensor does not have: ``DataDependentOutputException``, so BERT, RoBERTa, T5, BART, wav2vec2 or
-Whisper with an ``attention_mask`` could not be traced) are answered from the *real* batch, which the
-tracer reads before it makes the fake one (:func:`masks_padded`; ``real_step_branches(padded=...)``):
+Functions that read whether an attention mask holds padding (``padding_mask.all()``, a value a fake
+tensor does not have: ``DataDependentOutputException``, so BERT, RoBERTa, T5, BART, wav2vec2 or Whisper
+with an ``attention_mask`` could not be traced) are answered from the *real* batch, which the tracer reads
+before it makes the fake one: :func:`mask_padding` gives ``{(rows, length): padded}`` for the batch's
+masks (mapping keys :data:`MASK_KEYS`; in a tuple or list, 2-d integer or bool tensors of 0s and 1s), and
+``real_step_branches(padding=...)`` answers a fake mask of that shape with it. A mask of a shape the batch
+does not hold was made by the model from shapes alone (an encoder-decoder's decoder mask when the batch
+gives none: all ones), so it is answered as unpadded.
 
 - ``transformers/masking_utils.py`` ``_ignore_causal_mask_sdpa`` and ``_ignore_bidirectional_mask_sdpa``
-  (and their XPU variants): a padded batch needs the ``[b, 1, q, kv]`` mask (the real step returns
-  ``False``: no skip); an unpadded one is answered as for ``padding_mask=None`` (what an all-ones mask
-  gives: the mask is skipped where the shapes allow);
+  (and their XPU variants): a padded mask is needed (the real step returns ``False``: no skip); an
+  unpadded one is answered as for ``padding_mask=None`` (what an all-ones mask gives: the mask is skipped
+  where the shapes allow);
 - ``create_recurrent_attention_mask`` (transformers >= 5.2x): the 2-D mask sliced to the local sequence
   when padded, ``None`` when not.
 
@@ -59,6 +63,15 @@ corrected while a fake step runs (:func:`real_kernel_sizes`):
   zero tensors of the real kernel (:func:`mkldnn_rnn_workspace_bytes`), at the requested shape when that
   costs at most :data:`RNN_PROBE_BYTES`, else at three smaller shapes fitted as ``c0 + c1*T*B + c2*B``
   (every section is a multiple of T*B or (T+1)*B).
+- ``aten.mse_loss`` and ``aten.smooth_l1_loss`` with a ``"mean"`` or ``"sum"`` reduction: the structured
+  kernel's meta function (``aten/src/ATen/native/Loss.cpp``, ``TORCH_META_FUNC(mse_loss)``) builds the
+  output at the broadcast input size and then ``resize_({})`` it, so the real 0-d loss keeps the whole
+  unreduced buffer's storage alive as long as the loss lives (a UNet's MSE step: +1.2%); the fake kernel
+  allocates 4 bytes. The corrected fake result is a 0-d tensor on a storage of the unreduced size.
+- a 0-d ``aten.rand`` (LayerDrop in wav2vec2, Whisper, BART: ``if torch.rand([]) < layerdrop``) is read by
+  a Python branch, which a fake tensor cannot answer (``DataDependentOutputException``): it is drawn as a
+  constant just below 1, so no layer is dropped -- the largest step (a real step that drops layers holds
+  less).
 """
 
 from __future__ import annotations
@@ -77,14 +90,16 @@ __all__ = [
     "FAKE_METHODS",
     "FAKE_SENSITIVE",
     "RNN_PROBE_BYTES",
-    "masks_padded",
+    "fake_batch_tensor",
+    "mask_padding",
     "mkldnn_rnn_workspace_bytes",
     "real_kernel_sizes",
     "real_step_branches",
 ]
 
-#: Whether the real batch's attention masks hold padding (``None``: unknown, answered as padded).
-_PADDED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("memplan_padded", default=None)
+#: ``{(rows, length): padded}`` of the real batch's attention masks (:func:`mask_padding`).
+_PADDING: contextvars.ContextVar[Mapping[tuple[int, int], bool] | None] = contextvars.ContextVar(
+    "memplan_padding", default=None)
 #: While a padded batch's mask function runs: ``is_tracing(fake)`` answers True, so the original takes the
 #: branch that never reads the mask's values -- the branch the real padded step takes.
 _TRACED_ANSWER: contextvars.ContextVar[bool] = contextvars.ContextVar("memplan_traced_answer", default=False)
@@ -140,7 +155,7 @@ def _unpacked(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _padding_answer(parameter: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A wrapper for a function whose branch depends on whether its ``parameter`` (a padding mask) is all
-    ones: for a fake mask, the real batch's answer (:data:`_PADDED`) decides (module docstring)."""
+    ones: for a fake mask, the real batch's mask of its shape decides (:data:`_PADDING`, module docstring)."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
@@ -148,9 +163,10 @@ def _padding_answer(parameter: str) -> Callable[[Callable[..., Any]], Callable[.
         @functools.wraps(original)
         def answer(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
-            if not _is_fake(bound.arguments.get(parameter)):
+            mask = bound.arguments.get(parameter)
+            if not _is_fake(mask):
                 return original(*args, **kwargs)
-            if _PADDED.get() is False:  # all ones in the real step: the same answer as no mask at all
+            if not (_PADDING.get() or {}).get(tuple(mask.shape[-2:]), False):  # all ones: as for no mask
                 bound.arguments[parameter] = None
                 return original(*bound.args, **bound.kwargs)
             token = _TRACED_ANSWER.set(True)
@@ -178,47 +194,68 @@ FAKE_METHODS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
 }
 
 
-def masks_padded(batch: Any, depth: int = 4) -> bool | None:
-    """Whether a real batch's attention masks (mapping keys :data:`MASK_KEYS`, integer or bool) hold a 0
-    (padding): ``True``/``False``, or ``None`` when the batch has no such key (a tuple batch, or no mask)."""
+def _mask_like(t: Any, in_mapping: bool, key: Any) -> bool:
     import torch
 
-    found: list[bool] = []
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.ndim != 2:
+        return False
+    if _is_fake(t) or t.device.type == "meta":
+        return False
+    if in_mapping:
+        return key in MASK_KEYS
+    return t.dtype == torch.bool or bool(((t == 0) | (t == 1)).all())
+
+
+def mask_padding(batch: Any, depth: int = 4) -> dict[tuple[int, int], bool]:
+    """``{(rows, length): padded}`` of a real batch's attention masks: the 2-d integer or bool tensors
+    under a :data:`MASK_KEYS` key of a mapping, or of 0s and 1s in a tuple or list; ``padded`` when one of
+    that shape holds a 0. Empty when the batch holds none."""
+    found: dict[tuple[int, int], bool] = {}
 
     def visit(obj: Any, level: int) -> None:
         if level > depth:
             return
-        if isinstance(obj, Mapping):
-            for key, value in obj.items():
-                if key in MASK_KEYS and isinstance(value, torch.Tensor) and not value.is_floating_point():
-                    if not _is_fake(value) and value.device.type != "meta":
-                        found.append(bool((value == 0).any()))
-                else:
-                    visit(value, level + 1)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
+        items = list(obj.items()) if isinstance(obj, Mapping) else (
+            list(enumerate(obj)) if isinstance(obj, (list, tuple)) else [])
+        for key, value in items:
+            if _mask_like(value, isinstance(obj, Mapping), key):
+                shape = (int(value.shape[0]), int(value.shape[1]))
+                found[shape] = found.get(shape, False) or bool((value == 0).any())
+            else:
                 visit(value, level + 1)
 
     visit(batch, 0)
-    return any(found) if found else None
+    return found
+
+
+def fake_batch_tensor(fake_mode: Any, t: Any) -> Any:
+    """The fake tensor of one real batch tensor: an integer or bool tensor (token ids, labels, masks) keeps
+    its values as the fake tensor's *constant*, so a check of the step that reads a value computed from it
+    alone (``labels.max() >= vocab_size`` in wav2vec2's CTC head) is answered as in the real step (the fake
+    mode runs an operator on constants when every input has one and the result has one element);
+    floating-point tensors have no values (``fake_mode.from_tensor``)."""
+
+    if t.is_floating_point() or t.is_complex() or t.requires_grad or _is_fake(t) or t.device.type == "meta":
+        return fake_mode.from_tensor(t)
+    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, t, make_constant=True)
 
 
 @contextlib.contextmanager
-def real_step_branches(padded: bool | None = None) -> Iterator[list[str]]:
+def real_step_branches(padding: Mapping[tuple[int, int], bool] | None = None) -> Iterator[list[str]]:
     """While the block runs, every imported module of a package in :data:`FAKE_SENSITIVE` sees that
     package's listed functions as the real step does; yields the ``module.function`` names patched.
 
-    ``padded``: whether the real batch's attention masks hold padding (:func:`masks_padded`); ``None``
-    (unknown) is answered as padded, the case where the real step builds the mask. Only modules already
-    imported are patched (a traced model's modules are imported when it is built); the originals are
-    restored on exit, also after an exception.
+    ``padding``: ``{(rows, length): padded}`` of the real batch's attention masks (:func:`mask_padding`);
+    a fake mask of another shape is answered as unpadded. Only modules already imported are patched (a
+    traced model's modules are imported when it is built); the originals are restored on exit, also
+    after an exception.
     """
-    token = _PADDED.set(padded)
+    token = _PADDING.set(dict(padding or {}))
     try:
         with _patched() as names:
             yield names
     finally:
-        _PADDED.reset(token)
+        _PADDING.reset(token)
 
 
 def _targets() -> list[tuple[Any, str, Any]]:
@@ -316,21 +353,28 @@ def mkldnn_rnn_workspace_bytes(template: tuple[Any, ...], seq: int, batch: int) 
     return max(0, round(c[0] + c[1] * seq * batch + c[2] * batch))
 
 
+def _fake(fake_mode: Any, meta: Any, device: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(fake_mode, meta, device)
+
+
+def _meta(t: Any) -> Any:
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
 def _mkldnn_rnn_layer_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     """The meta kernel's outputs, with the workspace at the real kernel's size (module docstring)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def meta(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return t
 
     x = args[0]
-    outputs = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
-    device = x.device
-    wrapped = [FakeTensor(fake_mode, o, device) for o in outputs]
-    if device.type == "cpu" and torch.is_grad_enabled() and x.dim() == 3:
+    outputs = func(*(_meta(a) for a in args), **{k: _meta(v) for k, v in kwargs.items()})
+    wrapped = [_fake(fake_mode, o, x.device) for o in outputs]
+    if x.device.type == "cpu" and torch.is_grad_enabled() and x.dim() == 3:
         weights = tuple(tuple(w.shape) for w in args[1:5])
         flags = tuple(tuple(a) if isinstance(a, list) else a for a in args[7:])  # hashable for the cache
         template = (tuple(x.shape), x.dtype, weights, int(args[10]), flags)
@@ -338,32 +382,81 @@ def _mkldnn_rnn_layer_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any)
             nbytes = mkldnn_rnn_workspace_bytes(template, int(x.shape[0]), int(x.shape[1]))
         except RuntimeError:  # the real kernel refuses this dtype on this CPU: the meta kernel's answer
             nbytes = 0
-        wrapped[3] = FakeTensor(fake_mode, torch.empty(nbytes, dtype=torch.uint8, device="meta"), device)
+        wrapped[3] = _fake(fake_mode, torch.empty(nbytes, dtype=torch.uint8, device="meta"), x.device)
     return tuple(wrapped)
 
 
-#: ``{op name: fake kernel (fake_mode, func, *args) -> outputs}``: kernels whose fake outputs are sized
-#: differently from the real ones (module docstring); registered while a fake step runs.
+def _unreduced_storage_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """A reduced ``mse_loss`` / ``smooth_l1_loss``: the 0-d result on a storage of the unreduced loss
+    (module docstring), as the real structured kernel leaves it."""
+    import torch
+
+    x, target = args[0], args[1]
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1.0)
+    if reduction == 0 or (func is torch.ops.aten.smooth_l1_loss.default and beta == 0):
+        return NotImplemented  # unreduced (or l1_loss's path): the meta kernel's answer is the real one
+    shape = torch.broadcast_shapes(x.shape, target.shape)
+    full = torch.empty(shape, dtype=torch.result_type(x, target), device="meta")
+    full.resize_(())  # what the kernel's meta function does to its full-size output
+    return _fake(fake_mode, full, x.device)
+
+
+def _scalar_draw_fake(fake_mode: Any, func: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+    """A 0-d ``torch.rand`` that a branch reads (LayerDrop's ``if torch.rand([]) < layerdrop``): a fake
+    tensor holding the constant ``1 - 2**-24`` (the largest float32 below 1), so the branch is taken as in
+    a step that drops no layer -- the largest step, the one the estimate must cover."""
+    import torch
+
+    device = kwargs.get("device")
+    if tuple(size) != () or (device is not None and torch.device(device).type != "cpu"):
+        return NotImplemented
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    value = torch.tensor(1.0 - 2.0**-24, dtype=dtype)
+    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value, make_constant=True)
+
+
+#: ``{op name: fake kernel (fake_mode, func, *args) -> outputs or NotImplemented}``: kernels whose fake
+#: outputs differ from the real ones (module docstring), answered while a fake step runs
+#: (:func:`real_kernel_sizes`); ``NotImplemented`` leaves a call to the fake mode.
 FAKE_KERNELS: dict[str, Callable[..., Any]] = {
     "aten.mkldnn_rnn_layer.default": _mkldnn_rnn_layer_fake,
+    "aten.mse_loss.default": _unreduced_storage_fake,
+    "aten.smooth_l1_loss.default": _unreduced_storage_fake,
+    "aten.rand.default": _scalar_draw_fake,
 }
+
+
+def _kernel_mode() -> Any:
+    """A dispatch mode over the fake mode that answers the operators of :data:`FAKE_KERNELS` (a mode, not
+    the fake mode's own registry: the fake mode runs Python decompositions, such as ``mse_loss``'s, before
+    consulting that registry)."""
+    import torch
+    from torch._guards import active_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    kernels = {}
+    for name, impl in FAKE_KERNELS.items():
+        namespace, op, overload = name.split(".")
+        kernels[getattr(getattr(getattr(torch.ops, namespace), op), overload)] = impl
+
+    class RealKernelSizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            impl = kernels.get(func)
+            fake_mode = active_fake_mode() if impl is not None else None
+            if fake_mode is not None:
+                with _disable_current_modes():
+                    out = impl(fake_mode, func, *args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
+            return func(*args, **(kwargs or {}))
+
+    return RealKernelSizes()
 
 
 @contextlib.contextmanager
 def real_kernel_sizes() -> Iterator[None]:
-    """While the block runs, the fake tensor mode uses :data:`FAKE_KERNELS` for their operators."""
-    import torch
-    from torch._subclasses import fake_impls
-
-    entries = []
-    for name, impl in FAKE_KERNELS.items():
-        namespace, op, overload = name.split(".")
-        target = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        entries.append(((lambda func, target=target: func is target), impl))
-    for entry in entries:
-        fake_impls.op_implementations_checks.insert(0, entry)
-    try:
+    """While the block runs (entered inside the fake mode), the operators of :data:`FAKE_KERNELS` answer
+    with the real kernels' sizes (module docstring)."""
+    with _kernel_mode():
         yield
-    finally:
-        for entry in entries:
-            fake_impls.op_implementations_checks.remove(entry)

@@ -27,7 +27,12 @@ from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
 from lightning_memplan.tracking.batch import first_tensor
-from lightning_memplan.tracking.fake_fidelity import masks_padded, real_kernel_sizes, real_step_branches
+from lightning_memplan.tracking.fake_fidelity import (
+    fake_batch_tensor,
+    mask_padding,
+    real_kernel_sizes,
+    real_step_branches,
+)
 from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
@@ -280,13 +285,13 @@ def _run(
 @dataclass(frozen=True)
 class _Batches:
     """How one trace gets its batch: ``real()`` builds real tensors (the real fallback step), ``fake(mode)``
-    fake ones; b and s of the batch, and whether its attention masks hold padding (``None``: unknown)."""
+    fake ones; b and s of the batch, and ``{(rows, length): padded}`` of its attention masks."""
 
     micro_batch: int
     seq: int | None
     real: Callable[[], Any]
     fake: Callable[[Any], Any]
-    padded: bool | None
+    padding: Mapping[tuple[int, int], bool]
 
 
 def _clone_batch(batch: Any) -> Any:
@@ -304,21 +309,24 @@ def _clone_batch(batch: Any) -> Any:
 def _batch_source(module: nn.Module, example_input: Any, batch_shape: tuple[int, int] | None,
                   input_fn: Callable[[int, int], Any] | None) -> _Batches:
     """The :class:`_Batches` of ``example_input``, or of ``batch_shape`` built by ``input_fn`` (token ids
-    from the module's largest embedding when none); a batch factory's ``padded`` answer is kept."""
+    from the module's largest embedding when none); a batch factory's ``padding_at(b, s)`` is asked for the
+    padding of its masks (the real batch's, resized)."""
     if batch_shape is not None:
         b, s = batch_shape
 
         def make_batch(_mode: Any = None) -> Any:
             return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
 
-        return _Batches(b, s, make_batch, make_batch, getattr(input_fn, "padded", None))
+        padding_at = getattr(input_fn, "padding_at", None)
+        return _Batches(b, s, make_batch, make_batch, padding_at(b, s) if callable(padding_at) else {})
     first = first_tensor(example_input)
     if first is None:
         raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
     micro_batch = int(first.shape[0]) if first.dim() else 1
     seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
     return _Batches(micro_batch, seq, lambda: _clone_batch(example_input),
-                    lambda mode: _map_tensors(example_input, mode.from_tensor), masks_padded(example_input))
+                    lambda mode: _map_tensors(example_input, lambda t: fake_batch_tensor(mode, t)),
+                    mask_padding(example_input))
 
 
 def _check_device(device: Any) -> torch.device:
@@ -379,7 +387,7 @@ def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
         # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
         # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
         # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)
-        with fake_mode, real_step_branches(padded=batches.padded), real_kernel_sizes():
+        with fake_mode, real_step_branches(batches.padding), real_kernel_sizes():
             fake_batch = batches.fake(fake_mode)  # inside the mode: a factory's tensors are made fake
             report = _run(fake_module, lambda: fake_batch, fake=True, device=device, **run_kwargs)
         return report, None
@@ -433,9 +441,9 @@ def trace_memory(
         batch_shape: ``(b, s)`` instead of ``example_input``: random token ids ``[b, s]`` from the
             module's largest ``nn.Embedding`` (or ``input_fn(b, s)`` when given). Made directly as fake
             tensors, so a batch that would not fit anywhere can be traced.
-        input_fn: ``(b, s) -> batch`` used with ``batch_shape`` (its ``padded`` attribute, when it has one,
-            says whether the real batch's attention masks hold padding, as
-            :func:`~lightning_memplan.live.batch_factory` sets it).
+        input_fn: ``(b, s) -> batch`` used with ``batch_shape`` (its ``padding_at(b, s)``, when it has one,
+            says which of its attention masks hold padding, as :func:`~lightning_memplan.live.batch_factory`
+            answers for the real batch resized).
         loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
             :func:`default_loss`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``.
