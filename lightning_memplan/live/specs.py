@@ -106,7 +106,7 @@ def _attention_kernel(module: Any, device: str, precision: str) -> str | None:
     if not isinstance(module, torch.nn.Module):
         return None
     for sub in module.modules():
-        config = getattr(sub, "config", None)
+        config: Any = getattr(sub, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
         if not isinstance(implementation, str) or not callable(getattr(config, "to_dict", None)):
             continue

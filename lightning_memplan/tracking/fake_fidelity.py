@@ -166,7 +166,8 @@ def _padding_answer(parameter: str) -> Callable[[Callable[..., Any]], Callable[.
             mask = bound.arguments.get(parameter)
             if not _is_fake(mask):
                 return original(*args, **kwargs)
-            if not (_PADDING.get() or {}).get(tuple(mask.shape[-2:]), False):  # all ones: as for no mask
+            shape = tuple(getattr(mask, "shape", ())[-2:])
+            if not (_PADDING.get() or {}).get(shape, False):  # all ones: the answer for no mask
                 bound.arguments[parameter] = None
                 return original(*bound.args, **bound.kwargs)
             token = _TRACED_ANSWER.set(True)
@@ -444,7 +445,7 @@ def _kernel_mode() -> Any:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             impl = kernels.get(func)
             fake_mode = active_fake_mode() if impl is not None else None
-            if fake_mode is not None:
+            if impl is not None and fake_mode is not None:
                 with _disable_current_modes():
                     out = impl(fake_mode, func, *args, **(kwargs or {}))
                 if out is not NotImplemented:
