@@ -61,12 +61,13 @@ def _shapes_for(factory: BatchFactory, b: int, s: int, head_dim: int | None,
 
 def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: BatchFactory, b: int, s: int,
             kwargs: dict[str, Any], note: Callable[[str], None]) -> Calibration:
-    """``calibrate`` at ``shapes``; when a shape of another sequence length cannot be traced (a model that
-    accepts one input length only, or a dimension that equals s by chance), again along the micro-batch."""
+    """``calibrate`` at ``shapes``, exact at the real ``(b, s)``; when a shape of another sequence length
+    cannot be traced (a model that accepts one input length only, or a dimension that equals s by chance)
+    or the fit through them misses the real shape, again along the micro-batch."""
     from lightning_memplan.tracking.trace import calibrate
 
     try:
-        return calibrate(module, shapes, input_fn=factory, **kwargs)
+        return calibrate(module, shapes, input_fn=factory, exact_at=(b, s), **kwargs)
     except Exception as exc:  # noqa: BLE001 - retried along b alone, else reported by the caller
         along_b = [(b, s), (2 * b, s)]
         if not any(shape[1] != s for shape in shapes):
@@ -74,8 +75,9 @@ def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: Bat
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     calibration = calibrate(module, along_b, input_fn=factory, **kwargs)
     note(
-        f"calibration varies the micro-batch only: tracing the step at another sequence length than {s} failed "
-        f"({reason}), so the memory is fitted at s={s} alone and the estimate at other lengths is not calibrated"
+        f"calibration varies the micro-batch only: the step at other sequence lengths than {s} could not be "
+        f"fitted with it ({reason}), so the memory is fitted at s={s} alone and the estimate at other lengths is "
+        "not calibrated"
     )
     return calibration
 

@@ -374,6 +374,20 @@ def _check_inputs(module: Any, example_input: Any, batch_shape: Any, input_fn: A
     return checked
 
 
+def _check_options(steps: Any, grads_alive_in_forward: Any, fake: Any, seq_len: Any,
+                   vocab_size: Any) -> tuple[int, bool, bool, int | None, int | None]:
+    """:func:`trace_memory`'s numbers and flags as plain Python values (the errors name each)."""
+    return (
+        check_int("steps", steps, maximum=MAX_TRACE_STEPS, hint=f"training steps to run, the last measured: 2 reach "
+                  f"the steady state (at most {MAX_TRACE_STEPS})"),
+        check_bool("grads_alive_in_forward", grads_alive_in_forward,
+                   hint="True is Lightning's order, False a loop that zeroes gradients before the forward"),
+        check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step"),
+        check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it"),
+        check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it"),
+    )
+
+
 def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
                  run_kwargs: dict[str, Any]) -> tuple[TrackerReport | None, str | None]:
     """The fake-tensor step's report, or ``(None, why it failed)``."""
@@ -458,9 +472,8 @@ def trace_memory(
             ``batch_shape`` / a 2-d integer input, and the largest ``nn.Embedding``).
         pin_moments: ``{phase: "<operator>#<k>"}``: also report the components at that moment of each
             phase (``result.report.pinned``); :func:`calibrate` uses it to compare shapes at one moment.
-        device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` on a machine with
-            CUDA: then autocast's CUDA op lists, the CUDA attention kernels and the foreach optimizer
-            are traced, still without allocating). A real fallback step always runs on the CPU.
+        device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` with a GPU: CUDA's
+            autocast lists, attention kernels and foreach optimizer, nothing allocated); a real step is CPU.
         grads_alive_in_forward: ``True`` (Lightning's order: ``zero_grad`` after ``training_step``, so
             the previous step's gradients are alive in the forward) or ``False`` (a plain loop that
             calls ``zero_grad(set_to_none=True)`` before the forward), as ``TrainSpec`` has it.
@@ -471,14 +484,8 @@ def trace_memory(
     """
     batch_shape = _check_inputs(module, example_input, batch_shape, input_fn, loss_fn, optimizer, optimizer_impl,
                                 pin_moments)
-    steps = check_int("steps", steps, maximum=MAX_TRACE_STEPS,
-                      hint=f"training steps to run, the last measured: 2 reach the steady state (at most {MAX_TRACE_STEPS})")
-    grads_alive_in_forward = check_bool(
-        "grads_alive_in_forward", grads_alive_in_forward,
-        hint="True is Lightning's order, False a loop that zeroes gradients before the forward")
-    fake = check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step")
-    seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it")
-    vocab_size = check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it")
+    steps, grads_alive_in_forward, fake, seq_len, vocab_size = _check_options(
+        steps, grads_alive_in_forward, fake, seq_len, vocab_size)
     device = _check_device(device)
     emulation = PrecisionEmulation(precision=precision, device_type=device.type)
     batches = _batch_source(module, example_input, batch_shape, input_fn)
@@ -584,6 +591,7 @@ def calibrate(
     *,
     input_fn: Callable[[int, int], Any] | None = None,
     quadratic: bool | None = None,
+    exact_at: tuple[int, int] | None = None,
     **trace_kwargs: Any,
 ) -> Calibration:
     """Fit ``bytes = c0 + c1*(b*s) + c2*(b*s^2)`` per phase and component from traced steps.
@@ -604,11 +612,14 @@ def calibrate(
     whose sequence length is fixed by the model, such as a vision transformer's patch count, where the
     b*s^2 term cannot be separated); ``True`` forces the three-term fit; ``None`` decides as above.
     One shape is a measurement, not a fit: c0 is its bytes and c1 = c2 = 0, exact at that shape only
-    (for a batch none of whose tensors can be resized).
+    (for a batch none of whose tensors can be resized). ``exact_at``: one of ``shapes`` (the real batch's)
+    where the least-squares fit must reproduce each phase's traced peak within
+    :data:`EXACT_TOLERANCE`; where it does not, the memory is not a function of b*s (and b*s^2) for this
+    batch, and a ``ValueError`` says by how much.
 
     Raises:
-        ValueError: no shape or more than :data:`MAX_CALIBRATION_SHAPES`, a non-positive size, or shapes
-            that cannot separate the terms (e.g. the same b*s twice).
+        ValueError: no shape or more than :data:`MAX_CALIBRATION_SHAPES`, a non-positive size, shapes
+            that cannot separate the terms (e.g. the same b*s twice), or a fit that misses ``exact_at``.
     """
     shapes, quadratic = _check_shapes(module, shapes, quadratic)
     reference = max(shapes, key=lambda bs: (bs[0] * bs[1] * bs[1], bs[0] * bs[1]))
@@ -632,9 +643,28 @@ def calibrate(
             f"shapes={shapes!r} do not separate the fitted terms (need different b*s"
             + (" and b*s^2" if terms == 3 else "") + "); use shapes such as ((1, 64), (2, 128))"
         )
-    return Calibration(
+    calibration = Calibration(
         coefficients=_fit(shapes, measured, list(ref.report.peak_ops), terms),
         traced_shapes=tuple(shapes),
         precision=ref.precision,
         n_params=ref.n_params,
     )
+    if exact_at is not None and tuple(exact_at) in shapes:
+        _check_exact(calibration, tuple(exact_at), measured[shapes.index(tuple(exact_at))])  # type: ignore[arg-type]
+    return calibration
+
+
+#: Largest miss of a calibration fit at the real batch's shape (``calibrate(exact_at=...)``), a fraction.
+EXACT_TOLERANCE = 0.01
+
+
+def _check_exact(calibration: Calibration, shape: tuple[int, int], measured: Mapping[str, Mapping[str, int]]) -> None:
+    for phase, components in measured.items():
+        traced = sum(components.get(c, 0) for c in COMPONENTS)
+        fitted = sum(calibration.bytes_for(phase, c, *shape) for c in COMPONENTS)
+        if traced and abs(fitted / traced - 1) > EXACT_TOLERANCE:
+            raise ValueError(
+                f"the fit through {list(calibration.traced_shapes)} misses the traced {phase} peak at {shape} by "
+                f"{100 * (fitted / traced - 1):+.1f}%: this batch's memory is not a function of b*s, so the shapes "
+                "cannot share one fit; calibrate along one axis"
+            )
