@@ -353,3 +353,45 @@ def test_a_failed_calibration_says_the_estimate_is_not_to_be_trusted() -> None:
     assert result.estimate_source == "analytic" and result.unchanged
     (note,) = [n for n in result.notes if "calibration with a traced step failed" in n]
     assert "do not trust it until a tracked step's measurement agrees" in note, note
+
+
+class _BranchingLM(RNNLM):
+    """Branches on an activation's value: a fake tensor has none, so its calibration measures real CPU
+    steps -- the path that drew its batch and its dropout masks from the global generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.rnn(self.emb(x))[0]
+        if bool(hidden.detach().abs().sum() > 0):
+            hidden = self.drop(hidden)
+        return self.head(hidden)
+
+
+def _fabric_losses(monitored: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three steps of a hand-written Fabric loop, with or without the monitor."""
+    from lightning.fabric import Fabric
+
+    from lightning_memplan.fabric import MemoryMonitor
+
+    L.seed_everything(0, verbose=False)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module = _BranchingLM(nn.LSTM)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-3))
+    monitor = MemoryMonitor(fabric, model, optimizer, loss_fn=_next_token, print_report=False,
+                            write_files=False) if monitored else None
+    losses = []
+    for batch in _loader(_tokens(24))():
+        with monitor.step(batch) if monitor is not None else _nothing():
+            loss = _next_token(model, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    if monitor is not None:
+        assert monitor.report.run["estimate_source"] == "calibrated", monitor.report.notes
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_fabric_monitor_leaves_a_dropout_loop_bitwise_unchanged() -> None:
+    (with_monitor, weights_with), (without, weights_without) = _fabric_losses(True), _fabric_losses(False)
+    assert with_monitor == without
+    assert all(torch.equal(weights_with[k], weights_without[k]) for k in weights_without)
