@@ -66,14 +66,15 @@ def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: Bat
     or the fit through them misses the real shape, again along the micro-batch."""
     from lightning_memplan.tracking.trace import calibrate
 
-    try:
-        return calibrate(module, shapes, input_fn=factory, exact_at=(b, s), **kwargs)
+    along_s = any(shape[1] != s for shape in shapes)
+    try:  # one sequence length: the b*s^2 term cannot be told from b*s (no third length is traced)
+        return calibrate(module, shapes, input_fn=factory, exact_at=(b, s), **kwargs,
+                         **({} if along_s else {"quadratic": False}))
     except Exception as exc:  # noqa: BLE001 - retried along b alone, else reported by the caller
-        along_b = [(b, s), (2 * b, s)]
-        if not any(shape[1] != s for shape in shapes):
+        if not along_s:
             raise
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    calibration = calibrate(module, along_b, input_fn=factory, **kwargs)
+    calibration = calibrate(module, [(b, s), (2 * b, s)], input_fn=factory, quadratic=False, **kwargs)
     note(
         f"calibration varies the micro-batch only: the step at other sequence lengths than {s} could not be "
         f"fitted with it ({reason}), so the memory is fitted at s={s} alone and the estimate at other lengths is "

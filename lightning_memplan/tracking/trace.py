@@ -629,8 +629,9 @@ def calibrate(
     if len(shapes) == 1:
         terms = 1
     else:
-        if quadratic is None:
-            quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
+        if quadratic is None:  # at s = 1, b*s^2 is b*s (and every [.., 1, 1] tensor looks like scores)
+            quadratic = any(s > 1 for _, s in shapes) and any(
+                p.get("attention", 0) for m in measured for p in m.values())
         terms = 3 if quadratic else 2
     if terms == 3 and _rank(shapes, 3) < 3:
         third = _third_shape(shapes)

@@ -395,3 +395,29 @@ def test_the_fabric_monitor_leaves_a_dropout_loop_bitwise_unchanged() -> None:
     (with_monitor, weights_with), (without, weights_without) = _fabric_losses(True), _fabric_losses(False)
     assert with_monitor == without
     assert all(torch.equal(weights_with[k], weights_without[k]) for k in weights_without)
+
+
+class _WaveClassifier(nn.Module):
+    """A 1-d convolutional classifier of raw waveforms [b, samples]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(1, 8, 9, stride=4), nn.GELU(), nn.Conv1d(8, 16, 5, stride=2), nn.GELU(),
+                                 nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(16, 4))
+
+    def forward(self, waves: torch.Tensor) -> torch.Tensor:
+        return self.net(waves.unsqueeze(1))
+
+
+@pytest.mark.parametrize("seq_len", [None, 1600])
+def test_an_audio_model_per_clip_or_along_its_samples(seq_len: int | None) -> None:
+    """s = 1 (a clip, the default) or s = the samples (``seq_len=1600``: the calibration resizes the
+    waveform axis). Along the samples the estimate's analytic backward points, which read a guessed
+    transformer at s = 1600, are bounded by the traced backward (they were 24x the step)."""
+    clips = _loader(lambda gen: (torch.randn(4, 1600, generator=gen), torch.randint(0, 4, (4,), generator=gen)))
+    result = fit_twice(lambda: Lit(_WaveClassifier, _classify), clips, steps=2,
+                       callback_kwargs={**QUIET, "seq_len": seq_len}, guard=False)
+    assert result.unchanged and result.estimate_source == "calibrated", result.notes
+    assert result.error is not None and abs(result.error) <= 0.02, (result.estimated_peak, result.measured_peak)
+    tracked = result.report.epochs[-1].ranks[0].tracked
+    assert {t.seq_len for t in tracked} == {seq_len or 1}

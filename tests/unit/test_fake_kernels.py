@@ -10,7 +10,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memplan.tracking import fake_fidelity
-from lightning_memplan.tracking.fake_fidelity import mask_padding, mkldnn_rnn_workspace_bytes, real_kernel_sizes
+from lightning_memplan.tracking.fake_fidelity import (
+    mask_padding,
+    mkldnn_rnn_workspace_bytes,
+    real_kernel_sizes,
+)
 from lightning_memplan.tracking.trace import trace_memory
 
 
