@@ -15,7 +15,6 @@ Importing this module imports no Lightning; a LightningModule is recognised by i
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,16 +25,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
-from lightning_memplan.tracking.batch import first_tensor
 from lightning_memplan.tracking.fake_fidelity import (
-    fake_batch_tensor,
-    mask_padding,
     real_kernel_sizes,
     real_step_branches,
 )
 from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
+from lightning_memplan.tracking.trace_batch import (
+    TraceBatches,
+    batch_source,
+    copy_module,
+    map_tensors,
+    move_module,
+    token_batch,
+    vocab_of,
+)
 from lightning_memplan.tracking.tracker import TensorTracker
 from lightning_memplan.validation import check_bool, check_int, check_optional_int
 
@@ -160,63 +165,6 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return out.mean()
 
 
-def _vocab_of(module: nn.Module) -> int | None:
-    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
-    return max(sizes) if sizes else None
-
-
-def _token_batch(module: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
-    vocab = _vocab_of(module)
-    if vocab is None:
-        raise ValueError(
-            f"batch_shape=({micro_batch}, {seq_len}) builds token ids, but {type(module).__name__} has no "
-            "nn.Embedding to take the vocabulary from; pass example_input= or input_fn=(b, s) -> batch"
-        )
-    return torch.randint(0, vocab, (micro_batch, seq_len))
-
-
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
-
-
-def _copy_module(module: nn.Module) -> nn.Module:
-    # Never deep-copy what a LightningModule merely points at (its Trainer / Fabric).
-    memo: dict[int, Any] = {}
-    for attr in ("_trainer", "_fabric", "_fabric_optimizers"):
-        value = module.__dict__.get(attr)
-        if value is not None:
-            memo[id(value)] = None
-    return copy.deepcopy(module, memo)
-
-
-def _move(module: nn.Module, device: torch.device) -> nn.Module:
-    tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device == device for t in tensors):
-        return module
-    try:
-        return module.to(device)
-    except RuntimeError:
-        # Fake parameters carry weak references (the fake-tensor memo), so ``Module._apply`` cannot swap
-        # them in place; re-create them on the device instead (tied parameters stay tied).
-        moved: dict[int, nn.Parameter] = {}
-        for mod in module.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None:
-                    if id(p) not in moved:
-                        moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                    mod._parameters[name] = moved[id(p)]
-            for name, buf in list(mod._buffers.items()):
-                if buf is not None:
-                    mod._buffers[name] = buf.to(device)
-        return module
-
-
 #: Most training steps :func:`trace_memory` runs (the last is measured; 2 reach the steady state).
 MAX_TRACE_STEPS = 64
 #: Largest micro-batch or sequence length a traced batch may have: 2^31 - 1, the int32 index range of
@@ -233,7 +181,7 @@ def _check_shape(name: str, value: Any, module: Any) -> tuple[int, int]:
     if pair is None or len(pair) != 2:
         example = ("; a module without an nn.Embedding (such as "
                    f"{type(module).__name__}) takes example_input= (e.g. a [batch, features] tensor) or "
-                   "input_fn=(b, s) -> batch") if _vocab_of(module) is None else ""
+                   "input_fn=(b, s) -> batch") if vocab_of(module) is None else ""
         raise ValueError(
             f"{name}={value!r:.80} must be a pair (micro_batch, seq_len) of positive ints, e.g. {name}=(8, 2048): "
             f"it builds [micro_batch, seq_len] token ids{example}"
@@ -265,10 +213,10 @@ def _run(
     grads_alive_in_forward: bool = True,
 ) -> TrackerReport:
     # ``module`` is already the caller's private copy (fake or real)
-    model = precision.convert_module(_move(module, device))
+    model = precision.convert_module(move_module(module, device))
     model.train()
     opt = make_optimizer(optimizer, model.parameters(), optimizer_impl=optimizer_impl)
-    batch = precision.convert_input(_map_tensors(make_batch(), lambda t: t.to(device)))
+    batch = precision.convert_input(map_tensors(make_batch(), lambda t: t.to(device)))
     scaler = precision.make_scaler(fake=fake)
     tracker = TensorTracker(model, opt, seq_len=seq_len, vocab_size=vocab_size, device=device, pin=pin)
     with tracker:
@@ -280,53 +228,6 @@ def _run(
                 grads_alive_in_forward=grads_alive_in_forward,
             )
     return tracker.report()
-
-
-@dataclass(frozen=True)
-class _Batches:
-    """How one trace gets its batch: ``real()`` builds real tensors (the real fallback step), ``fake(mode)``
-    fake ones; b and s of the batch, and ``{(rows, length): padded}`` of its attention masks."""
-
-    micro_batch: int
-    seq: int | None
-    real: Callable[[], Any]
-    fake: Callable[[Any], Any]
-    padding: Mapping[tuple[int, int], bool]
-
-
-def _clone_batch(batch: Any) -> Any:
-    """The batch with every tensor cloned once (a tensor that appears twice stays one tensor)."""
-    clones: dict[int, torch.Tensor] = {}
-
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in clones:
-            clones[id(t)] = t.detach().clone()
-        return clones[id(t)]
-
-    return _map_tensors(batch, clone)
-
-
-def _batch_source(module: nn.Module, example_input: Any, batch_shape: tuple[int, int] | None,
-                  input_fn: Callable[[int, int], Any] | None) -> _Batches:
-    """The :class:`_Batches` of ``example_input``, or of ``batch_shape`` built by ``input_fn`` (token ids
-    from the module's largest embedding when none); a batch factory's ``padding_at(b, s)`` is asked for the
-    padding of its masks (the real batch's, resized)."""
-    if batch_shape is not None:
-        b, s = batch_shape
-
-        def make_batch(_mode: Any = None) -> Any:
-            return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
-
-        padding_at = getattr(input_fn, "padding_at", None)
-        return _Batches(b, s, make_batch, make_batch, padding_at(b, s) if callable(padding_at) else {})
-    first = first_tensor(example_input)
-    if first is None:
-        raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
-    micro_batch = int(first.shape[0]) if first.dim() else 1
-    seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
-    return _Batches(micro_batch, seq, lambda: _clone_batch(example_input),
-                    lambda mode: _map_tensors(example_input, lambda t: fake_batch_tensor(mode, t)),
-                    mask_padding(example_input))
 
 
 def _check_device(device: Any) -> torch.device:
@@ -369,8 +270,8 @@ def _check_inputs(module: Any, example_input: Any, batch_shape: Any, input_fn: A
     if batch_shape is None:
         return None
     checked = _check_shape("batch_shape", batch_shape, module)
-    if input_fn is None and _vocab_of(module) is None:
-        _token_batch(module, *checked)  # raises: nothing to draw token ids from
+    if input_fn is None and vocab_of(module) is None:
+        token_batch(module, *checked)  # raises: nothing to draw token ids from
     return checked
 
 
@@ -388,7 +289,7 @@ def _check_options(steps: Any, grads_alive_in_forward: Any, fake: Any, seq_len: 
     )
 
 
-def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
+def _fake_report(module: nn.Module, batches: TraceBatches, device: torch.device,
                  run_kwargs: dict[str, Any]) -> tuple[TrackerReport | None, str | None]:
     """The fake-tensor step's report, or ``(None, why it failed)``."""
     from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
@@ -397,7 +298,7 @@ def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
     try:
         with FakeCopyMode(fake_mode), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            fake_module = _copy_module(module)
+            fake_module = copy_module(module)
         # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
         # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
         # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)
@@ -415,7 +316,7 @@ def _fake_report(module: nn.Module, batches: _Batches, device: torch.device,
         return None, reason
 
 
-def _real_report(module: nn.Module, batches: _Batches, reason: str | None,
+def _real_report(module: nn.Module, batches: TraceBatches, reason: str | None,
                  run_kwargs: dict[str, Any]) -> TrackerReport:
     """A real CPU step of a private copy of ``module`` (the user's module is never stepped)."""
     if any(p.is_meta for p in module.parameters()):
@@ -423,7 +324,7 @@ def _real_report(module: nn.Module, batches: _Batches, reason: str | None,
             "module has parameters on the meta device, so a real step cannot run"
             + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
         )
-    cpu_module = _copy_module(module).to("cpu")
+    cpu_module = copy_module(module).to("cpu")
     return _run(cpu_module, batches.real, fake=False, device=torch.device("cpu"), **run_kwargs)
 
 
@@ -488,11 +389,11 @@ def trace_memory(
         steps, grads_alive_in_forward, fake, seq_len, vocab_size)
     device = _check_device(device)
     emulation = PrecisionEmulation(precision=precision, device_type=device.type)
-    batches = _batch_source(module, example_input, batch_shape, input_fn)
+    batches = batch_source(module, example_input, batch_shape, input_fn)
     seq_len = seq_len if seq_len is not None else batches.seq
     run_kwargs: dict[str, Any] = dict(
         loss_fn=loss_fn or default_loss, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation,
-        steps=steps, seq_len=seq_len, vocab_size=vocab_size if vocab_size is not None else _vocab_of(module),
+        steps=steps, seq_len=seq_len, vocab_size=vocab_size if vocab_size is not None else vocab_of(module),
         pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
     )
     with preserved_run_state(module):
