@@ -20,6 +20,8 @@ from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.report.checkpoints import CheckpointRecord, peak_ratio
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
+_SERIES = ("estimated_peak", "measured_peak", "reserved", "seq_len")  # StepSeries' per-step fields
+
 __all__ = [
     "REPORT_FORMAT_VERSION",
     "RUN_PHASES",
@@ -44,6 +46,8 @@ RUN_PHASES: tuple[str, ...] = ("train", *EVAL_PHASES)
 _T = TypeVar("_T")
 #: Byte counts and step indices are below 2**63 (a signed 64-bit integer, what the allocators report).
 _MAX_COUNT = 2**63
+#: Deepest nesting of a report's free-form parts (``lightning_memplan.files.MAX_JSON_DEPTH``).
+_MAX_DEPTH = 200
 
 
 def _shown(value: Any) -> str:
@@ -112,27 +116,40 @@ def _items(name: str, value: Any) -> list[Any]:
     return list(value)
 
 
-def _int_map(data: Mapping[str, Any] | None, name: str = "map") -> dict[str, int] | None:
+def _name(name: str, key: Any, allowed: Sequence[str]) -> str:
+    """A component or phase name read from a report: exactly one of ``allowed`` (a look-alike such as
+    ``"Params"``, ``"params\u200b"`` or rich markup is refused, never shown beside the real one)."""
+    if key not in allowed:
+        raise ValueError(f"{name} has the key {ascii(key)[:60]}, which is not one of {', '.join(allowed)}")
+    return str(key)
+
+
+def _int_map(data: Mapping[str, Any] | None, name: str = "map", allowed: Sequence[str] = COMPONENTS) -> dict[str, int] | None:
     if data is None:
         return None
     if not isinstance(data, Mapping):
         raise TypeError(f"{name}={_shown(data)} must be a JSON object of byte counts")
-    return {str(k): _required(f"{name}[{str(k)!r:.40}]", v) for k, v in data.items()}
+    return {_name(name, k, allowed): _required(f"{name}[{str(k)!r:.40}]", v) for k, v in data.items()}
 
 
-_MAP_FIELDS = ("estimated_components", "estimated_phase_peaks", "measured_components", "measured_phase_peaks")
+#: The per-component and per-phase maps of a step record or a rank summary, and the names their keys take.
+_MAP_FIELDS = {"estimated_components": COMPONENTS, "estimated_phase_peaks": PHASES, "measured_components": COMPONENTS,
+               "measured_phase_peaks": PHASES}
 
 
 def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` whose per-component / per-phase maps hold ints (JSON may give floats)."""
     kwargs = dict(data)
-    for key in _MAP_FIELDS:
-        kwargs[key] = _int_map(kwargs.get(key), key)
+    for key, allowed in _MAP_FIELDS.items():
+        kwargs[key] = _int_map(kwargs.get(key), key, allowed)
     by_phase = kwargs.get("estimated_by_phase")
     if by_phase is not None:
         if not isinstance(by_phase, Mapping):
             raise TypeError(f"estimated_by_phase={_shown(by_phase)} must be a JSON object")
-        kwargs["estimated_by_phase"] = {str(p): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in by_phase.items()}
+        kwargs["estimated_by_phase"] = {
+            _name("estimated_by_phase", p, PHASES): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]")
+            for p, c in by_phase.items()
+        }
     for key in ("step", "epoch", "rank", "steps"):
         if key in kwargs:
             kwargs[key] = _required(key, kwargs[key])
@@ -158,6 +175,74 @@ def _run_phase(name: str, value: Any) -> str:
     if value not in RUN_PHASES:
         raise ValueError(f"{name}={_shown(value)} must be one of {RUN_PHASES}")
     return str(value)
+
+
+def _series(data: Mapping[str, Any]) -> StepSeries:
+    """A per-step series read from a report: step indices and byte counts / lengths as whole numbers
+    >= 0 (or null), one per step, and a stride >= 1; a string or a negative value is refused."""
+    steps = [_required(f"steps[{i}]", v) for i, v in enumerate(_items("steps", data.get("steps")))]
+    values = {
+        name: [_count(f"{name}[{i}]", v) for i, v in enumerate(_items(name, data.get(name)))] for name in _SERIES
+    }
+    for name, column in values.items():
+        if len(column) != len(steps):
+            raise ValueError(f"{name} has {len(column)} values for {len(steps)} steps; each needs one value per step")
+    return StepSeries(steps=tuple(steps), stride=_required("stride", data.get("stride", 1), minimum=1),
+                      **{name: tuple(column) for name, column in values.items()})
+
+
+def _timeline(data: Mapping[str, Any]) -> StepTimeline:
+    """A step timeline read from a report: operator indices and byte counts as whole numbers >= 0, phases
+    as names or indices of :data:`PHASES`, components named as in :data:`COMPONENTS`."""
+    phases = []
+    for i, p in enumerate(_items("phases", data.get("phases"))):
+        index = p if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(PHASES) else None
+        phases.append(PHASES[index] if index is not None else _name("phases", p, PHASES))
+    components = data.get("components")
+    if not isinstance(components, Mapping):
+        raise TypeError(f"components={_shown(components)} must be a JSON object of byte series")
+    return StepTimeline(
+        ops=tuple(_required(f"ops[{i}]", v) for i, v in enumerate(_items("ops", data.get("ops")))),
+        phases=tuple(phases),
+        components={_name("components", c, COMPONENTS): tuple(_required(f"components[{c!r}][{i}]", x)
+                                                                for i, x in enumerate(_items(f"components[{c!r}]", v)))
+                    for c, v in components.items()},
+        n_ops=_required("n_ops", data.get("n_ops", 0)),
+        stride=_required("stride", data.get("stride", 1), minimum=1),
+    )
+
+
+def _unique(where: str, keys: Sequence[Any]) -> None:
+    """Refuse a key (a rank, a run/epoch pair) that appears twice in one list of a report."""
+    seen: set[Any] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"{where} holds {key!r} twice; a report lists each once")
+        seen.add(key)
+
+
+def _plain(name: str, value: Any) -> Any:
+    """``value`` checked to be plain JSON data (objects with string keys, lists, strings, booleans, null,
+    integers within 64 bits, finite floats) at most 200 deep: what a report's free-form parts (``run``, an
+    incident's ``allocator``) may hold. Iterative, so no depth exhausts the interpreter's stack."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"{name} is nested more than {_MAX_DEPTH} deep")
+        if isinstance(item, Mapping):
+            if not all(isinstance(k, str) for k in item):
+                raise TypeError(f"{name} has a key that is not a string")
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{name} holds the non-finite number {item!r}; a report holds finite numbers only")
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= _MAX_COUNT:
+            raise ValueError(f"{name} holds {_shown(item)}, beyond 64 bits")
+        elif not (item is None or isinstance(item, (str, bool, int, float))):
+            raise TypeError(f"{name} holds a {type(item).__name__}, which is not JSON data")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +329,7 @@ class StepRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
         kwargs = _with_int_maps(data)
         timeline = kwargs.get("timeline")
-        kwargs["timeline"] = _at("timeline", StepTimeline.from_dict, timeline) if timeline else None
+        kwargs["timeline"] = _at("timeline", _timeline, timeline) if timeline else None
         return cls(**kwargs)
 
 
@@ -321,7 +406,7 @@ class RankSummary:
             _at(f"tracked[{i}]", StepRecord.from_dict, r) for i, r in enumerate(_items("tracked", kwargs.get("tracked")))
         )
         series = kwargs.get("series")
-        kwargs["series"] = _at("series", StepSeries.from_dict, series) if series else None
+        kwargs["series"] = _at("series", _series, series) if series else None
         kwargs["measured_to_estimated"] = _ratio_value("measured_to_estimated", kwargs.get("measured_to_estimated"))
         return cls(**kwargs)
 
@@ -558,15 +643,20 @@ class EpochReport:
         phases = data.get("phases") or {}
         if not isinstance(phases, Mapping):
             raise TypeError(f"phases={_shown(phases)} must be a JSON object of evaluation phases")
+        by_phase = {
+            _run_phase("phases", p): tuple(
+                _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
+            )
+            for p, rs in phases.items()
+        }
+        ranks = tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks"))))
+        _unique("ranks (by rank)", [r.rank for r in ranks])
+        for p, summaries in by_phase.items():
+            _unique(f"phases[{p!r}] (by rank)", [r.rank for r in summaries])
         return cls(
-            phases={
-                _run_phase("phases", p): tuple(
-                    _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
-                )
-                for p, rs in phases.items()
-            },
+            phases=by_phase,
             epoch=_required("epoch", data["epoch"]),
-            ranks=tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks")))),
+            ranks=ranks,
             warnings=tuple(str(_text(f"warnings[{i}]", w)) for i, w in enumerate(_items("warnings", data.get("warnings")))),
             warning_steps=tuple(
                 _required(f"warning_steps[{i}]", x)
@@ -623,6 +713,7 @@ class Incident:
         allocator = data.get("allocator") or {}
         if not isinstance(allocator, Mapping):
             raise TypeError(f"allocator={_shown(allocator)} must be a JSON object")
+        _plain("allocator", allocator)
         return cls(
             kind=str(_text("kind", data["kind"])),
             error=str(_text("error", data["error"])),
@@ -672,7 +763,18 @@ class MemoryReport:
         only a missing run id is made."""
         if not any(e.run >= self.current_run for e in self.epochs):
             return self if self.current_run_id else replace(self, current_run_id=uuid.uuid4().hex)
-        return replace(self, current_run=max(e.run for e in self.epochs) + 1, current_run_id=uuid.uuid4().hex)
+        nxt = replace(self, current_run=max(e.run for e in self.epochs) + 1, current_run_id=uuid.uuid4().hex)
+        return nxt._runs_in_range()
+
+    def _runs_in_range(self) -> MemoryReport:
+        """This report, or (when a run number reached 2**63, which the reader refuses) a copy whose runs are
+        numbered 0, 1, ... in their order: the counters stay inside what :meth:`from_dict` reads."""
+        runs = sorted({e.run for e in self.epochs} | {self.current_run})
+        if runs[-1] < _MAX_COUNT:
+            return self
+        dense = {run: i for i, run in enumerate(runs)}
+        epochs = tuple(replace(e, run=dense[e.run]) for e in self.epochs)
+        return replace(self, epochs=epochs, current_run=dense[self.current_run])
 
     def _run_numbers(self, older: MemoryReport) -> dict[int, int]:
         """``{run: run in the merged report}`` for this report's runs: a run ``older`` already holds (the same
@@ -720,7 +822,7 @@ class MemoryReport:
         return replace(
             self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents,
             current_run=numbers[self.current_run],
-        )
+        )._runs_in_range()
 
     @property
     def latest(self) -> EpochReport | None:
@@ -742,15 +844,17 @@ class MemoryReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
         version = data.get("format_version")
-        if isinstance(version, bool) or not isinstance(version, int) or version > REPORT_FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= REPORT_FORMAT_VERSION:
             raise ValueError(
-                f"format_version={_shown(version)} is not a memory report this version can read (it reads <= "
-                f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan or pass a memory_report.json"
+                f"format_version={_shown(version)} is not a memory report this version can read (it reads 1 to "
+                f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan for a newer one, or pass a memory_report.json"
             )
         run = data.get("run") or {}
         if not isinstance(run, Mapping):
             raise TypeError(f"run={_shown(run)} must be a JSON object")
+        _plain("run", run)
         epochs = tuple(_at(f"epochs[{i}]", EpochReport.from_dict, e) for i, e in enumerate(_items("epochs", data.get("epochs"))))
+        _unique("epochs (by run and epoch)", [e.key for e in epochs])
         return cls(
             run=dict(run),
             notes=tuple(str(_text(f"notes[{i}]", n)) for i, n in enumerate(_items("notes", data.get("notes")))),
