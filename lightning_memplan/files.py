@@ -76,6 +76,7 @@ __all__ = [
     "is_transient",
     "json_default",
     "json_depth",
+    "parse_json_text",
     "read_json",
     "safe_component",
     "write_atomic",
@@ -522,6 +523,20 @@ def read_json(
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{shown} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass {what}") from None
+    return _loads(text, shown=shown, what=what, max_depth=max_depth)
+
+
+def parse_json_text(text: str, *, argument: str, what: str = "JSON", max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(text)`` under :func:`read_json`'s rules (depth checked before parsing, finite numbers,
+    64-bit integers, no key twice): for JSON given on the command line (``--model-kwargs``).
+
+    Raises:
+        ValueError: names ``argument``, a prefix of ``text`` and the rule broken.
+    """
+    return _loads(text, shown=f"{argument}={text[:60]!r}{'...' if len(text) > 60 else ''}", what=what, max_depth=max_depth)
+
+
+def _loads(text: str, *, shown: str, what: str, max_depth: int) -> Any:
     depth = json_depth(text)
     if depth > max_depth:
         raise ValueError(f"{shown} is nested {depth} deep, more than the {max_depth} parsed here; pass {what}")

@@ -36,7 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_memplan.files import LOCK_TIMEOUT_S, LockState, folder_lock, is_transient, json_default, read_json, write_atomic
+from lightning_memplan.files import (
+    LOCK_TIMEOUT_S,
+    LockState,
+    folder_lock,
+    json_default,
+    read_json,
+    write_atomic,
+)
 from lightning_memplan.report.paths import (
     LOCK_FILENAME,
     PLAN_FILENAME,

@@ -195,7 +195,7 @@ def _timeline(data: Mapping[str, Any]) -> StepTimeline:
     """A step timeline read from a report: operator indices and byte counts as whole numbers >= 0, phases
     as names or indices of :data:`PHASES`, components named as in :data:`COMPONENTS`."""
     phases = []
-    for i, p in enumerate(_items("phases", data.get("phases"))):
+    for p in _items("phases", data.get("phases")):
         index = p if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(PHASES) else None
         phases.append(PHASES[index] if index is not None else _name("phases", p, PHASES))
     components = data.get("components")
@@ -412,6 +412,8 @@ class RankSummary:
 
 
 _MAX_SHAPES = 16
+#: Most points a restored per-step series may hold (``MemoryPlanCallback(series_points=...)`` is far below).
+_MAX_SERIES_POINTS = 2**20
 #: Tracked steps kept per rank and epoch (the most recent ones, plus the worst one always).
 _MAX_TRACKED = 32
 
@@ -533,20 +535,61 @@ class RankAccumulator:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankAccumulator:
-        acc = cls(rank=int(data["rank"]), epoch=int(data["epoch"]), backend=str(data["backend"]))
-        rec = lambda d: StepRecord.from_dict(d) if d else None  # noqa: E731
-        acc.steps = int(data.get("steps", 0))
-        acc.worst_est, acc.worst_meas = rec(data.get("worst_est")), rec(data.get("worst_meas"))
-        acc.worst_tracked = rec(data.get("worst_tracked"))
-        acc.worst_steady = rec(data.get("worst_steady"))
-        acc.tracked = [StepRecord.from_dict(d) for d in data.get("tracked", ())]
-        acc.phase_peaks = {k: int(v) for k, v in data.get("phase_peaks", {}).items()}
-        acc.reserved, acc.headroom = data.get("reserved"), data.get("headroom")
-        acc.device_memory, acc.max_seq_len = data.get("device_memory"), data.get("max_seq_len")
-        acc.shapes = [(int(b), int(s)) for b, s in data.get("shapes", ())]
+        """The accumulator :meth:`to_dict` saved (a checkpoint's), every field checked as the report reader
+        checks it.
+
+        Raises:
+            KeyError: ``rank``, ``epoch`` or ``backend`` missing.
+            ValueError, TypeError: a field of the wrong type or out of range (names it).
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"accumulator={_shown(data)} must be a JSON object")
+        acc = cls(rank=_required("rank", data["rank"]), epoch=_required("epoch", data["epoch"]),
+                  backend=str(_text("backend", data["backend"])), series_points=_series_points(data.get("series")))
+        rec = lambda name: _at(name, StepRecord.from_dict, data[name]) if data.get(name) else None  # noqa: E731
+        acc.steps = _required("steps", data.get("steps", 0))
+        acc.worst_est, acc.worst_meas = rec("worst_est"), rec("worst_meas")
+        acc.worst_tracked, acc.worst_steady = rec("worst_tracked"), rec("worst_steady")
+        acc.tracked = [_at(f"tracked[{i}]", StepRecord.from_dict, d) for i, d in enumerate(_items("tracked", data.get("tracked")))]
+        if len(acc.tracked) > _MAX_TRACKED:
+            raise ValueError(f"tracked holds {len(acc.tracked)} steps, more than the {_MAX_TRACKED} an accumulator keeps")
+        acc.phase_peaks = _int_map(data.get("phase_peaks") or {}, "phase_peaks", PHASES) or {}
+        acc.reserved, acc.device_memory = _count("reserved", data.get("reserved")), _count("device_memory", data.get("device_memory"))
+        acc.headroom = _count("headroom", data.get("headroom"), minimum=None)
+        acc.max_seq_len = _count("max_seq_len", data.get("max_seq_len"))
+        acc.shapes = [_shape(f"shapes[{i}]", shape) for i, shape in enumerate(_items("shapes", data.get("shapes")))][:_MAX_SHAPES]
         if data.get("series"):
-            acc.series = SeriesBuilder.from_dict(data["series"])
+            acc.series = _at("series", _series_builder, data["series"])
         return acc
+
+
+def _series_points(data: Any) -> int:
+    points = data.get("points", DEFAULT_SERIES_POINTS) if isinstance(data, Mapping) else DEFAULT_SERIES_POINTS
+    if isinstance(points, bool) or not isinstance(points, int) or not 4 <= points <= _MAX_SERIES_POINTS:
+        raise ValueError(f"series.points={_shown(points)} must be a whole number in [4, {_MAX_SERIES_POINTS}]")
+    return points
+
+
+def _shape(name: str, shape: Any) -> tuple[int, int]:
+    if not isinstance(shape, (list, tuple)) or len(shape) != 2:
+        raise TypeError(f"{name}={_shown(shape)} must be a [micro_batch, seq_len] pair")
+    return _required(name, shape[0]), _required(name, shape[1])
+
+
+def _series_builder(data: Mapping[str, Any]) -> SeriesBuilder:
+    """A :class:`SeriesBuilder`'s saved state: rows of ``[step, estimated, measured, reserved, seq_len]``,
+    whole numbers >= 0 (``null`` but the step), at most ``points`` of them."""
+    builder = SeriesBuilder(_series_points(data))
+    builder.stride = _required("stride", data.get("stride", 1), minimum=1)
+    builder.count = _required("count", data.get("count", 0))
+    rows = _items("rows", data.get("rows"))
+    if len(rows) > builder.points:
+        raise ValueError(f"rows holds {len(rows)} rows, more than its {builder.points} points")
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)) or len(row) != 1 + len(_SERIES):
+            raise TypeError(f"rows[{i}]={_shown(row)} must be a list of {1 + len(_SERIES)} numbers")
+        builder.rows.append([_required(f"rows[{i}][0]", row[0]), *(_count(f"rows[{i}][{j}]", v) for j, v in enumerate(row[1:], 1))])
+    return builder
 
 
 def _max_opt(values: Iterable[int | None]) -> int | None:
