@@ -28,6 +28,7 @@ from lightning_memplan.report.render import UNITS
 from lightning_memplan.report.views import (
     COMPONENT_COLORS,
     TimelineView,
+    chart_ranks,
     rank_view,
     report_ranks,
     run_view,
@@ -105,7 +106,7 @@ def _draw_timeline(ax: Any, view: TimelineView | None) -> None:
 
 
 def _draw_run(ax: Any, report: MemoryReport) -> None:
-    views = [run_view(report, r) for r in report_ranks(report)]
+    views = [run_view(report, r) for r in chart_ranks(report)]
     values = [v for view in views for s in (view.estimated, view.measured, view.reserved) for v in s if v]
     if not values:
         ax.text(0.5, 0.5, "no per-step figures", ha="center", va="center", transform=ax.transAxes)

@@ -23,7 +23,10 @@ from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBui
 _SERIES = ("estimated_peak", "measured_peak", "reserved", "seq_len")  # StepSeries' per-step fields
 
 __all__ = [
+    "MAX_EPOCH_RANKS",
+    "MAX_REPORT_SUMMARIES",
     "REPORT_FORMAT_VERSION",
+    "SUMMARY_RANKS",
     "RUN_PHASES",
     "EpochReport",
     "Incident",
@@ -32,6 +35,7 @@ __all__ = [
     "RankSummary",
     "Spread",
     "StepRecord",
+    "representative_ranks",
     "summarize_rank",
 ]
 
@@ -137,44 +141,51 @@ _MAP_FIELDS = {"estimated_components": COMPONENTS, "estimated_phase_peaks": PHAS
                "measured_phase_peaks": PHASES}
 
 
-def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``data`` whose per-component / per-phase maps hold ints (JSON may give floats)."""
-    kwargs = dict(data)
-    for key, allowed in _MAP_FIELDS.items():
-        kwargs[key] = _int_map(kwargs.get(key), key, allowed)
-    by_phase = kwargs.get("estimated_by_phase")
-    if by_phase is not None:
-        if not isinstance(by_phase, Mapping):
-            raise TypeError(f"estimated_by_phase={_shown(by_phase)} must be a JSON object")
-        kwargs["estimated_by_phase"] = {
-            _name("estimated_by_phase", p, PHASES): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]")
-            for p, c in by_phase.items()
-        }
-    for key in ("step", "epoch", "rank", "steps"):
-        if key in kwargs:
-            kwargs[key] = _required(key, kwargs[key])
-    for key in ("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
-                "worst_step", "max_seq_len", "estimated_host"):
-        if key in kwargs:
-            kwargs[key] = _count(key, kwargs[key])
-    if "headroom" in kwargs:
-        kwargs["headroom"] = _count("headroom", kwargs["headroom"], minimum=None)  # negative: over capacity
-    for key in ("backend",):
-        if key in kwargs:
-            kwargs[key] = _text(key, kwargs[key])
-    for key in ("estimated_peak_phase", "measurement"):
-        if key in kwargs:
-            kwargs[key] = _text(key, kwargs[key], optional=True)
-    if "phase" in kwargs:
-        kwargs["phase"] = _run_phase("phase", kwargs["phase"])
-    return kwargs
-
-
 def _run_phase(name: str, value: Any) -> str:
     """One of :data:`RUN_PHASES`, read from a report."""
     if value not in RUN_PHASES:
         raise ValueError(f"{name}={_shown(value)} must be one of {RUN_PHASES}")
     return str(value)
+
+
+def _by_phase(value: Any) -> dict[str, dict[str, int] | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"estimated_by_phase={_shown(value)} must be a JSON object")
+    return {_name("estimated_by_phase", p, PHASES): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in value.items()}
+
+
+#: How each field of a step record / rank summary is read (the fields not named here are their own classes').
+_FIELD_READERS: dict[str, Callable[[str, Any], Any]] = {
+    **{key: (lambda k, v, allowed=allowed: _int_map(v, k, allowed)) for key, allowed in _MAP_FIELDS.items()},
+    "estimated_by_phase": lambda _k, v: _by_phase(v),
+    **dict.fromkeys(("step", "epoch", "rank", "steps"), _required),
+    **dict.fromkeys(("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
+                     "worst_step", "max_seq_len", "estimated_host"), _count),
+    "headroom": lambda k, v: _count(k, v, minimum=None),  # negative: over capacity
+    "backend": _text,
+    **dict.fromkeys(("estimated_peak_phase", "measurement"), lambda k, v: _text(k, v, optional=True)),
+    "phase": _run_phase,
+}
+#: Fields whose reader accepts any int in [0, 2**63) as it is (the common case, checked without a call).
+_PLAIN_COUNTS = frozenset(k for k, f in _FIELD_READERS.items() if f is _required or f is _count)
+
+
+def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``data`` with every known field read by its :data:`_FIELD_READERS` entry (maps hold ints,
+    JSON may give floats); one pass, the plain in-range integers without a call (a report of 65,536 ranks
+    is read in about a second)."""
+    kwargs = dict(data)
+    for key, value in kwargs.items():
+        if key in _PLAIN_COUNTS and type(value) is int and 0 <= value < _MAX_COUNT:
+            continue
+        read = _FIELD_READERS.get(key)
+        if read is not None:
+            kwargs[key] = read(key, value)
+    for key in _MAP_FIELDS:
+        kwargs.setdefault(key, None)
+    return kwargs
 
 
 def _series(data: Mapping[str, Any]) -> StepSeries:
@@ -210,6 +221,22 @@ def _timeline(data: Mapping[str, Any]) -> StepTimeline:
         n_ops=_required("n_ops", data.get("n_ops", 0)),
         stride=_required("stride", data.get("stride", 1), minimum=1),
     )
+
+
+def _check_size(epochs: Any) -> None:
+    """Refuse a report of more rank summaries than :data:`MAX_REPORT_SUMMARIES`, counted before any is read."""
+    if not isinstance(epochs, (list, tuple)):
+        return
+    total = 0
+    for e in epochs:
+        if isinstance(e, Mapping):
+            total += sum(len(v) for v in (e.get("ranks"),) if isinstance(v, (list, tuple)))
+            phases = e.get("phases")
+            if isinstance(phases, Mapping):
+                total += sum(len(v) for v in phases.values() if isinstance(v, (list, tuple)))
+    if total > MAX_REPORT_SUMMARIES:
+        raise ValueError(f"epochs hold {total:,d} rank summaries, more than the {MAX_REPORT_SUMMARIES:,d} a report holds "
+                         "(lightning-memplan writes at most that many)")
 
 
 def _unique(where: str, keys: Sequence[Any]) -> None:
@@ -686,6 +713,10 @@ class EpochReport:
         phases = data.get("phases") or {}
         if not isinstance(phases, Mapping):
             raise TypeError(f"phases={_shown(phases)} must be a JSON object of evaluation phases")
+        for key, items in (("ranks", data.get("ranks")), *((f"phases[{p!r}]", rs) for p, rs in phases.items())):
+            if isinstance(items, (list, tuple)) and len(items) > MAX_EPOCH_RANKS:
+                raise ValueError(f"{key} holds {len(items):,d} rank summaries, more than the {MAX_EPOCH_RANKS:,d} an "
+                                 "epoch holds (lightning-memplan writes at most that many)")
         by_phase = {
             _run_phase("phases", p): tuple(
                 _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
@@ -712,6 +743,46 @@ class EpochReport:
                 for i, c in enumerate(_items("checkpoints", data.get("checkpoints")))
             ),
         )
+
+
+#: Most rank summaries one epoch (or one of its evaluation phases) holds, and a whole report: the reader
+#: refuses more (read at ~20 us a summary, a report answers in seconds) and the writer keeps within them
+#: (:meth:`MemoryReport.with_epoch`).
+MAX_EPOCH_RANKS = 2**16
+MAX_REPORT_SUMMARIES = 2**18
+#: Ranks an epoch keeps once the report is over :data:`MAX_REPORT_SUMMARIES`, and the rows of a rank table.
+SUMMARY_RANKS = 64
+
+
+def representative_ranks(ranks: Sequence[RankSummary], limit: int) -> tuple[RankSummary, ...]:
+    """At most ``limit`` of ``ranks`` (all of them when they are that few), in rank order: rank 0, the rank
+    with the smallest headroom, then those with the largest measured (else estimated) peak. What a table or a
+    chart of a large run shows, and what a report beyond the caps keeps."""
+    if len(ranks) <= limit:
+        return tuple(ranks)
+    chosen: dict[int, RankSummary] = {}
+    first = next((r for r in ranks if r.rank == 0), None)
+    tight = min((r for r in ranks if r.headroom is not None), key=lambda r: r.headroom or 0, default=None)
+    for r in (first, tight):
+        if r is not None and len(chosen) < limit:
+            chosen[r.rank] = r
+    by_peak = sorted(ranks, key=lambda r: -(r.measured_peak if r.measured_peak is not None else r.estimated_peak or 0))
+    for r in by_peak:
+        if len(chosen) >= limit:
+            break
+        chosen.setdefault(r.rank, r)
+    return tuple(sorted(chosen.values(), key=lambda r: r.rank))
+
+
+def _capped(epoch: EpochReport, limit: int) -> EpochReport:
+    if len(epoch.ranks) <= limit and all(len(rs) <= limit for rs in epoch.phases.values()):
+        return epoch
+    return replace(epoch, ranks=representative_ranks(epoch.ranks, limit),
+                   phases={p: representative_ranks(rs, limit) for p, rs in epoch.phases.items()})
+
+
+def _summaries(epoch: EpochReport) -> int:
+    return len(epoch.ranks) + sum(len(rs) for rs in epoch.phases.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -798,7 +869,28 @@ class MemoryReport:
         number of that run: a resumed epoch)."""
         epoch = replace(epoch, run=self.current_run, run_id=self.current_run_id)
         kept = [e for e in self.epochs if e.key != epoch.key]
-        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))
+        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))._within_caps()
+
+    def _within_caps(self) -> MemoryReport:
+        """This report with at most :data:`MAX_EPOCH_RANKS` summaries per epoch and phase and
+        :data:`MAX_REPORT_SUMMARIES` in all (what :meth:`from_dict` reads): a larger epoch keeps its
+        :func:`representative_ranks`, and while the whole is too large the oldest full epochs keep
+        :data:`SUMMARY_RANKS` each; a note says so. Nothing changes below the caps."""
+        epochs = [_capped(e, MAX_EPOCH_RANKS) for e in self.epochs]
+        total = sum(_summaries(e) for e in epochs)
+        for i, e in enumerate(epochs):
+            if total <= MAX_REPORT_SUMMARIES:
+                break
+            small = _capped(e, SUMMARY_RANKS)
+            total -= _summaries(e) - _summaries(small)
+            epochs[i] = small
+        if all(a is b for a, b in zip(epochs, self.epochs, strict=True)):
+            return self
+        note = (f"rank summaries beyond {MAX_EPOCH_RANKS:,d} per epoch or {MAX_REPORT_SUMMARIES:,d} per report are left "
+                "out: an epoch keeps rank 0, the smallest headroom and the largest peaks (older epochs first "
+                f"keep {SUMMARY_RANKS}); its across-ranks spread and imbalance count only the ranks kept")
+        notes = self.notes if note in self.notes else (*self.notes, note)
+        return replace(self, epochs=tuple(epochs), notes=notes)
 
     def new_run(self) -> MemoryReport:
         """A copy whose next epochs form a new run (a second ``trainer.fit`` of the same callback), with a fresh
@@ -865,7 +957,7 @@ class MemoryReport:
         return replace(
             self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents,
             current_run=numbers[self.current_run],
-        )._runs_in_range()
+        )._runs_in_range()._within_caps()
 
     @property
     def latest(self) -> EpochReport | None:
@@ -896,6 +988,7 @@ class MemoryReport:
         if not isinstance(run, Mapping):
             raise TypeError(f"run={_shown(run)} must be a JSON object")
         _plain("run", run)
+        _check_size(data.get("epochs"))
         epochs = tuple(_at(f"epochs[{i}]", EpochReport.from_dict, e) for i, e in enumerate(_items("epochs", data.get("epochs"))))
         _unique("epochs (by run and epoch)", [e.key for e in epochs])
         return cls(
