@@ -159,7 +159,19 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``."""
+    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``; a ``--seq-len`` longer
+    than its learned position table is refused (model/positions.py)."""
+    from lightning_memplan.model.positions import learned_positions_blocker
+
+    model = _model_from_args(args)
+    seq_len = getattr(args, "seq_len", None)
+    blocker = learned_positions_blocker(model, seq_len) if isinstance(seq_len, int) else None
+    if blocker is not None:
+        raise ValueError(f"--seq-len={seq_len}: {blocker.replace('use seq_len <= ', 'use --seq-len <= ')}")
+    return model
+
+
+def _model_from_args(args: argparse.Namespace) -> ModelSpec:
     source: str = args.model
     if source.endswith(".json") or os.path.isfile(source):
         if not os.path.isfile(source):
