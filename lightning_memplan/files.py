@@ -164,6 +164,10 @@ def _umask() -> int:
     return mask
 
 
+if hasattr(os, "register_at_fork"):  # a forked child (a worker that may set its own umask) reads it afresh
+    os.register_at_fork(after_in_child=_umask.cache_clear)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a fault of the moment (:data:`TRANSIENT_ERRNOS`, or ``MemoryError``), not a
     verdict on the file."""
@@ -293,11 +297,13 @@ def atomic_file(
             os.fsync(fh.fileno())
         check_output_target(path, argument=argument)  # what may have been put there meanwhile
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:  # a write's EFBIG, ENOSPC
+            raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from exc
         raise
 
 

@@ -106,10 +106,14 @@ def _message(exc: BaseException, args: argparse.Namespace | None) -> str:
                 "(a smaller model, --seq-len or --micro-batch)")
     if isinstance(exc, RecursionError):
         return "an input is nested too deeply (RecursionError); pass a flatter JSON or model"
-    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and exc.errno is not None:
+    if isinstance(exc, ImportError):
+        return (f"a module could not be imported ({type(exc).__name__}: {exc}); check --model's pkg.module:Class and "
+                "the installation, and raise the memory or address-space limit (ulimit -v) if it is set low")
+    if isinstance(exc, OSError) and exc.errno is not None:
         name = errno.errorcode.get(exc.errno, str(exc.errno))
         where = _argument_of(args, exc.filename)
-        shown = f"{where}={exc.filename!r}: " if where else f"{exc.filename!r}: " if exc.filename else ""
+        named = exc.filename is not None and repr(exc.filename) in str(exc.strerror)  # our own message names it
+        shown = "" if named else f"{where}={exc.filename!r}: " if where else f"{exc.filename!r}: " if exc.filename else ""
         fix = _OS_FIXES.get(exc.errno, "check the path and its permissions")
         return f"{shown}{exc.strerror or exc} ({name}); {fix}"
     if isinstance(exc, KeyError):  # its str() is the repr of the key alone

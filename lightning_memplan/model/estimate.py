@@ -39,10 +39,10 @@ from lightning_memplan.model import (
     pipeline_timeline,
     terms,
 )
+from lightning_memplan.model.positions import learned_positions_blocker  # issue 36
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
-from lightning_memplan.model.positions import learned_positions_blocker  # issue 36
 from lightning_memplan.model.traced import traced_estimate
 from lightning_memplan.validation import check_optional_int, divisor_list
 
