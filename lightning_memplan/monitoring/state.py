@@ -93,6 +93,10 @@ def _shape(value: Any) -> tuple[int, int]:
     return _count("max_shape_seen", value[0]), _count("max_shape_seen", value[1])
 
 
+def _counter(name: str) -> Callable[[Any], int]:
+    return lambda value: _count(name, value)
+
+
 def _field(state: Mapping[str, Any], name: str, parse: Callable[[Any], _T], dropped: list[str]) -> _T | None:
     """``parse(state[name])``, or ``None`` when absent (or ``None``) or invalid (then noted in ``dropped``)."""
     value = state.get(name)
@@ -127,7 +131,7 @@ def restore_state(state: Any, *, rank: int, owner: str, counters: tuple[str, ...
     out.accumulator = _field(state, "accumulator", lambda v: _accumulator(v, rank), out.dropped)
     out.max_shape_seen = _field(state, "max_shape_seen", _shape, out.dropped)
     for name in counters:
-        out.counters[name] = _field(state, name, lambda v, n=name: _count(n, v), out.dropped) or 0
+        out.counters[name] = _field(state, name, _counter(name), out.dropped) or 0
     if out.dropped:
         rank_zero_warn(
             f"{owner}.load_state_dict: the checkpoint's {'; '.join(out.dropped)} "

@@ -156,9 +156,13 @@ def _by_phase(value: Any) -> dict[str, dict[str, int] | None] | None:
     return {_name("estimated_by_phase", p, PHASES): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in value.items()}
 
 
+def _map_reader(allowed: Sequence[str]) -> Callable[[str, Any], Any]:
+    return lambda name, value: _int_map(value, name, allowed)
+
+
 #: How each field of a step record / rank summary is read (the fields not named here are their own classes').
 _FIELD_READERS: dict[str, Callable[[str, Any], Any]] = {
-    **{key: (lambda k, v, allowed=allowed: _int_map(v, k, allowed)) for key, allowed in _MAP_FIELDS.items()},
+    **{key: _map_reader(allowed) for key, allowed in _MAP_FIELDS.items()},
     "estimated_by_phase": lambda _k, v: _by_phase(v),
     **dict.fromkeys(("step", "epoch", "rank", "steps"), _required),
     **dict.fromkeys(("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
