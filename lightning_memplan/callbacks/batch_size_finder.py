@@ -240,4 +240,16 @@ class MemoryPlanBatchSizeFinder(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimal_batch_size = state_dict.get("optimal_batch_size")
+        """Restore ``optimal_batch_size``; a checkpoint's value that is not a whole number in [1, 2**62) (or
+        no dict at all) is dropped with one warning and the run goes on (monitoring/state.py's rule)."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_memplan.monitoring.state import MAX_RESTORED_COUNT
+
+        value = state_dict.get("optimal_batch_size") if isinstance(state_dict, dict) else state_dict
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < MAX_RESTORED_COUNT):
+            self.optimal_batch_size = value
+            return
+        self.optimal_batch_size = None
+        rank_zero_warn(f"MemoryPlanBatchSizeFinder.load_state_dict: the checkpoint's 'optimal_batch_size' "
+                       f"({value!r:.60}) is not a batch size (a whole number >= 1) and is not used; the run goes on")

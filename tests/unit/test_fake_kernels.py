@@ -17,6 +17,9 @@ from lightning_memplan.tracking.fake_fidelity import (
 )
 from lightning_memplan.tracking.trace import trace_memory
 
+# the padding answers are checked against transformers' mask functions (transformers imported where used)
+pytestmark = pytest.mark.hf
+
 
 def _lstm_template(i: int, h: int) -> tuple:
     weights = ((4 * h, i), (4 * h, h), (4 * h,), (4 * h,))
@@ -80,7 +83,6 @@ def test_mask_padding_reads_masks_by_key_or_by_their_0_1_values() -> None:
     assert mask_padding({"input_ids": torch.full((2, 6), 3)}) == {}
 
 
-@pytest.mark.hf
 @pytest.mark.parametrize("padded", [True, False])
 def test_a_bert_step_with_an_attention_mask_traces_as_the_real_one(padded: bool) -> None:
     """``padding_mask.all()`` made the fake trace stop (DataDependentOutputException); answered from the
