@@ -44,7 +44,8 @@ class MemoryPlanBatchSizeFinder(Callback):
     module, its ``hparams`` and the DataModule, as Lightning's ``BatchSizeFinder``). Every rank sets rank
     0's answer (broadcast). Under pipeline parallelism the dataloader batch is ``b * microbatches``.
 
-    The sequence length is ``seq_len=``, else ``train_spec.seq_len``, else read from
+    The sequence length (the size axis the memory grows with: tokens for text, 1 for fixed-size images,
+    videos or waveforms) is ``seq_len=``, else ``train_spec.seq_len``, else read from
     ``example_input_array`` or one batch drawn from a fresh training dataloader (no step runs on it).
     No batch is traced: the estimate is the analytic one (or the Hugging Face class's traced terms).
 
@@ -70,7 +71,7 @@ class MemoryPlanBatchSizeFinder(Callback):
             ``headroom``, as ``plan(memory_budget=)``).
         headroom: fraction of the device's memory kept free when ``memory_budget`` is ``None``.
         batch_arg_name: the attribute that holds the batch size (module, ``hparams`` or DataModule).
-        seq_len: the sequence length to size the batch for (see above).
+        seq_len: the sequence length to size the batch for (see above; 1 for an image model).
         max_batch_size: largest batch size to set (default: the search bound, 2**20).
         model_spec, train_spec, plan: explicit specs for what cannot be inferred.
         reserved_margin: the caching allocator's margin on CUDA: a
@@ -120,7 +121,8 @@ class MemoryPlanBatchSizeFinder(Callback):
         if not name:
             raise ValueError("batch_arg_name='' must name an attribute, e.g. 'batch_size'")
         self.batch_arg_name: str = name
-        self.seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, e.g. 2048")
+        self.seq_len = check_optional_int("seq_len", seq_len,
+                                          hint="tokens per sequence, e.g. 2048, or 1 for fixed-size images")
         self.max_batch_size = check_optional_int("max_batch_size", max_batch_size, hint="e.g. 512, or None")
         for arg, value, cls in (("model_spec", model_spec, ModelSpec), ("train_spec", train_spec, TrainSpec),
                                 ("plan", plan, ParallelPlan)):
@@ -238,4 +240,16 @@ class MemoryPlanBatchSizeFinder(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimal_batch_size = state_dict.get("optimal_batch_size")
+        """Restore ``optimal_batch_size``; a checkpoint's value that is not a whole number in [1, 2**62) (or
+        no dict at all) is dropped with one warning and the run goes on (monitoring/state.py's rule)."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_memplan.monitoring.state import MAX_RESTORED_COUNT
+
+        value = state_dict.get("optimal_batch_size") if isinstance(state_dict, dict) else state_dict
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < MAX_RESTORED_COUNT):
+            self.optimal_batch_size = value
+            return
+        self.optimal_batch_size = None
+        rank_zero_warn(f"MemoryPlanBatchSizeFinder.load_state_dict: the checkpoint's 'optimal_batch_size' "
+                       f"({value!r:.60}) is not a batch size (a whole number >= 1) and is not used; the run goes on")

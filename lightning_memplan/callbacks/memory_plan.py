@@ -93,7 +93,9 @@ class MemoryPlanCallback(Callback):
         units: display unit of the report and of the metric views: ``"B"``, ``"KiB"``, ``"MiB"``,
             ``"GiB"``, ``"KB"``, ``"MB"``, ``"GB"``.
         calibrate: fit the batch-dependent terms with one traced fake-tensor step at fit start.
-        seq_len: sequence length to use when the batch layout has none (images, odd layouts).
+        seq_len: the size axis the memory grows with: tokens for text (read from ``[b, s]`` ids), 1 for
+            fixed-size samples (images, videos, waveforms, read as such); pass it to follow another axis
+            (a waveform's samples), whose batch dimensions the calibration then resizes.
         max_seq_len: forecast whether this sequence length would fit (default: the largest seen).
         model_spec, train_spec, plan: explicit :class:`ModelSpec` / :class:`TrainSpec` /
             :class:`ParallelPlan` for what cannot be inferred (``train_spec``'s batch shape is replaced by

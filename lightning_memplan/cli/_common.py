@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import re
 from typing import Any
 
+from lightning_memplan.files import parse_json_text
 from lightning_memplan.model.float8 import FLOAT8_RECIPES
 from lightning_memplan.model.quantized import BASE_WEIGHT_FORMATS
 from lightning_memplan.model.specs import (
@@ -25,14 +25,17 @@ from lightning_memplan.model.specs import (
 from lightning_memplan.validation import read_json_file
 
 __all__ = [
+    "MAX_BYTES",
     "add_model_arguments",
     "add_train_arguments",
     "budget_arg",
+    "check_outputs",
     "finite_float",
     "int_at_least",
     "model_from_args",
     "parse_bytes",
     "train_from_args",
+    "write_output",
 ]
 
 
@@ -66,28 +69,64 @@ def finite_float(text: str) -> float:
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(text: str) -> int:
-    """``"70GiB"``, ``"75 GB"``, ``"7.5e10"`` (bytes) or a bare number below 4096 read as GiB."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+#: Largest size a flag takes: 2**63 - 1 bytes (8 EiB, a signed 64-bit byte count; far beyond any device).
+MAX_BYTES = 2**63 - 1
+
+
+def parse_bytes(text: str, *, argument: str | None = "--memory-budget") -> int:
+    """``"70GiB"``, ``"75 GB"``, ``"7.5e10"`` (bytes) or a bare number below 4096 read as GiB; at most
+    :data:`MAX_BYTES` (``1e308TiB`` is refused by name, not an ``OverflowError``). ``argument`` names the
+    flag in the message (``None``: argparse names it)."""
+    shown = f"{argument}={str(text)[:60]!r}" if argument else repr(str(text)[:60])
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text)[:200])
     if not m:
-        raise ValueError(f"--memory-budget={text!r} is not a size; use e.g. 70GiB, 75GB or a byte count")
+        raise ValueError(f"{shown} is not a size; use e.g. 70GiB, 75GB or a byte count")
     value, unit = float(m.group(1)), m.group(2).lower()
-    if value == float("inf"):
-        raise ValueError(f"--memory-budget={text!r} exceeds the float range; use e.g. 70GiB")
-    if unit:
-        if unit not in _UNITS:
-            raise ValueError(f"--memory-budget={text!r}: unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, GB")
-        return int(value * _UNITS[unit])
-    return int(value * 2**30) if value < 4096 else int(value)
+    if unit and unit not in _UNITS:
+        raise ValueError(f"{shown}: unknown unit {m.group(2)!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB")
+    size = value * (_UNITS[unit] if unit else 2**30 if value < 4096 else 1)
+    if not size <= MAX_BYTES:  # inf and 1e308 * 2**40 included
+        raise ValueError(f"{shown} is more than {MAX_BYTES:,d} bytes (8 EiB); use e.g. 70GiB")
+    return int(size)
 
 
 def budget_arg(text: str) -> int:
     """``--memory-budget``'s argparse type: :func:`parse_bytes`, its message shown by argparse (the range,
     >= 1 byte, is checked by ``plan`` and ``largest_fit``)."""
     try:
-        return parse_bytes(text)
+        return parse_bytes(text, argument=None)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_outputs(args: argparse.Namespace, *names: str) -> None:
+    """Refuse an output flag's target (``--html``, ``--png``) before any work: a device, FIFO, folder, a
+    file not writable by the caller ... (:func:`lightning_memplan.files.check_output_target`); ``-`` and
+    ``/dev/stdout`` mean standard output. At most one output may go to standard output."""
+    from lightning_memplan.files import check_output_target, is_stdout
+
+    to_stdout = [name for name in names if is_stdout(getattr(args, name.lstrip("-").replace("-", "_"), None))]
+    if len(to_stdout) > 1:
+        raise ValueError(f"{' and '.join(to_stdout)} both name standard output; send one of them to a file")
+    for name in names:
+        target = getattr(args, name.lstrip("-").replace("-", "_"), None)
+        if target is not None and not is_stdout(target):
+            check_output_target(target, argument=name)
+
+
+def write_output(argument: str, target: str, data: str | bytes) -> None:
+    """Write ``data`` to an output flag's target: standard output for ``-`` or ``/dev/stdout``, else a file
+    written atomically (:func:`lightning_memplan.files.write_atomic`, its refusals naming ``argument``)."""
+    import sys
+
+    from lightning_memplan.files import is_stdout, write_atomic
+
+    if is_stdout(target):
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data.encode("utf-8") if isinstance(data, str) else data)
+        sys.stdout.buffer.flush()
+        return
+    write_atomic(target, data, argument=argument)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,9 +172,21 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """Resolve ``--model`` (:func:`_model_source`), with the LoRA adapter of ``--lora-rank`` /
-    ``--lora-targets`` when given (:meth:`ModelSpec.with_lora`)."""
-    spec = _model_source(args)
+    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``, with the LoRA adapter
+    of ``--lora-rank`` / ``--lora-targets`` when given (:meth:`ModelSpec.with_lora`); a ``--seq-len`` longer
+    than its learned position table is refused (model/positions.py)."""
+    from lightning_memplan.model.positions import learned_positions_blocker
+
+    model = _with_lora(args, _model_from_args(args))
+    seq_len = getattr(args, "seq_len", None)
+    blocker = learned_positions_blocker(model, seq_len) if isinstance(seq_len, int) else None
+    if blocker is not None:
+        raise ValueError(f"--seq-len={seq_len}: {blocker.replace('use seq_len <= ', 'use --seq-len <= ')}")
+    return model
+
+
+def _with_lora(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the LoRA adapter of ``--lora-rank`` / ``--lora-targets``, or as it is without one."""
     rank = getattr(args, "lora_rank", None)
     if rank is None:
         return spec
@@ -146,8 +197,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         raise type(exc)(f"--lora-rank={rank} --lora-targets={args.lora_targets!r}: {exc}") from None
 
 
-def _model_source(args: argparse.Namespace) -> ModelSpec:
-    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``."""
+def _model_from_args(args: argparse.Namespace) -> ModelSpec:
     source: str = args.model
     if source.endswith(".json") or os.path.isfile(source):
         if not os.path.isfile(source):
@@ -165,10 +215,10 @@ def _model_source(args: argparse.Namespace) -> ModelSpec:
             cls: Any = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"--model={source!r} could not be imported ({exc}); use pkg.module:Class") from exc
-        try:
-            kwargs = json.loads(args.model_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--model-kwargs={args.model_kwargs!r} is not valid JSON: {exc}") from exc
+        kwargs = parse_json_text(args.model_kwargs, argument="--model-kwargs", what="a JSON object of keyword arguments")
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"--model-kwargs={args.model_kwargs[:60]!r} is a JSON {type(kwargs).__name__}, not an object; "
+                            'pass e.g. {"n_layers": 2}')
         import torch
 
         with torch.device("meta"):  # shapes only: no real allocation for a large model

@@ -98,95 +98,131 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memplan.model import ParallelPlan, estimate_memory
-    from lightning_memplan.model.offload import HOST_PARTS, host_need_bytes
-    from lightning_memplan.model.result import COMPONENTS, PHASES
-
+    """Estimate every pipeline stage (or ``--rank``), then print JSON or the table and the summary lines."""
     model = model_from_args(args)
     train = train_from_args(args, **offload_fields(args.framework, args.offload))
-    plan = ParallelPlan(
+    plan = _plan_from_args(args)
+    estimates = _estimates(model, train, plan, args.rank)
+    worst = max(estimates, key=lambda e: e.total)
+    fits = _largest_fits(args, model, train, plan)
+    if args.json:
+        print(json.dumps(_payload(model, train, plan, estimates, worst, fits), indent=1))
+        return 0
+    from rich.console import Console
+
+    console = Console(file=sys.stdout, width=max(100, 28 + 24 * len(estimates)))
+    console.print(_title(model, train, plan, worst))
+    console.print(_table(estimates, plan, args.units))
+    _print_summary(console, worst, plan, args)
+    for found in fits.values():
+        console.print(found.describe())
+    return 0
+
+
+def _plan_from_args(args: argparse.Namespace) -> Any:
+    from lightning_memplan.model import ParallelPlan
+
+    return ParallelPlan(
         args.dp, args.tp, args.pp, args.cp,
         sp=args.sp, zero=args.zero,
         microbatches=args.microbatches if args.microbatches is not None else args.pp,
         schedule=args.schedule, virtual_stages=args.virtual_stages,
     )
-    if args.rank is not None:
-        estimates = [estimate_memory(model, train, plan, rank=args.rank)]
-    else:
-        per_stage = plan.dp * plan.cp * plan.tp
-        estimates = [estimate_memory(model, train, plan, rank=stage * per_stage) for stage in range(plan.pp)]
-    worst = max(estimates, key=lambda e: e.total)
-    fits = _largest_fits(args, model, train, plan)
-    if args.json:
-        payload = {
-            "model": model.to_dict(),
-            "n_params": worst.details.get("traced_params", model.num_params),
-            "source": worst.source,
-            "train": train.to_dict(),
-            "plan": plan.to_dict(),
-            "worst_rank": worst.rank,
-            "estimates": [e.to_dict() for e in estimates],
-        }
-        if fits:
-            payload["largest_fit"] = {axis: found.to_dict() for axis, found in fits.items()}
-        print(json.dumps(payload, indent=1))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
 
+
+def _estimates(model: Any, train: Any, plan: Any, rank: int | None) -> list[Any]:
+    """``--rank``'s estimate, else the first rank of every pipeline stage."""
+    from lightning_memplan.model import estimate_memory
+
+    if rank is not None:
+        return [estimate_memory(model, train, plan, rank=rank)]
+    per_stage = plan.dp * plan.cp * plan.tp
+    return [estimate_memory(model, train, plan, rank=stage * per_stage) for stage in range(plan.pp)]
+
+
+def _payload(model: Any, train: Any, plan: Any, estimates: list[Any], worst: Any, fits: dict[str, Any]) -> dict[str, Any]:
+    """``--json``'s object: the inputs, every estimate (integer bytes) and the largest fits asked for."""
+    payload = {
+        "model": model.to_dict(),
+        "n_params": worst.details.get("traced_params", model.num_params),
+        "source": worst.source,
+        "train": train.to_dict(),
+        "plan": plan.to_dict(),
+        "worst_rank": worst.rank,
+        "estimates": [e.to_dict() for e in estimates],
+    }
+    if fits:
+        payload["largest_fit"] = {axis: found.to_dict() for axis, found in fits.items()}
+    return payload
+
+
+def _title(model: Any, train: Any, plan: Any, worst: Any) -> str:
     from lightning_memplan.report.escape import rich_text
-    from lightning_memplan.report.render import format_bytes
 
-    title = (  # the name may come from a config.json: escaped for rich markup and the terminal
-        f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B params) | "
-        f"b={train.micro_batch} "
-        f"s={train.seq_len} {train.precision} {train.optimizer}"
+    # the name may come from a config.json: escaped for rich markup and the terminal
+    return (
+        f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B "
+        f"params) | b={train.micro_batch} s={train.seq_len} {train.precision} {train.optimizer}"
         + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision (issue 35)
         + (" quantized_head" if train.quantized_head else "")
         + (f" float8={train.float8}" if train.float8 else "")
         + f" | {plan.describe()}"
     )
+
+
+def _table(estimates: list[Any], plan: Any, units: str) -> Any:
+    """Every component, the peak and each phase's total per estimate (and the host memory under offload)."""
+    from rich.table import Table
+
+    from lightning_memplan.model.offload import HOST_PARTS
+    from lightning_memplan.model.result import COMPONENTS, PHASES
+    from lightning_memplan.report.render import format_bytes
+
     table = Table()
     table.add_column("component")
     for e in estimates:
         table.add_column(f"stage {e.stage} (rank {e.rank})" if plan.pp > 1 else f"rank {e.rank}", justify="right")
     for comp in COMPONENTS:
-        table.add_row(comp, *(format_bytes(getattr(e, comp), args.units) for e in estimates))
+        table.add_row(comp, *(format_bytes(getattr(e, comp), units) for e in estimates))
     table.add_section()
-    table.add_row("[bold]peak[/bold]", *(f"[bold]{format_bytes(e.total, args.units)}[/bold]" for e in estimates))
+    table.add_row("[bold]peak[/bold]", *(f"[bold]{format_bytes(e.total, units)}[/bold]" for e in estimates))
     table.add_row("peak phase", *(e.peak_phase for e in estimates))
     for phase in PHASES:
-        table.add_row(f"{phase} peak", *(format_bytes(e.phase_total(phase), args.units) for e in estimates))
+        table.add_row(f"{phase} peak", *(format_bytes(e.phase_total(phase), units) for e in estimates))
     if any(e.host for e in estimates):  # ZeRO-Offload: what lives in host memory, not in the device total
         table.add_section()
-        table.add_row("[bold]host memory[/bold]", *(f"[bold]{format_bytes(e.host, args.units)}[/bold]" for e in estimates))
+        table.add_row("[bold]host memory[/bold]", *(f"[bold]{format_bytes(e.host, units)}[/bold]" for e in estimates))
         for part in HOST_PARTS:
             if any(e.details.get(f"host_{part}", 0) for e in estimates):
-                table.add_row(f"host {part}", *(format_bytes(e.details.get(f"host_{part}", 0), args.units) for e in estimates))
-    console = Console(file=sys.stdout, width=max(100, 28 + 24 * len(estimates)))
-    console.print(title)
-    console.print(table)
+                table.add_row(f"host {part}", *(format_bytes(e.details.get(f"host_{part}", 0), units) for e in estimates))
+    return table
+
+
+def _print_summary(console: Any, worst: Any, plan: Any, args: argparse.Namespace) -> None:
+    """The worst rank's line, and its host memory under offload."""
+    from lightning_memplan.model.offload import host_need_bytes
+    from lightning_memplan.report.render import format_bytes
+
+    units = args.units
     console.print(
-        f"worst rank: {worst.rank} (stage {worst.stage}), {format_bytes(worst.total, args.units)} at the "
+        f"worst rank: {worst.rank} (stage {worst.stage}), {format_bytes(worst.total, units)} at the "
         f"{worst.peak_phase} peak; largest component: {worst.largest_component()}; estimate: {worst.source}"
         + (" (traced from the Hugging Face class)" if worst.source == "hf_trace" else "")
     )
-    if worst.host:
+    if not worst.host:
+        return
+    console.print(
+        f"host memory (offload={args.offload}): {format_bytes(worst.host, units)} per rank, "
+        f"{format_bytes(worst.host * plan.world_size, units)} over the {plan.world_size} ranks"
+    )
+    pinned = int(worst.details.get("host_pinned", 0))
+    if pinned:
         console.print(
-            f"host memory (offload={args.offload}): {format_bytes(worst.host, args.units)} per rank, "
-            f"{format_bytes(worst.host * plan.world_size, args.units)} over the {plan.world_size} ranks"
+            f"  of which {format_bytes(pinned, units)} page-locked (pinned blocks are rounded up to a power "
+            f"of two: up to {format_bytes(host_need_bytes(worst), units)} per rank); "
+            f"{format_bytes(worst.details.get('offload_h2d_bytes', 0), units)} host-to-device and "
+            f"{format_bytes(worst.details.get('offload_d2h_bytes', 0), units)} device-to-host per step"
         )
-        pinned = int(worst.details.get("host_pinned", 0))
-        if pinned:
-            console.print(
-                f"  of which {format_bytes(pinned, args.units)} page-locked (pinned blocks are rounded up to a power "
-                f"of two: up to {format_bytes(host_need_bytes(worst), args.units)} per rank); "
-                f"{format_bytes(worst.details.get('offload_h2d_bytes', 0), args.units)} host-to-device and "
-                f"{format_bytes(worst.details.get('offload_d2h_bytes', 0), args.units)} device-to-host per step"
-            )
-    for found in fits.values():
-        console.print(found.describe())
-    return 0
 
 
 def offload_fields(framework: str, offload: str) -> dict[str, Any]:

@@ -33,11 +33,13 @@ from lightning_memplan.cli._common import (
     add_model_arguments,
     add_train_arguments,
     budget_arg,
+    check_outputs,
     finite_float,
     int_at_least,
     model_from_args,
     parse_bytes,
     train_from_args,
+    write_output,
 )
 
 __all__ = ["add_arguments", "parse_allow", "parse_bytes", "run"]
@@ -115,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print PlanDecision.to_dict() as JSON")
     out.add_argument("--markdown", action="store_true", help="print the explanation as Markdown")
     parser.add_argument("--html", default=None, metavar="OUT.html",
-                        help="also write the plan map (every evaluated layout, peak vs step time) as one self-contained HTML file")
+                        help="also write the plan map (every evaluated layout, peak vs step time) as one self-contained HTML "
+                        "file (- or /dev/stdout: to standard output, instead of the text)")
 
 
 def _hardware(args: argparse.Namespace) -> Any:
@@ -156,8 +159,10 @@ _PLAN_MAP_CANDIDATES = 40
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_memplan.files import is_stdout
     from lightning_memplan.planning import plan
 
+    check_outputs(args, "--html")
     model = model_from_args(args)
     train = train_from_args(args)
     hardware = _hardware(args)
@@ -168,6 +173,17 @@ def run(args: argparse.Namespace) -> int:
         # the plan map shows every timed layout: keep more fitting candidates (the choice is the same)
         **({"top_k": max(args.top, _PLAN_MAP_CANDIDATES)} if args.html else {}),
     )
+    if not is_stdout(args.html):  # a plan map on standard output goes there alone
+        _print(decision, args)
+    if args.html:
+        from lightning_memplan.report.html import render_plan_html
+
+        write_output("--html", args.html, render_plan_html(decision.to_dict()))
+    return 0 if decision.fits else 1
+
+
+def _print(decision: Any, args: argparse.Namespace) -> None:
+    """The decision on standard output: JSON, Markdown or the rich explanation."""
     if args.json:
         print(json.dumps(decision.to_dict(), indent=1))
     elif args.markdown:
@@ -181,9 +197,3 @@ def run(args: argparse.Namespace) -> int:
         # rich_renderable builds Text objects (not markup): only the terminal's control characters matter
         shown = _shown(decision, lambda text: terminal_text(text, newlines=False))
         Console(file=sys.stdout, width=170).print(rich_renderable(shown, top=args.top))
-    if args.html:
-        from lightning_memplan.files import write_atomic
-        from lightning_memplan.report.html import render_plan_html
-
-        write_atomic(args.html, render_plan_html(decision.to_dict()))
-    return 0 if decision.fits else 1

@@ -5,7 +5,9 @@ units the report was written with, else chosen from its peaks: see
 :func:`~lightning_memplan.report.render.report_units`). Prints the rich table of the latest epoch (or
 ``--epoch N``), or the whole report as Markdown (``--markdown``) or JSON (``--json``); ``--png OUT``
 redraws the chart; ``--html OUT`` writes the self-contained HTML report (with the plan map when
-memplan_auto's ``memplan_plan.json`` lies beside the JSON).
+memplan_auto's ``memplan_plan.json`` lies beside the JSON). ``OUT`` is a new name or a regular file you can
+write (a device, FIFO, folder or another user's read-only file is refused before anything is drawn); ``-``
+(or ``/dev/stdout``) writes the page or the picture to standard output instead of the table.
 
 The file may come from someone else: every string from it is escaped for the terminal and rich markup
 (:mod:`~lightning_memplan.report.escape`), so no escape sequence (window title, clipboard, clear screen)
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -45,13 +48,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memplan.report.escape import terminal_text
+    from lightning_memplan.cli._common import check_outputs
+    from lightning_memplan.files import is_stdout
     from lightning_memplan.report.io import load_report
-    from lightning_memplan.report.plot import matplotlib_available, render_png
-    from lightning_memplan.report.render import render_markdown, render_rich, report_units
+    from lightning_memplan.report.render import report_units
 
+    check_outputs(args, "--html", "--png")
     report = load_report(args.path)
     args.units = report_units(report, args.units)  # "auto": the report's own units (or its magnitudes)
+    if not (is_stdout(args.html) or is_stdout(args.png)):  # a page on standard output goes there alone
+        _print(report, args)
+    if args.png:
+        _write_png(report, args)
+    if args.html:
+        from lightning_memplan.cli._common import write_output
+        from lightning_memplan.report.html import render_html
+        from lightning_memplan.report.paths import plan_decision_beside
+
+        write_output("--html", args.html, render_html(report, units=args.units, decision=plan_decision_beside(args.path)))
+    return 0
+
+
+def _print(report: Any, args: argparse.Namespace) -> None:
+    """The report on standard output: JSON, Markdown, or the rich table with the notes and incidents."""
+    from lightning_memplan.report.escape import terminal_text
+    from lightning_memplan.report.render import render_markdown, render_rich
+
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     elif args.markdown:
@@ -65,15 +87,16 @@ def run(args: argparse.Namespace) -> int:
         for inc in report.incidents:
             print(f"incident: rank {inc.rank}, epoch {inc.epoch}, step {inc.step}: {terminal_text(inc.kind)}: "
                   f"{terminal_text(inc.error)}")
-    if args.png:
-        if not matplotlib_available():
-            raise ValueError(f"--png={args.png!r} needs matplotlib; pip install 'lightning-memplan[plot]'")
-        render_png(report, args.png, units=args.units)
-    if args.html:
-        from lightning_memplan.files import write_atomic
-        from lightning_memplan.report.html import render_html
-        from lightning_memplan.report.paths import plan_decision_beside
 
-        source = args.path
-        write_atomic(args.html, render_html(report, units=args.units, decision=plan_decision_beside(source)))
-    return 0
+
+def _write_png(report: Any, args: argparse.Namespace) -> None:
+    from lightning_memplan.cli._common import write_output
+    from lightning_memplan.files import is_stdout
+    from lightning_memplan.report.plot import matplotlib_available, png_bytes, render_png
+
+    if not matplotlib_available():
+        raise ValueError(f"--png={args.png!r} needs matplotlib; pip install 'lightning-memplan[plot]'")
+    if is_stdout(args.png):
+        write_output("--png", args.png, png_bytes(report, units=args.units))
+    else:
+        render_png(report, args.png, units=args.units, argument="--png")

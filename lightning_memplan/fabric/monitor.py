@@ -358,7 +358,8 @@ class MemoryMonitor:
         return {**self._session.state_dict(), "epoch": self._epoch, "optimizer_steps": self._optimizer_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue a report from :meth:`state_dict`."""
-        self._session.load_state_dict(state_dict)
-        self._epoch = int(state_dict.get("epoch", 0))
-        self._optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        """Continue a report from :meth:`state_dict`: every field checked; what is invalid, another run's or
+        another version's is dropped with one warning and the loop goes on with fresh state for it
+        (:mod:`~lightning_memplan.monitoring.state`)."""
+        counters = self._session.load_state_dict(state_dict, counters=("epoch", "optimizer_steps"))
+        self._epoch, self._optimizer_steps = counters["epoch"], counters["optimizer_steps"]

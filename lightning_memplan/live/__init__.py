@@ -15,6 +15,7 @@ applying memplan_auto), which both read a live run through it, and above ``track
 """
 
 from lightning_memplan.live.batch import (
+    BatchFactory,
     InferenceError,
     batch_factory,
     batch_shape,
@@ -41,6 +42,7 @@ from lightning_memplan.live.strategy import (
 )
 
 __all__ = [
+    "BatchFactory",
     "InferenceError",
     "TransformerLayout",
     "batch_factory",

@@ -90,6 +90,9 @@ def infer_train_spec(
         detected = recompute_of(getattr(trainer, "lightning_module", None))
         if detected != "none":
             changes["recompute"] = detected
+    attention = _attention_kernel(getattr(trainer, "lightning_module", None), spec.device, spec.precision)
+    if attention is not None:
+        changes["attention"] = attention
     # the RMSNorm implementation (Hugging Face's and torchtune's save fp32 copies a fused kernel does not)
     from lightning_memplan.model.introspect import norm_impl_of
 
@@ -97,6 +100,29 @@ def infer_train_spec(
     if norm_impl != "native":
         changes["norm_impl"] = norm_impl
     return spec.replace(**changes) if changes else spec
+
+def _attention_kernel(module: Any, device: str, precision: str) -> str | None:
+    """``"eager"`` when a Hugging Face model inside ``module`` keeps the ``[b, a, s, s]`` attention
+    probabilities: it runs eager attention, or SDPA down PyTorch's math path, which saves what eager
+    attention saves (the softmax output, dropout's mask and the dropped probabilities) -- on the CPU for
+    any attention dropout or unequal head sizes (:func:`~lightning_memplan.tracking.hf_calibrate.
+    sdpa_keeps_scores`, PyTorch's kernel selection); ``None`` (the spec's ``"sdpa"``) otherwise."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for sub in module.modules():
+        config: Any = getattr(sub, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if not isinstance(implementation, str) or not callable(getattr(config, "to_dict", None)):
+            continue
+        if implementation == "eager":
+            return "eager"
+        if implementation == "sdpa":
+            from lightning_memplan.tracking.hf_calibrate import sdpa_keeps_scores
+
+            return "eager" if sdpa_keeps_scores(config.to_dict(), device=device, precision=precision) else None
+        return None
+    return None
+
 
 def _loss_mode_of_callable(loss_fn: Any) -> str | None:
     """``"chunked"`` when ``loss_fn`` reaches a ``LinearCrossEntropy`` (a global it names or a variable

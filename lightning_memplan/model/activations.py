@@ -443,4 +443,21 @@ def calibrated_points(
             else:
                 base = single[key][comp]
                 out[key][comp] = round(fitted * comps[comp] / base) if base else comps[comp]
+    if single is None:
+        _bound_by_traced_backward(out, calibration, b, s)
     return out
+
+
+def _bound_by_traced_backward(out: dict[str, dict[str, int]], calibration: Calibration, b: int, s: int) -> None:
+    """On the traced plan itself, no analytic point inside the backward holds more dynamic bytes than the
+    traced backward's peak at (b, s): that peak is the largest moment of the real backward, so an analytic
+    point above it describes a model the terms do not fit (a convolutional or recurrent model read as a
+    guessed transformer, whose [s, s] terms at s = an audio clip's samples are 24x the real step). Such a
+    point is scaled down to that peak, its components in proportion."""
+    traced = sum(calibration.bytes_for("backward", comp, b, s) for comp in DYNAMIC_COMPONENTS)
+    for key in ("backward_layer", "backward_softmax", "backward_end", "backward_first"):
+        point = out.get(key)
+        total = sum(point.values()) if point else 0
+        if point and total > traced:
+            for comp in point:
+                point[comp] = point[comp] * traced // total

@@ -30,6 +30,7 @@ import warnings
 from lightning_memplan.model import frameworks, low_precision, offload
 from lightning_memplan.model.assemble import assemble_stage
 from lightning_memplan.model.comm_buffers import comm_buffers
+from lightning_memplan.model.positions import warn_learned_positions
 from lightning_memplan.model.resolve import resolve_stage
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
@@ -63,6 +64,7 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             f"pp={plan.pp} exceeds n_layers={model.n_layers}; every pipeline stage needs at least one "
             f"block, use pp <= {model.n_layers}"
         )
+    warn_learned_positions(model, train.seq_len)  # past a learned position table (model/positions.py)
     _check_schedule_runs(plan)
     if plan.schedule == "interleaved" and plan.pp > 1:
         chunks = plan.pp * plan.virtual_stages

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "FULL_BUILD_LAYERS",
+    "PREFIX_LAYERS",
     "VOLATILE_KEYS",
     "LayerPlan",
     "build_reduced",
@@ -38,6 +40,8 @@ __all__ = [
     "input_fn_for",
     "model_class",
     "vision_tokens",
+    "deep_stack_check",
+    "depth_of",
 ]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -69,6 +73,14 @@ def _depth_of(cfg: Mapping[str, Any]) -> tuple[str, int]:
         f"config (model_type={cfg.get('model_type')!r}) has none of {_LAYER_KEYS}, so its depth is unknown; "
         "pass a config with num_hidden_layers or build ModelSpec(...) directly"
     )
+
+
+def depth_of(cfg: Mapping[str, Any]) -> int | None:
+    """The config's number of blocks (its first depth key), or ``None`` when it names none."""
+    try:
+        return _depth_of(cfg)[1]
+    except ValueError:
+        return None
 
 
 def non_uniform_reason(cfg: Mapping[str, Any]) -> str | None:
@@ -109,15 +121,57 @@ def _reduced_config(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
                 "the traced path scales one encoder+decoder pair and needs them equal; trace the model itself "
                 "with trace_memory(model, batch_shape=(b, s))"
             )
-        out[k] = depth
-    for k in _ENCODER_LAYER_KEYS:
+    return {**out, **_truncated(cfg, depth)}
+
+
+def _truncated(cfg: Mapping[str, Any], depth: int) -> dict[str, Any]:
+    """The keys of ``cfg`` that change at ``depth`` blocks: the depth keys and every per-layer list."""
+    key, full = _depth_of(cfg)
+    out: dict[str, Any] = {key: depth}
+    for k in (*_DECODER_LAYER_KEYS, *_ENCODER_LAYER_KEYS):
         if isinstance(cfg.get(k), int):
             out[k] = depth
-    out[key] = depth
     for name, value in cfg.items():
         if isinstance(value, list) and len(value) == full and name not in ("architectures",):
             out[name] = value[:depth]
     return out
+
+
+#: Deepest config whose every block is built (on the meta device, milliseconds a block) to read its block
+#: kinds (:func:`layer_plan`); no published model has more than about 200 blocks.
+FULL_BUILD_LAYERS = 256
+#: The blocks a deeper config is built with to show that its blocks are all alike (:func:`deep_stack_check`).
+PREFIX_LAYERS = 64
+
+
+def deep_stack_check(cfg: Mapping[str, Any], *, attention: str) -> None:
+    """For a config deeper than :data:`FULL_BUILD_LAYERS` (building each of its blocks would take minutes and
+    gigabytes): check, in bounded time, that its blocks are all alike, so the depth-1/depth-2 copies scale to
+    it by arithmetic (``DepthTraces.n_params``: ``P(1) + (L - 1) * (P(2) - P(1))``). Alike means: every
+    per-layer list of the config repeats values its first :data:`PREFIX_LAYERS` entries hold, and the model
+    built at that depth has blocks of one kind (:func:`layer_plan`). A model that cannot be built at all is
+    left to the copies' own build (which says why).
+
+    Raises:
+        ValueError: the blocks are of several kinds (the deep stack cannot be read without building it).
+    """
+    key, full = _depth_of(cfg)
+    refuse = (f"config {key}={full} is deeper than the {FULL_BUILD_LAYERS} blocks whose kinds are read by building "
+              "each, and its blocks are not all alike ({}); trace your model with trace_memory(model, batch_shape=(b, s)) "
+              "or set LIGHTNING_MEMPLAN_HF_TRACE=0 for the analytic terms")
+    for name, value in cfg.items():
+        if isinstance(value, list) and len(value) == full and name != "architectures":
+            seen = {json.dumps(v, sort_keys=True, default=str) for v in value[:PREFIX_LAYERS]}
+            if any(json.dumps(v, sort_keys=True, default=str) not in seen for v in value[PREFIX_LAYERS:]):
+                raise ValueError(refuse.format(f"{name} takes values beyond its first {PREFIX_LAYERS} entries"))
+    prefix = {**cfg, **_truncated(cfg, PREFIX_LAYERS)}
+    try:
+        plan = layer_plan(_build(_config_object(prefix), attention), prefix)
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError):
+        return
+    if plan.mixed:
+        raise ValueError(refuse.format(f"its first {PREFIX_LAYERS} are of {len(plan.labels)} kinds: "
+                                       f"{', '.join(plan.labels)[:300]}"))
 
 
 def _config_object(cfg: Mapping[str, Any]) -> Any:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_memplan.live import (
+    BatchFactory,
     batch_factory,
     calibration_shapes,
     optimizer_factory,
@@ -21,11 +22,65 @@ from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.monitoring.manual import manual_optimization_trace
 from lightning_memplan.tracking.compiled import eager_view
+from lightning_memplan.tracking.isolation import preserved_run_state
 
 if TYPE_CHECKING:
     from lightning_memplan.monitoring.session import RunContext
 
 __all__ = ["describe_run", "run_calibration"]
+
+
+def _shapes_for(factory: BatchFactory, b: int, s: int, head_dim: int | None,
+                note: Callable[[str], None]) -> list[tuple[int, int]]:
+    """The shapes to trace: three that separate the terms when the batch can be resized along b and s;
+    along b alone when no tensor has a dimension of s (said in a note); the real shape alone, measured
+    and not fitted, when no tensor has the batch dimension either."""
+    if not factory.resizes_batch:
+        note(
+            f"calibration measured the real shape only ({b} x {s}): {factory.describe()}; the estimate is "
+            "exact at that shape and not calibrated at any other"
+        )
+        return [(b, s)]
+    if s > 1 and not factory.resizes_seq:
+        note(
+            f"calibration varies the micro-batch only: no tensor of the batch has a dimension of seq_len={s} "
+            f"({factory.describe()}), so its memory is fitted at s={s} alone; seq_len is the size axis the memory "
+            "grows with (tokens for text, 1 for fixed-size images or clips), pass seq_len=1 for such inputs or "
+            "the length of a batch dimension that varies"
+        )
+        return [(b, s), (2 * b, s)]
+    if factory.batch_only_inputs:
+        note(
+            f"calibration varies the micro-batch only: the batch holds floating-point inputs without the sequence "
+            f"axis ({', '.join(factory.batch_only_inputs[:4])}) beside tensors with it, so its memory is not a "
+            f"function of b*s alone; it is fitted at s={s} (exact for any micro-batch at that length)"
+        )
+        return [(b, s), (2 * b, s)]
+    return calibration_shapes(b, s, head_dim)
+
+
+def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: BatchFactory, b: int, s: int,
+            kwargs: dict[str, Any], note: Callable[[str], None]) -> Calibration:
+    """``calibrate`` at ``shapes``, exact at the real ``(b, s)``; when a shape of another sequence length
+    cannot be traced (a model that accepts one input length only, or a dimension that equals s by chance)
+    or the fit through them misses the real shape, again along the micro-batch."""
+    from lightning_memplan.tracking.trace import calibrate
+
+    along_s = any(shape[1] != s for shape in shapes)
+    try:  # one sequence length: the b*s^2 term cannot be told from b*s (no third length is traced)
+        return calibrate(module, shapes, input_fn=factory, exact_at=(b, s), **kwargs,
+                         **({} if along_s else {"quadratic": False}))
+    except Exception as exc:  # noqa: BLE001 - retried along b alone, else reported by the caller
+        if not along_s:
+            raise
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    calibration = calibrate(module, [(b, s), (2 * b, s)], input_fn=factory, quadratic=False, **kwargs)
+    note(
+        f"calibration varies the micro-batch only: the step at other sequence lengths than {s} could not be "
+        f"fitted with it ({reason}), so the memory is fitted at s={s} alone and the estimate at other lengths is "
+        "not calibrated"
+    )
+    return calibration
 
 
 def run_calibration(
@@ -38,9 +93,25 @@ def run_calibration(
 
     A module that ``memplan_auto`` sharded (FSDP2, tensor parallelism) is traced through the copy the
     strategy kept from just before (``plain_module``, on the meta device, with the plan's activation
-    checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan."""
-    from lightning_memplan.tracking.trace import calibrate
+    checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan.
 
+    The run is left exactly as it was (:func:`~lightning_memplan.tracking.isolation.preserved_run_state`):
+    every trace works on a copy of the module and the global random states are put back, so the user's
+    next dropout mask and shuffle are the ones they would have been without the callback."""
+    with preserved_run_state(run.module, run.optimizers) as guard:
+        calibration = _calibrate_run(run, train, spec, batch, note)
+    if guard.moved or guard.restored:
+        note(
+            "calibration changed the module it traces ("
+            + ", ".join((guard.moved + guard.restored)[:6])
+            + "); what could be put back was, the rest is a defect to report"
+        )
+    return calibration
+
+
+def _calibrate_run(
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+) -> Calibration | None:
     module = run.module
     sharded = pipeline_split(run) or parallelised_by(module)
     plain = getattr(run.strategy, "plain_module", None)
@@ -54,11 +125,10 @@ def run_calibration(
         )
         return None
     b, s = train.micro_batch, train.seq_len
-    shapes = calibration_shapes(b, s, spec.dim_head if spec is not None else None)
     optimizer: Any = train.optimizer
     if run.optimizers:
         optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"optimizer": optimizer, "precision": train.precision}
     if run.loss_fn is not None:
         extra["loss_fn"] = run.loss_fn
     if not train.grads_alive_in_forward:
@@ -71,19 +141,20 @@ def run_calibration(
             )
             return None
         # training_step runs backward and the optimizer step itself, through Trainer-backed methods
-        optimizer, extra["loss_fn"] = manual_optimization_trace(optimizer)
+        extra["optimizer"], extra["loss_fn"] = manual_optimization_trace(optimizer)
     try:
+        factory = batch_factory(batch, b, s)
+        shapes = _shapes_for(factory, b, s, spec.dim_head if spec is not None else None, note)
         # The eager original under the force_eager stance: the fake-tensor trace (a dispatch mode) never
         # reaches a compiled frame, so dynamo neither converts nor skips any (eager_view).
         with eager_view(module) as eager:
-            return calibrate(
-                eager, shapes, input_fn=batch_factory(batch, b, s), optimizer=optimizer,
-                precision=train.precision, **extra,
-            )
+            return _traced(eager, shapes, factory, b, s, extra, note)
     except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to the analytic model
         note(
-            f"calibration with a traced fake-tensor step failed ({type(exc).__name__}: {exc}); using the "
-            "analytic memory model (pass calibrate=False to skip the attempt)"
+            f"calibration with a traced step failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so "
+            "the estimate comes from the analytic memory model alone, which may not describe this model's "
+            "activations: do not trust it until a tracked step's measurement agrees (the report compares them); "
+            "pass model_spec= and train_spec= that describe the model, or calibrate=False to skip the attempt"
         )
         return None
 

@@ -71,7 +71,7 @@ class MonitorOptions:
     units: str = "GiB"
     #: Fit the batch-dependent terms with one traced fake-tensor step at the first batch.
     calibrate: bool = True
-    #: Sequence length when the batch layout has none; ``None`` reads it from the batch.
+    #: The size axis the memory grows with (tokens; 1 for fixed-size images or clips); ``None`` reads it.
     seq_len: int | None = None
     #: Sequence length to forecast; ``None``: the largest seen.
     max_seq_len: int | None = None
@@ -99,7 +99,7 @@ class MonitorOptions:
             "min_headroom": check_fraction("min_headroom", self.min_headroom, upper=1.0),
             "units": check_units(self.units),
             "calibrate": validation.check_bool("calibrate", self.calibrate),
-            "seq_len": check_optional_int("seq_len", self.seq_len, "the tokens per sequence, e.g. seq_len=2048"),
+            "seq_len": check_optional_int("seq_len", self.seq_len, "the tokens per sequence, e.g. seq_len=2048 (1 for fixed-size images)"),
             "max_seq_len": check_optional_int("max_seq_len", self.max_seq_len, "e.g. max_seq_len=8192"),
             "memory_budget": check_optional_int("memory_budget", self.memory_budget, "bytes, e.g. 80 * 2**30"),
             "generate_tokens": validation.check_int(

@@ -712,30 +712,27 @@ class MemorySession:
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        from lightning_memplan.monitoring.state import warned_state
+
         return {
             "report": self.report.to_dict(),
             "batches_seen": self.batches_seen,
-            "warned": sorted(self.warned),
+            "warned": warned_state(self.report, self.warned),
             "accumulator": self.acc.to_dict() if self.acc is not None else None,
             "max_shape_seen": list(self.max_shape_seen),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from lightning_memplan.validation import check_mapping
+    def load_state_dict(self, state_dict: Any, *, counters: tuple[str, ...] = ()) -> dict[str, int]:
+        """Continue from a checkpoint's state: every field checked, what is invalid, foreign or from another
+        version dropped with one warning, fresh state kept for it (monitoring/state.py); never raises.
+        Returns the ``counters`` restored (0 when absent or dropped)."""
+        from lightning_memplan.monitoring.state import restore_state
 
-        where = f"{self.owner}.load_state_dict(state_dict)"
-        fix = f"pass what {self.owner}.state_dict() returned"
-        check_mapping(where, state_dict, ("report",), hint=f"{fix} (a checkpoint's callback state)")
-        try:
-            report = MemoryReport.from_dict(state_dict["report"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(
-                f"{where}: state_dict['report'] is not a memory report ({type(exc).__name__}: {exc}); {fix}"
-            ) from None
-        self.report = report
-        self.batches_seen = int(state_dict.get("batches_seen", 0))
-        self.warned = set(state_dict.get("warned", ()))
-        self.max_shape_seen = tuple(int(x) for x in state_dict.get("max_shape_seen", (0, 0)))  # type: ignore[assignment]
-        acc = state_dict.get("accumulator")
-        # A checkpoint holds rank 0's state; another rank's partial epoch cannot be restored from it.
-        self.acc = RankAccumulator.from_dict(acc) if acc and int(acc["rank"]) == self.rank else None
+        got = restore_state(state_dict, rank=self.rank, owner=self.owner, counters=counters)
+        if got.report is not None:
+            self.report = got.report
+        self.batches_seen = got.batches_seen or 0
+        self.warned = got.warned or set()
+        self.max_shape_seen = got.max_shape_seen or (0, 0)
+        self.acc = got.accumulator
+        return got.counters

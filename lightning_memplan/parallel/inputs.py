@@ -4,8 +4,9 @@ Planning happens after the DataModule's and LightningModule's ``setup`` hooks an
 ``configure_model`` (the mesh must exist by then), which is before Lightning has built the dataloaders.
 The batch shape therefore comes from, in order: the ``train=`` TrainSpec given to the strategy, the
 LightningModule's ``example_input_array``, or the first batch of the training dataloader (a DataModule
-that builds its datasets in ``setup`` has done so by then), drawn under ``torch.random.fork_rng`` so that
-building the loader here does not shift the random stream the real fit loop will see.
+that builds its datasets in ``setup`` has done so by then), drawn under
+``tracking.isolation.preserved_run_state`` so that building the loader here does not shift any random
+stream the real fit loop will see.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from lightning_memplan.live.layouts import TransformerLayout
 from lightning_memplan.model.introspect import norm_impl_of
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
+from lightning_memplan.tracking.isolation import preserved_run_state
 
 __all__ = [
     "RUN_FIELDS",
@@ -76,9 +78,10 @@ def peek_batch(trainer: Any) -> Any:
 
 def peek_loader(make_loader: Any) -> Any:
     """The first batch of ``make_loader()`` (a fresh iterator: the loop's own iteration starts from the
-    beginning), drawn under ``torch.random.fork_rng`` so a shuffling sampler's seed draw does not shift
-    the random stream; ``None`` (with a warning) if it cannot be drawn."""
-    with torch.random.fork_rng(devices=[]):
+    beginning), drawn under :func:`~lightning_memplan.tracking.isolation.preserved_run_state` so a
+    shuffling sampler's seed draw does not shift any random stream (CPU, CUDA, Python, NumPy); ``None``
+    (with a warning) if it cannot be drawn."""
+    with preserved_run_state():
         try:
             return next(iter(make_loader()))
         except Exception as exc:  # noqa: BLE001 - any failure just means "unknown here"
@@ -210,7 +213,7 @@ def optimizer_of(lightning_module: Any, device: str) -> tuple[str, str]:
     if code is None or "estimated_stepping_batches" in code.co_names:
         return fallback
     try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with preserved_run_state(lightning_module), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             conf = lightning_module.configure_optimizers()
             optimizer = _first_optimizer(conf)

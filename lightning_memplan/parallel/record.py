@@ -21,7 +21,7 @@ from lightning_memplan.parallel.decision import Resolution
 from lightning_memplan.parallel.mesh import MeshAxis
 from lightning_memplan.report.paths import PLAN_FILENAME  # written into the log directory by rank 0
 
-__all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "explain", "publish", "record", "stored_plan"]
+__all__ = ["CHECKPOINT_KEY", "PLAN_FILENAME", "checkpoint_plan", "explain", "publish", "record", "stored_plan"]
 
 #: Key under which the applied plan is stored in checkpoints.
 CHECKPOINT_KEY = "memplan"
@@ -107,8 +107,37 @@ def stored_plan(ckpt_path: Any) -> ParallelPlan | None:
             "Pass MemplanAutoStrategy(plan=...) to force the checkpoint's plan"
         )
         return None
-    stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan") if isinstance(checkpoint, dict) else None
-    return ParallelPlan.from_dict(stored) if stored else None
+    return checkpoint_plan(checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None, meta)
+
+
+#: What reading a stored plan may raise: each means "not a plan this version wrote", never "end the run".
+_NOT_A_PLAN = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
+
+
+def checkpoint_plan(entry: Any, where: Any, *, world_size: int | None = None) -> ParallelPlan | None:
+    """The plan of a checkpoint's ``"memplan"`` entry (:func:`record`), checked: ``None`` without one. An
+    entry this version cannot use (not a dict, a ``"plan"`` that is not a dict, a plan ``ParallelPlan``
+    refuses, or one for another ``world_size``: tampered, or from another run or version) gives one warning
+    naming the field, and ``None``: memplan_auto then makes a plan afresh and the run goes on."""
+    if entry is None:
+        return None
+    try:
+        if not isinstance(entry, dict):
+            raise TypeError(f"{CHECKPOINT_KEY!r} is a {type(entry).__name__}, not the record memplan_auto writes")
+        stored = entry.get("plan")
+        if stored is None:
+            return None
+        if not isinstance(stored, dict):
+            raise TypeError(f"{CHECKPOINT_KEY}['plan'] is a {type(stored).__name__}, not a plan")
+        plan = ParallelPlan.from_dict(stored)
+        if world_size is not None and plan.world_size != world_size:
+            raise ValueError(f"{CHECKPOINT_KEY}['plan'] ({plan.describe()}) needs {plan.world_size} processes, this run "
+                             f"has {world_size}")
+    except _NOT_A_PLAN as exc:
+        rank_zero_warn(f"memplan_auto: the checkpoint {str(where)!r} holds a stored plan this run cannot use "
+                       f"({type(exc).__name__}: {str(exc)[:300]}); it is not used and a plan is made afresh")
+        return None
+    return plan
 
 
 def _first_line(exc: BaseException) -> str:

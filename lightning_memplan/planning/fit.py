@@ -364,6 +364,9 @@ def max_micro_batch(
     ``reserved_margin``; allocated elsewhere; see :func:`largest_fit` for every argument and
     ``planning/fit.py`` for the search).
 
+    ``train.seq_len`` is the size axis the memory grows with: the tokens of a text model, 1 for a model of
+    fixed-size images or clips (with a ``calibration`` of it, as docs/callback.md shows for a CNN).
+
     Example::
 
         from lightning_memplan import HardwareSpec, ModelSpec, ParallelPlan, TrainSpec, max_micro_batch

@@ -3,7 +3,9 @@ a config.json ``model_type``, a report's notes, incident texts or component keys
 Markdown file, a terminal or rich markup (one helper per medium; CWE-79, CWE-150).
 
 - HTML (:func:`html_text`): ``html.escape(quote=True)``, for element text and quoted attribute values
-  (https://html.spec.whatwg.org/multipage/syntax.html#escapingString).
+  (https://html.spec.whatwg.org/multipage/syntax.html#escapingString); the Unicode bidirectional
+  embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069) become ``U+FFFD`` first, since an
+  escaped ``&#x202e;`` still reorders the text after it on the page (CVE-2021-42574, "Trojan Source").
 - Markdown (:func:`markdown_text`, :func:`markdown_code`, :func:`markdown_code_block`): CommonMark's
   backslash escape of every ASCII punctuation character that has a meaning (CommonMark 0.31, section 2.4
   "Backslash escapes"), so ``<img onerror=...>`` is text, not a tag, and ``|`` does not split a table
@@ -35,9 +37,14 @@ _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+\-.!|~])")
 _BACKTICKS = re.compile(r"`+")
 
 
+#: The bidirectional embedding/override/isolate marks alone (they reorder text wherever they are shown).
+_BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def html_text(value: Any) -> str:
-    """``str(value)`` safe as HTML element text or a quoted attribute value (``& < > " '`` escaped)."""
-    return html.escape(str(value), quote=True)
+    """``str(value)`` safe as HTML element text or a quoted attribute value (``& < > " '`` escaped, the
+    bidirectional overrides as ``U+FFFD``)."""
+    return html.escape(_BIDI.sub(_REPLACEMENT, str(value)), quote=True)
 
 
 def terminal_text(value: Any, *, newlines: bool = True) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from lightning_memplan.model.result import COMPONENTS
 from lightning_memplan.report.checkpoints import CHECKPOINT_HEADERS, checkpoint_rows
 from lightning_memplan.report.escape import html_text as escape
-from lightning_memplan.report.records import EpochReport, MemoryReport
+from lightning_memplan.report.records import EpochReport, MemoryReport, representative_ranks
 from lightning_memplan.report.render import (
     _PHASE_HEADERS,
     _RANK_HEADERS,
@@ -26,19 +26,23 @@ from lightning_memplan.report.render import (
     UNITS,
     _component_rows,
     _rank_row,
+    component_ranks,
     format_bytes,
     phase_rows,
+    shown_note,
+    table_ranks,
 )
 from lightning_memplan.report.svg import Chart
 from lightning_memplan.report.views import (
+    CHART_RANKS,
     COMPONENT_COLORS,
     PlanView,
     RunView,
     TimelineView,
+    chart_ranks,
     labelled_families,
     plan_view,
     rank_view,
-    report_ranks,
     run_view,
     timeline_record,
     timeline_view,
@@ -212,7 +216,7 @@ def _epoch_key(epoch: EpochReport) -> str:
 def _timeline_section(report: MemoryReport) -> str:
     views = []
     for epoch in reversed(report.epochs):  # the latest epoch first (the default view)
-        for r in epoch.ranks:
+        for r in representative_ranks(epoch.ranks, CHART_RANKS):
             rec = timeline_record(r)
             view = timeline_view(rec) if rec is not None else None
             if view is not None:
@@ -283,7 +287,7 @@ def _run_svg(view: RunView) -> str:
 
 
 def _run_section(report: MemoryReport) -> str:
-    ranks = report_ranks(report)
+    ranks = chart_ranks(report)
     out = ['<section id="run"><h2>Across the run</h2>',
            '<p class="note">Per-step estimated and measured peak and reserved bytes over every epoch (at most a few hundred '
            "points per epoch; each keeps the largest value of the steps it stands for). Sequence-length changes, "
@@ -469,9 +473,11 @@ def _tables_section(report: MemoryReport, units: str) -> str:
     out = ['<section id="tables"><h2>Tables</h2>', f'<p class="note">Sizes in {escape(units)}.</p>']
     for epoch in report.epochs:
         out.append(f"<h3>{escape(epoch.label.capitalize())}</h3>")
-        out.append(_table(_RANK_HEADERS, [_rank_row(r, units) for r in epoch.ranks], caption="Ranks"))
+        out.append(_table(_RANK_HEADERS, [_rank_row(r, units) for r in table_ranks(epoch)], caption="Ranks"))
+        if shown_note(epoch):
+            out.append(f'<p class="note">{escape(shown_note(epoch))}.</p>')
         headers = ["component"]
-        for r in epoch.ranks:
+        for r in component_ranks(epoch):
             headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
         out.append(_table(headers, _component_rows(epoch, units), caption="Components at the peak"))
         if epoch.phases:

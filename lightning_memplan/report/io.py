@@ -5,10 +5,18 @@ see :mod:`~lightning_memplan.report.html`) and ``memory_report.png``.
 Every file goes through :func:`~lightning_memplan.files.atomic_file` (a fresh ``mkstemp`` temporary in the
 folder, fsync, ``os.replace``; never through a planted link; stale temporaries of a killed writer are
 removed by the next write). The writers of one folder take turns (``fcntl.flock`` on
-``.memory_report.lock``): each reads, merges and writes while holding it, so two processes writing one
-folder keep every epoch. A file already there that is not a readable report (a link, invalid JSON, or
-valid JSON that is not a report) is moved aside to ``memory_report.json.corrupt`` with a warning, never
-merged and never a crash.
+``.memory_report.lock``, :func:`~lightning_memplan.files.folder_lock`: one lock for every user who writes
+the folder): each reads, merges and writes while holding it, so two processes writing one folder keep every
+epoch. A writer that waits longer than :data:`~lightning_memplan.files.LOCK_TIMEOUT_S` for the lock skips
+this write with a warning (the report is cumulative: the next write holds every epoch).
+
+A file already there whose *content* is not a report (a link, invalid JSON, or valid JSON that is not a
+report) is moved aside with a warning, never merged and never a crash: to ``memory_report.json.corrupt``,
+or, when that name is taken, to ``memory_report.json.corrupt-<time>-<random>`` (linked there with
+``os.link``, which never replaces a name, then unlinked), so no earlier copy is overwritten. A file that
+cannot be read *now* (no descriptor left, ``EINTR``, ``EAGAIN``, no memory: :func:`~lightning_memplan.files.
+is_transient`) or not by this user (no read permission) says nothing about its content: it is left where it
+is, and this write is skipped (its earlier epochs would be lost otherwise).
 
 With ``errors="warn"`` (what the callback and the Fabric monitor use: a monitoring feature never ends the
 run) a file that cannot be written (a full or read-only disk, a folder in its place, a title matplotlib
@@ -20,13 +28,22 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_memplan.files import folder_lock, json_default, read_json, write_atomic
+from lightning_memplan.files import (
+    LOCK_TIMEOUT_S,
+    LockState,
+    folder_lock,
+    json_default,
+    read_json,
+    write_atomic,
+)
 from lightning_memplan.report.paths import (
     LOCK_FILENAME,
     PLAN_FILENAME,
@@ -101,24 +118,83 @@ def report_text(report: MemoryReport) -> str:
     return json.dumps(report.to_dict(), indent=1, sort_keys=False, default=json_default, allow_nan=False) + "\n"
 
 
+class _Deferred(Exception):
+    """The report on disk cannot be merged now (module docstring): this write is skipped."""
+
+
+def _aside_name(json_path: Path) -> Path:
+    plain = json_path.with_suffix(".json.corrupt")
+    if not os.path.lexists(plain):
+        return plain
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return json_path.with_suffix(f".json.corrupt-{stamp}-{secrets.token_hex(4)}")
+
+
+def _move_aside(json_path: Path) -> Path:
+    """Move the unreadable report to a name that holds nothing yet (module docstring); returns it."""
+    for _ in range(8):
+        aside = _aside_name(json_path)
+        try:
+            os.link(json_path, aside, follow_symlinks=False)  # fails on an existing name: never overwrites
+        except FileExistsError:
+            continue
+        except OSError:  # a filesystem without hard links: rename to the name just found free
+            if os.path.lexists(aside):
+                continue
+            os.replace(json_path, aside)  # renames a link itself, never its target
+            return aside
+        os.unlink(json_path)
+        return aside
+    raise FileExistsError(f"no free name to move {str(json_path)!r} aside")
+
+
 def _merged_with_disk(report: MemoryReport, json_path: Path) -> MemoryReport:
-    """``report`` merged with the report already at ``json_path`` (read without following a link); an
-    unreadable file there is moved aside with a warning (a folder in its place is left for the write to
-    report)."""
+    """``report`` merged with the report already at ``json_path`` (read without following a link). A file
+    whose content is not a report, the caller's own regular file or link, is moved aside with a warning; one
+    that cannot be read now or by this user raises :class:`_Deferred` (a folder, device or another user's
+    file is left for the write to refuse)."""
+    try:
+        info = os.lstat(json_path)
+    except FileNotFoundError:
+        return report
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+        return report  # the write refuses it and says so
     try:
         return report.merged_with(_parse(json_path, follow_links=False))
     except FileNotFoundError:
         return report
+    except (OSError, MemoryError) as exc:  # is_transient: read_json says nothing about the file
+        raise _Deferred(f"{str(json_path)!r} cannot be read now ({type(exc).__name__}: {exc})") from None
     except ValueError as exc:
-        try:
-            if stat.S_ISDIR(os.lstat(json_path).st_mode):
-                return report  # the write fails on it and says so
-            aside = json_path.with_suffix(".json.corrupt")
-            os.replace(json_path, aside)  # renames a link itself, never its target
-        except FileNotFoundError:
-            return report
+        if stat.S_ISREG(info.st_mode) and not os.access(json_path, os.R_OK):
+            raise _Deferred(f"{str(json_path)!r} is not readable by this user, so its epochs cannot be kept") from None
+        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            raise _Deferred(f"{exc}; it belongs to another user (uid {info.st_uid}) and is left as it is") from None
+        aside = _move_aside(json_path)
         warnings.warn(f"{exc}; it was moved to {str(aside)!r} and a new report started", UserWarning, stacklevel=3)
         return report
+
+
+def _skipped(report: MemoryReport, errors: str, why: str, json_path: Path) -> tuple[MemoryReport, WrittenFiles]:
+    """This write skipped (a busy lock, a report that cannot be read now): raised under ``errors="raise"``,
+    else one warning; nothing on disk changes."""
+    text = (f"memory report: {why}; the files in {str(json_path.parent)!r} are left as they are and this write is "
+            "skipped (the next one writes every epoch)")
+    if errors == "raise":
+        raise OSError(text)
+    warnings.warn(text, UserWarning, stacklevel=3)
+    return report, WrittenFiles(json=None, markdown=None, png=None, html=None)
+
+
+def _warn_unusable_lock(lock: LockState, folder: Path) -> None:
+    """One warning when the folder has a lock file this user cannot use (another user's, not readable)."""
+    path = folder / LOCK_FILENAME
+    if lock is LockState.UNAVAILABLE and os.path.lexists(path) and not os.path.islink(path) \
+            and not os.access(path, os.R_OK):
+        warnings.warn(
+            f"memory report: the lock file {str(path)!r} is not readable by this user, so the writers of this folder "
+            "cannot take turns (one of two writing at once may lose epochs); make it readable by every writer "
+            "(chmod a+r) or delete it", UserWarning, stacklevel=3)
 
 
 def write_report(
@@ -161,9 +237,15 @@ def write_report(
             return None
         return path
 
-    with folder_lock(json_path.parent, LOCK_FILENAME):
+    with folder_lock(json_path.parent, LOCK_FILENAME) as lock:
+        if lock is LockState.BUSY:
+            return _skipped(report, errors, f"another writer held the folder's lock {LOCK_FILENAME!r} for "
+                            f"{LOCK_TIMEOUT_S:g} s", json_path)
+        _warn_unusable_lock(lock, json_path.parent)
         try:
             merged = _merged_with_disk(report, json_path)
+        except _Deferred as exc:
+            return _skipped(report, errors, str(exc), json_path)
         except OSError as exc:  # moving an unreadable file aside failed (a read-only folder)
             if errors == "raise":
                 raise

@@ -28,6 +28,7 @@ from lightning_memplan.report.render import UNITS
 from lightning_memplan.report.views import (
     COMPONENT_COLORS,
     TimelineView,
+    chart_ranks,
     rank_view,
     report_ranks,
     run_view,
@@ -35,7 +36,7 @@ from lightning_memplan.report.views import (
     timeline_view,
 )
 
-__all__ = ["matplotlib_available", "render_png"]
+__all__ = ["matplotlib_available", "png_bytes", "render_png"]
 
 #: The capacity line is drawn only when it is at most this factor above the panel's data.
 _CAPACITY_SCALE_LIMIT = 3.0
@@ -105,7 +106,7 @@ def _draw_timeline(ax: Any, view: TimelineView | None) -> None:
 
 
 def _draw_run(ax: Any, report: MemoryReport) -> None:
-    views = [run_view(report, r) for r in report_ranks(report)]
+    views = [run_view(report, r) for r in chart_ranks(report)]
     values = [v for view in views for s in (view.estimated, view.measured, view.reserved) for v in s if v]
     if not values:
         ax.text(0.5, 0.5, "no per-step figures", ha="center", va="center", transform=ax.transAxes)
@@ -186,12 +187,24 @@ def _draw_ranks(ax: Any, report: MemoryReport) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
-def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str = "GiB") -> None:
+def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str = "GiB", argument: str = "path") -> None:
     """Draw ``report`` (every epoch; see the module docstring) to ``path`` (PNG), written atomically
-    (:func:`~lightning_memplan.files.atomic_file`). ``units`` is accepted for symmetry with the text
-    renderers; each panel picks the binary unit its numbers read best in. Text from the report (a model's
-    class name, phase names) is drawn as it is: mathtext and TeX are off (``text.parse_math``/``text.usetex``),
-    so a name like ``Net$\\undefinedmacro$`` is text, not a formula to parse."""
+    (:func:`~lightning_memplan.files.atomic_file`; ``argument`` names ``path`` in a refusal). ``units`` is
+    accepted for symmetry with the text renderers; each panel picks the binary unit its numbers read best in.
+    Text from the report (a model's class name, phase names) is drawn as it is: mathtext and TeX are off
+    (``text.parse_math``/``text.usetex``), so a name like ``Net$\\undefinedmacro$`` is text, not a formula."""
+    from lightning_memplan.files import check_output_target
+
+    check_output_target(path, argument=argument)  # refused before anything is drawn
+    data = png_bytes(report, units=units)
+    with atomic_file(path, argument=argument) as fh:
+        fh.write(data)
+
+
+def png_bytes(report: MemoryReport, *, units: str = "GiB") -> bytes:
+    """:func:`render_png`'s picture as PNG bytes (for standard output)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -209,7 +222,8 @@ def render_png(report: MemoryReport, path: str | os.PathLike[str], *, units: str
             _draw_timeline(axes[0], _timeline_for(report))
             _draw_run(axes[1], report)
             _draw_ranks(axes[2], report)
-            with atomic_file(path) as fh:
-                fig.savefig(fh, format="png", dpi=80)
+            out = io.BytesIO()
+            fig.savefig(out, format="png", dpi=80)
+            return out.getvalue()
         finally:
             plt.close(fig)

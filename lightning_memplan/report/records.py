@@ -20,8 +20,13 @@ from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.report.checkpoints import CheckpointRecord, peak_ratio
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
+_SERIES = ("estimated_peak", "measured_peak", "reserved", "seq_len")  # StepSeries' per-step fields
+
 __all__ = [
+    "MAX_EPOCH_RANKS",
+    "MAX_REPORT_SUMMARIES",
     "REPORT_FORMAT_VERSION",
+    "SUMMARY_RANKS",
     "RUN_PHASES",
     "EpochReport",
     "Incident",
@@ -30,6 +35,7 @@ __all__ = [
     "RankSummary",
     "Spread",
     "StepRecord",
+    "representative_ranks",
     "summarize_rank",
 ]
 
@@ -44,6 +50,8 @@ RUN_PHASES: tuple[str, ...] = ("train", *EVAL_PHASES)
 _T = TypeVar("_T")
 #: Byte counts and step indices are below 2**63 (a signed 64-bit integer, what the allocators report).
 _MAX_COUNT = 2**63
+#: Deepest nesting of a report's free-form parts (``lightning_memplan.files.MAX_JSON_DEPTH``).
+_MAX_DEPTH = 200
 
 
 def _shown(value: Any) -> str:
@@ -112,45 +120,25 @@ def _items(name: str, value: Any) -> list[Any]:
     return list(value)
 
 
-def _int_map(data: Mapping[str, Any] | None, name: str = "map") -> dict[str, int] | None:
+def _name(name: str, key: Any, allowed: Sequence[str]) -> str:
+    """A component or phase name read from a report: exactly one of ``allowed`` (a look-alike such as
+    ``"Params"``, ``"params\u200b"`` or rich markup is refused, never shown beside the real one)."""
+    if key not in allowed:
+        raise ValueError(f"{name} has the key {ascii(key)[:60]}, which is not one of {', '.join(allowed)}")
+    return str(key)
+
+
+def _int_map(data: Mapping[str, Any] | None, name: str = "map", allowed: Sequence[str] = COMPONENTS) -> dict[str, int] | None:
     if data is None:
         return None
     if not isinstance(data, Mapping):
         raise TypeError(f"{name}={_shown(data)} must be a JSON object of byte counts")
-    return {str(k): _required(f"{name}[{str(k)!r:.40}]", v) for k, v in data.items()}
+    return {_name(name, k, allowed): _required(f"{name}[{str(k)!r:.40}]", v) for k, v in data.items()}
 
 
-_MAP_FIELDS = ("estimated_components", "estimated_phase_peaks", "measured_components", "measured_phase_peaks")
-
-
-def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``data`` whose per-component / per-phase maps hold ints (JSON may give floats)."""
-    kwargs = dict(data)
-    for key in _MAP_FIELDS:
-        kwargs[key] = _int_map(kwargs.get(key), key)
-    by_phase = kwargs.get("estimated_by_phase")
-    if by_phase is not None:
-        if not isinstance(by_phase, Mapping):
-            raise TypeError(f"estimated_by_phase={_shown(by_phase)} must be a JSON object")
-        kwargs["estimated_by_phase"] = {str(p): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in by_phase.items()}
-    for key in ("step", "epoch", "rank", "steps"):
-        if key in kwargs:
-            kwargs[key] = _required(key, kwargs[key])
-    for key in ("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
-                "worst_step", "max_seq_len", "estimated_host"):
-        if key in kwargs:
-            kwargs[key] = _count(key, kwargs[key])
-    if "headroom" in kwargs:
-        kwargs["headroom"] = _count("headroom", kwargs["headroom"], minimum=None)  # negative: over capacity
-    for key in ("backend",):
-        if key in kwargs:
-            kwargs[key] = _text(key, kwargs[key])
-    for key in ("estimated_peak_phase", "measurement"):
-        if key in kwargs:
-            kwargs[key] = _text(key, kwargs[key], optional=True)
-    if "phase" in kwargs:
-        kwargs["phase"] = _run_phase("phase", kwargs["phase"])
-    return kwargs
+#: The per-component and per-phase maps of a step record or a rank summary, and the names their keys take.
+_MAP_FIELDS = {"estimated_components": COMPONENTS, "estimated_phase_peaks": PHASES, "measured_components": COMPONENTS,
+               "measured_phase_peaks": PHASES}
 
 
 def _run_phase(name: str, value: Any) -> str:
@@ -158,6 +146,134 @@ def _run_phase(name: str, value: Any) -> str:
     if value not in RUN_PHASES:
         raise ValueError(f"{name}={_shown(value)} must be one of {RUN_PHASES}")
     return str(value)
+
+
+def _by_phase(value: Any) -> dict[str, dict[str, int] | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"estimated_by_phase={_shown(value)} must be a JSON object")
+    return {_name("estimated_by_phase", p, PHASES): _int_map(c, f"estimated_by_phase[{str(p)!r:.40}]") for p, c in value.items()}
+
+
+def _map_reader(allowed: Sequence[str]) -> Callable[[str, Any], Any]:
+    return lambda name, value: _int_map(value, name, allowed)
+
+
+#: How each field of a step record / rank summary is read (the fields not named here are their own classes').
+_FIELD_READERS: dict[str, Callable[[str, Any], Any]] = {
+    **{key: _map_reader(allowed) for key, allowed in _MAP_FIELDS.items()},
+    "estimated_by_phase": lambda _k, v: _by_phase(v),
+    **dict.fromkeys(("step", "epoch", "rank", "steps"), _required),
+    **dict.fromkeys(("micro_batch", "seq_len", "estimated_peak", "measured_peak", "reserved", "device_memory",
+                     "worst_step", "max_seq_len", "estimated_host"), _count),
+    "headroom": lambda k, v: _count(k, v, minimum=None),  # negative: over capacity
+    "backend": _text,
+    **dict.fromkeys(("estimated_peak_phase", "measurement"), lambda k, v: _text(k, v, optional=True)),
+    "phase": _run_phase,
+}
+#: Fields whose reader accepts any int in [0, 2**63) as it is (the common case, checked without a call).
+_PLAIN_COUNTS = frozenset(k for k, f in _FIELD_READERS.items() if f is _required or f is _count)
+
+
+def _with_int_maps(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``data`` with every known field read by its :data:`_FIELD_READERS` entry (maps hold ints,
+    JSON may give floats); one pass, the plain in-range integers without a call (a report of 65,536 ranks
+    is read in about a second)."""
+    kwargs = dict(data)
+    for key, value in kwargs.items():
+        if key in _PLAIN_COUNTS and type(value) is int and 0 <= value < _MAX_COUNT:
+            continue
+        read = _FIELD_READERS.get(key)
+        if read is not None:
+            kwargs[key] = read(key, value)
+    for key in _MAP_FIELDS:
+        kwargs.setdefault(key, None)
+    return kwargs
+
+
+def _series(data: Mapping[str, Any]) -> StepSeries:
+    """A per-step series read from a report: step indices and byte counts / lengths as whole numbers
+    >= 0 (or null), one per step, and a stride >= 1; a string or a negative value is refused."""
+    steps = [_required(f"steps[{i}]", v) for i, v in enumerate(_items("steps", data.get("steps")))]
+    values = {
+        name: [_count(f"{name}[{i}]", v) for i, v in enumerate(_items(name, data.get(name)))] for name in _SERIES
+    }
+    for name, column in values.items():
+        if len(column) != len(steps):
+            raise ValueError(f"{name} has {len(column)} values for {len(steps)} steps; each needs one value per step")
+    return StepSeries(steps=tuple(steps), stride=_required("stride", data.get("stride", 1), minimum=1),
+                      **{name: tuple(column) for name, column in values.items()})
+
+
+def _timeline(data: Mapping[str, Any]) -> StepTimeline:
+    """A step timeline read from a report: operator indices and byte counts as whole numbers >= 0, phases
+    as names or indices of :data:`PHASES`, components named as in :data:`COMPONENTS`."""
+    phases = []
+    for p in _items("phases", data.get("phases")):
+        index = p if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(PHASES) else None
+        phases.append(PHASES[index] if index is not None else _name("phases", p, PHASES))
+    components = data.get("components")
+    if not isinstance(components, Mapping):
+        raise TypeError(f"components={_shown(components)} must be a JSON object of byte series")
+    return StepTimeline(
+        ops=tuple(_required(f"ops[{i}]", v) for i, v in enumerate(_items("ops", data.get("ops")))),
+        phases=tuple(phases),
+        components={_name("components", c, COMPONENTS): tuple(_required(f"components[{c!r}][{i}]", x)
+                                                                for i, x in enumerate(_items(f"components[{c!r}]", v)))
+                    for c, v in components.items()},
+        n_ops=_required("n_ops", data.get("n_ops", 0)),
+        stride=_required("stride", data.get("stride", 1), minimum=1),
+    )
+
+
+def _check_size(epochs: Any) -> None:
+    """Refuse a report of more rank summaries than :data:`MAX_REPORT_SUMMARIES`, counted before any is read."""
+    if not isinstance(epochs, (list, tuple)):
+        return
+    total = 0
+    for e in epochs:
+        if isinstance(e, Mapping):
+            total += sum(len(v) for v in (e.get("ranks"),) if isinstance(v, (list, tuple)))
+            phases = e.get("phases")
+            if isinstance(phases, Mapping):
+                total += sum(len(v) for v in phases.values() if isinstance(v, (list, tuple)))
+    if total > MAX_REPORT_SUMMARIES:
+        raise ValueError(f"epochs hold {total:,d} rank summaries, more than the {MAX_REPORT_SUMMARIES:,d} a report holds "
+                         "(lightning-memplan writes at most that many)")
+
+
+def _unique(where: str, keys: Sequence[Any]) -> None:
+    """Refuse a key (a rank, a run/epoch pair) that appears twice in one list of a report."""
+    seen: set[Any] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"{where} holds {key!r} twice; a report lists each once")
+        seen.add(key)
+
+
+def _plain(name: str, value: Any) -> Any:
+    """``value`` checked to be plain JSON data (objects with string keys, lists, strings, booleans, null,
+    integers within 64 bits, finite floats) at most 200 deep: what a report's free-form parts (``run``, an
+    incident's ``allocator``) may hold. Iterative, so no depth exhausts the interpreter's stack."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"{name} is nested more than {_MAX_DEPTH} deep")
+        if isinstance(item, Mapping):
+            if not all(isinstance(k, str) for k in item):
+                raise TypeError(f"{name} has a key that is not a string")
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{name} holds the non-finite number {item!r}; a report holds finite numbers only")
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= _MAX_COUNT:
+            raise ValueError(f"{name} holds {_shown(item)}, beyond 64 bits")
+        elif not (item is None or isinstance(item, (str, bool, int, float))):
+            raise TypeError(f"{name} holds a {type(item).__name__}, which is not JSON data")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +360,7 @@ class StepRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
         kwargs = _with_int_maps(data)
         timeline = kwargs.get("timeline")
-        kwargs["timeline"] = _at("timeline", StepTimeline.from_dict, timeline) if timeline else None
+        kwargs["timeline"] = _at("timeline", _timeline, timeline) if timeline else None
         return cls(**kwargs)
 
 
@@ -321,12 +437,14 @@ class RankSummary:
             _at(f"tracked[{i}]", StepRecord.from_dict, r) for i, r in enumerate(_items("tracked", kwargs.get("tracked")))
         )
         series = kwargs.get("series")
-        kwargs["series"] = _at("series", StepSeries.from_dict, series) if series else None
+        kwargs["series"] = _at("series", _series, series) if series else None
         kwargs["measured_to_estimated"] = _ratio_value("measured_to_estimated", kwargs.get("measured_to_estimated"))
         return cls(**kwargs)
 
 
 _MAX_SHAPES = 16
+#: Most points a restored per-step series may hold (``MemoryPlanCallback(series_points=...)`` is far below).
+_MAX_SERIES_POINTS = 2**20
 #: Tracked steps kept per rank and epoch (the most recent ones, plus the worst one always).
 _MAX_TRACKED = 32
 
@@ -448,20 +566,61 @@ class RankAccumulator:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankAccumulator:
-        acc = cls(rank=int(data["rank"]), epoch=int(data["epoch"]), backend=str(data["backend"]))
-        rec = lambda d: StepRecord.from_dict(d) if d else None  # noqa: E731
-        acc.steps = int(data.get("steps", 0))
-        acc.worst_est, acc.worst_meas = rec(data.get("worst_est")), rec(data.get("worst_meas"))
-        acc.worst_tracked = rec(data.get("worst_tracked"))
-        acc.worst_steady = rec(data.get("worst_steady"))
-        acc.tracked = [StepRecord.from_dict(d) for d in data.get("tracked", ())]
-        acc.phase_peaks = {k: int(v) for k, v in data.get("phase_peaks", {}).items()}
-        acc.reserved, acc.headroom = data.get("reserved"), data.get("headroom")
-        acc.device_memory, acc.max_seq_len = data.get("device_memory"), data.get("max_seq_len")
-        acc.shapes = [(int(b), int(s)) for b, s in data.get("shapes", ())]
+        """The accumulator :meth:`to_dict` saved (a checkpoint's), every field checked as the report reader
+        checks it.
+
+        Raises:
+            KeyError: ``rank``, ``epoch`` or ``backend`` missing.
+            ValueError, TypeError: a field of the wrong type or out of range (names it).
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"accumulator={_shown(data)} must be a JSON object")
+        acc = cls(rank=_required("rank", data["rank"]), epoch=_required("epoch", data["epoch"]),
+                  backend=str(_text("backend", data["backend"])), series_points=_series_points(data.get("series")))
+        rec = lambda name: _at(name, StepRecord.from_dict, data[name]) if data.get(name) else None  # noqa: E731
+        acc.steps = _required("steps", data.get("steps", 0))
+        acc.worst_est, acc.worst_meas = rec("worst_est"), rec("worst_meas")
+        acc.worst_tracked, acc.worst_steady = rec("worst_tracked"), rec("worst_steady")
+        acc.tracked = [_at(f"tracked[{i}]", StepRecord.from_dict, d) for i, d in enumerate(_items("tracked", data.get("tracked")))]
+        if len(acc.tracked) > _MAX_TRACKED:
+            raise ValueError(f"tracked holds {len(acc.tracked)} steps, more than the {_MAX_TRACKED} an accumulator keeps")
+        acc.phase_peaks = _int_map(data.get("phase_peaks") or {}, "phase_peaks", PHASES) or {}
+        acc.reserved, acc.device_memory = _count("reserved", data.get("reserved")), _count("device_memory", data.get("device_memory"))
+        acc.headroom = _count("headroom", data.get("headroom"), minimum=None)
+        acc.max_seq_len = _count("max_seq_len", data.get("max_seq_len"))
+        acc.shapes = [_shape(f"shapes[{i}]", shape) for i, shape in enumerate(_items("shapes", data.get("shapes")))][:_MAX_SHAPES]
         if data.get("series"):
-            acc.series = SeriesBuilder.from_dict(data["series"])
+            acc.series = _at("series", _series_builder, data["series"])
         return acc
+
+
+def _series_points(data: Any) -> int:
+    points = data.get("points", DEFAULT_SERIES_POINTS) if isinstance(data, Mapping) else DEFAULT_SERIES_POINTS
+    if isinstance(points, bool) or not isinstance(points, int) or not 4 <= points <= _MAX_SERIES_POINTS:
+        raise ValueError(f"series.points={_shown(points)} must be a whole number in [4, {_MAX_SERIES_POINTS}]")
+    return points
+
+
+def _shape(name: str, shape: Any) -> tuple[int, int]:
+    if not isinstance(shape, (list, tuple)) or len(shape) != 2:
+        raise TypeError(f"{name}={_shown(shape)} must be a [micro_batch, seq_len] pair")
+    return _required(name, shape[0]), _required(name, shape[1])
+
+
+def _series_builder(data: Mapping[str, Any]) -> SeriesBuilder:
+    """A :class:`SeriesBuilder`'s saved state: rows of ``[step, estimated, measured, reserved, seq_len]``,
+    whole numbers >= 0 (``null`` but the step), at most ``points`` of them."""
+    builder = SeriesBuilder(_series_points(data))
+    builder.stride = _required("stride", data.get("stride", 1), minimum=1)
+    builder.count = _required("count", data.get("count", 0))
+    rows = _items("rows", data.get("rows"))
+    if len(rows) > builder.points:
+        raise ValueError(f"rows holds {len(rows)} rows, more than its {builder.points} points")
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)) or len(row) != 1 + len(_SERIES):
+            raise TypeError(f"rows[{i}]={_shown(row)} must be a list of {1 + len(_SERIES)} numbers")
+        builder.rows.append([_required(f"rows[{i}][0]", row[0]), *(_count(f"rows[{i}][{j}]", v) for j, v in enumerate(row[1:], 1))])
+    return builder
 
 
 def _max_opt(values: Iterable[int | None]) -> int | None:
@@ -558,15 +717,24 @@ class EpochReport:
         phases = data.get("phases") or {}
         if not isinstance(phases, Mapping):
             raise TypeError(f"phases={_shown(phases)} must be a JSON object of evaluation phases")
+        for key, items in (("ranks", data.get("ranks")), *((f"phases[{p!r}]", rs) for p, rs in phases.items())):
+            if isinstance(items, (list, tuple)) and len(items) > MAX_EPOCH_RANKS:
+                raise ValueError(f"{key} holds {len(items):,d} rank summaries, more than the {MAX_EPOCH_RANKS:,d} an "
+                                 "epoch holds (lightning-memplan writes at most that many)")
+        by_phase = {
+            _run_phase("phases", p): tuple(
+                _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
+            )
+            for p, rs in phases.items()
+        }
+        ranks = tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks"))))
+        _unique("ranks (by rank)", [r.rank for r in ranks])
+        for p, summaries in by_phase.items():
+            _unique(f"phases[{p!r}] (by rank)", [r.rank for r in summaries])
         return cls(
-            phases={
-                _run_phase("phases", p): tuple(
-                    _at(f"phases[{p!r}][{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items(f"phases[{p!r}]", rs))
-                )
-                for p, rs in phases.items()
-            },
+            phases=by_phase,
             epoch=_required("epoch", data["epoch"]),
-            ranks=tuple(_at(f"ranks[{i}]", RankSummary.from_dict, r) for i, r in enumerate(_items("ranks", data.get("ranks")))),
+            ranks=ranks,
             warnings=tuple(str(_text(f"warnings[{i}]", w)) for i, w in enumerate(_items("warnings", data.get("warnings")))),
             warning_steps=tuple(
                 _required(f"warning_steps[{i}]", x)
@@ -579,6 +747,46 @@ class EpochReport:
                 for i, c in enumerate(_items("checkpoints", data.get("checkpoints")))
             ),
         )
+
+
+#: Most rank summaries one epoch (or one of its evaluation phases) holds, and a whole report: the reader
+#: refuses more (read at ~20 us a summary, a report answers in seconds) and the writer keeps within them
+#: (:meth:`MemoryReport.with_epoch`).
+MAX_EPOCH_RANKS = 2**16
+MAX_REPORT_SUMMARIES = 2**18
+#: Ranks an epoch keeps once the report is over :data:`MAX_REPORT_SUMMARIES`, and the rows of a rank table.
+SUMMARY_RANKS = 64
+
+
+def representative_ranks(ranks: Sequence[RankSummary], limit: int) -> tuple[RankSummary, ...]:
+    """At most ``limit`` of ``ranks`` (all of them when they are that few), in rank order: rank 0, the rank
+    with the smallest headroom, then those with the largest measured (else estimated) peak. What a table or a
+    chart of a large run shows, and what a report beyond the caps keeps."""
+    if len(ranks) <= limit:
+        return tuple(ranks)
+    chosen: dict[int, RankSummary] = {}
+    first = next((r for r in ranks if r.rank == 0), None)
+    tight = min((r for r in ranks if r.headroom is not None), key=lambda r: r.headroom or 0, default=None)
+    for r in (first, tight):
+        if r is not None and len(chosen) < limit:
+            chosen[r.rank] = r
+    by_peak = sorted(ranks, key=lambda r: -(r.measured_peak if r.measured_peak is not None else r.estimated_peak or 0))
+    for r in by_peak:
+        if len(chosen) >= limit:
+            break
+        chosen.setdefault(r.rank, r)
+    return tuple(sorted(chosen.values(), key=lambda r: r.rank))
+
+
+def _capped(epoch: EpochReport, limit: int) -> EpochReport:
+    if len(epoch.ranks) <= limit and all(len(rs) <= limit for rs in epoch.phases.values()):
+        return epoch
+    return replace(epoch, ranks=representative_ranks(epoch.ranks, limit),
+                   phases={p: representative_ranks(rs, limit) for p, rs in epoch.phases.items()})
+
+
+def _summaries(epoch: EpochReport) -> int:
+    return len(epoch.ranks) + sum(len(rs) for rs in epoch.phases.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -623,6 +831,7 @@ class Incident:
         allocator = data.get("allocator") or {}
         if not isinstance(allocator, Mapping):
             raise TypeError(f"allocator={_shown(allocator)} must be a JSON object")
+        _plain("allocator", allocator)
         return cls(
             kind=str(_text("kind", data["kind"])),
             error=str(_text("error", data["error"])),
@@ -664,7 +873,28 @@ class MemoryReport:
         number of that run: a resumed epoch)."""
         epoch = replace(epoch, run=self.current_run, run_id=self.current_run_id)
         kept = [e for e in self.epochs if e.key != epoch.key]
-        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))
+        return replace(self, epochs=tuple(sorted([*kept, epoch], key=lambda e: e.key)))._within_caps()
+
+    def _within_caps(self) -> MemoryReport:
+        """This report with at most :data:`MAX_EPOCH_RANKS` summaries per epoch and phase and
+        :data:`MAX_REPORT_SUMMARIES` in all (what :meth:`from_dict` reads): a larger epoch keeps its
+        :func:`representative_ranks`, and while the whole is too large the oldest full epochs keep
+        :data:`SUMMARY_RANKS` each; a note says so. Nothing changes below the caps."""
+        epochs = [_capped(e, MAX_EPOCH_RANKS) for e in self.epochs]
+        total = sum(_summaries(e) for e in epochs)
+        for i, e in enumerate(epochs):
+            if total <= MAX_REPORT_SUMMARIES:
+                break
+            small = _capped(e, SUMMARY_RANKS)
+            total -= _summaries(e) - _summaries(small)
+            epochs[i] = small
+        if all(a is b for a, b in zip(epochs, self.epochs, strict=True)):
+            return self
+        note = (f"rank summaries beyond {MAX_EPOCH_RANKS:,d} per epoch or {MAX_REPORT_SUMMARIES:,d} per report are left "
+                "out: an epoch keeps rank 0, the smallest headroom and the largest peaks (older epochs first "
+                f"keep {SUMMARY_RANKS}); its across-ranks spread and imbalance count only the ranks kept")
+        notes = self.notes if note in self.notes else (*self.notes, note)
+        return replace(self, epochs=tuple(epochs), notes=notes)
 
     def new_run(self) -> MemoryReport:
         """A copy whose next epochs form a new run (a second ``trainer.fit`` of the same callback), with a fresh
@@ -672,7 +902,18 @@ class MemoryReport:
         only a missing run id is made."""
         if not any(e.run >= self.current_run for e in self.epochs):
             return self if self.current_run_id else replace(self, current_run_id=uuid.uuid4().hex)
-        return replace(self, current_run=max(e.run for e in self.epochs) + 1, current_run_id=uuid.uuid4().hex)
+        nxt = replace(self, current_run=max(e.run for e in self.epochs) + 1, current_run_id=uuid.uuid4().hex)
+        return nxt._runs_in_range()
+
+    def _runs_in_range(self) -> MemoryReport:
+        """This report, or (when a run number reached 2**63, which the reader refuses) a copy whose runs are
+        numbered 0, 1, ... in their order: the counters stay inside what :meth:`from_dict` reads."""
+        runs = sorted({e.run for e in self.epochs} | {self.current_run})
+        if runs[-1] < _MAX_COUNT:
+            return self
+        dense = {run: i for i, run in enumerate(runs)}
+        epochs = tuple(replace(e, run=dense[e.run]) for e in self.epochs)
+        return replace(self, epochs=epochs, current_run=dense[self.current_run])
 
     def _run_numbers(self, older: MemoryReport) -> dict[int, int]:
         """``{run: run in the merged report}`` for this report's runs: a run ``older`` already holds (the same
@@ -720,7 +961,7 @@ class MemoryReport:
         return replace(
             self, run=self.run or older.run, notes=notes, epochs=tuple(epochs), incidents=incidents,
             current_run=numbers[self.current_run],
-        )
+        )._runs_in_range()._within_caps()
 
     @property
     def latest(self) -> EpochReport | None:
@@ -742,15 +983,18 @@ class MemoryReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryReport:
         version = data.get("format_version")
-        if isinstance(version, bool) or not isinstance(version, int) or version > REPORT_FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= REPORT_FORMAT_VERSION:
             raise ValueError(
-                f"format_version={_shown(version)} is not a memory report this version can read (it reads <= "
-                f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan or pass a memory_report.json"
+                f"format_version={_shown(version)} is not a memory report this version can read (it reads 1 to "
+                f"{REPORT_FORMAT_VERSION}); upgrade lightning-memplan for a newer one, or pass a memory_report.json"
             )
         run = data.get("run") or {}
         if not isinstance(run, Mapping):
             raise TypeError(f"run={_shown(run)} must be a JSON object")
+        _plain("run", run)
+        _check_size(data.get("epochs"))
         epochs = tuple(_at(f"epochs[{i}]", EpochReport.from_dict, e) for i, e in enumerate(_items("epochs", data.get("epochs"))))
+        _unique("epochs (by run and epoch)", [e.key for e in epochs])
         return cls(
             run=dict(run),
             notes=tuple(str(_text(f"notes[{i}]", n)) for i, n in enumerate(_items("notes", data.get("notes")))),

@@ -21,7 +21,13 @@ from lightning_memplan.report.escape import (
     terminal_text,
 )
 from lightning_memplan.report.margin import worst_cuda_summary
-from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary
+from lightning_memplan.report.records import (
+    SUMMARY_RANKS,
+    EpochReport,
+    MemoryReport,
+    RankSummary,
+    representative_ranks,
+)
 
 __all__ = [
     "PHASES_CAPTION",
@@ -141,28 +147,54 @@ PHASES_CAPTION = "Validation, test and predict steps (no-grad forward)"
 CHECKPOINTS_CAPTION = "Checkpoint saves (state dict built and written)"
 
 
+#: Ranks given columns (two each) in the components table; the rank tables list :data:`SUMMARY_RANKS`.
+COMPONENT_RANKS = 8
+
+
+def table_ranks(epoch: EpochReport) -> tuple[RankSummary, ...]:
+    """The rows of an epoch's rank table: every rank, or of a large run :data:`SUMMARY_RANKS` of them
+    (:func:`~lightning_memplan.report.records.representative_ranks`)."""
+    return representative_ranks(epoch.ranks, SUMMARY_RANKS)
+
+
+def component_ranks(epoch: EpochReport) -> tuple[RankSummary, ...]:
+    """The ranks of the components table (:data:`COMPONENT_RANKS` of a large run)."""
+    return representative_ranks(epoch.ranks, COMPONENT_RANKS)
+
+
+def shown_note(epoch: EpochReport) -> str:
+    """What a table of a large run leaves out (``""`` when it lists every rank)."""
+    n = len(epoch.ranks)
+    if n <= SUMMARY_RANKS:
+        return ""
+    return (f"{SUMMARY_RANKS} of {n:,d} ranks listed (rank 0, the smallest headroom and the largest peaks; components "
+            f"for {COMPONENT_RANKS}); the across-ranks line counts every rank")
+
+
 def phase_rows(epoch: EpochReport, units: str) -> list[list[str]]:
     """One row per evaluation phase and rank (:attr:`EpochReport.phases`), columns :data:`_PHASE_HEADERS`."""
-    return [[phase, *_rank_row(r, units)] for phase, ranks in epoch.phases.items() for r in ranks]
+    return [[phase, *_rank_row(r, units)] for phase, ranks in epoch.phases.items()
+            for r in representative_ranks(ranks, SUMMARY_RANKS)]
 
 
 def _component_rows(epoch: EpochReport, units: str) -> list[list[str]]:
+    shown = component_ranks(epoch)
     rows = []
     for name in COMPONENTS:
         row = [name]
-        for r in epoch.ranks:
+        for r in shown:
             row.append(format_bytes((r.estimated_components or {}).get(name), units, suffix=False))
             row.append(format_bytes((r.measured_components or {}).get(name), units, suffix=False))
         rows.append(row)
     for phase in PHASES:
         row = [f"peak in {phase}"]
-        for r in epoch.ranks:
+        for r in shown:
             row.append(format_bytes((r.estimated_phase_peaks or {}).get(phase), units, suffix=False))
             row.append(format_bytes((r.measured_phase_peaks or {}).get(phase), units, suffix=False))
         rows.append(row)
-    if any(r.estimated_host for r in epoch.ranks):  # DeepSpeed offload: host memory beside device memory
+    if any(r.estimated_host for r in shown):  # DeepSpeed offload: host memory beside device memory
         row = ["host memory, offload"]
-        for r in epoch.ranks:
+        for r in shown:
             row += [format_bytes(r.estimated_host, units, suffix=False), "-"]  # the tracker measures the device
         rows.append(row)
     return rows
@@ -206,17 +238,19 @@ def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = 
     for i in keep:
         header = _RANK_HEADERS[i]
         ranks.add_column(_RICH_SHORT[header], justify="left" if header in ("largest", "b x s") else "right")
-    for r in chosen.ranks:
+    for r in table_ranks(chosen):
         row = _rank_row(r, units)
         ranks.add_row(*(rich_text(row[i], newlines=False) for i in keep))
     comps = Table(title=f"Components at the peak, {units} (estimated / measured by the tensor tracker)")
     comps.add_column("component")
-    for r in chosen.ranks:
+    for r in component_ranks(chosen):
         comps.add_column(f"rank {r.rank} est.", justify="right")
         comps.add_column(f"rank {r.rank} meas.", justify="right")
     for row in _component_rows(chosen, units):
         comps.add_row(*(rich_text(c, newlines=False) for c in row))
     parts: list[Any] = [ranks, comps]
+    if shown_note(chosen):
+        parts.append(Text(shown_note(chosen)))
     if chosen.phases:
         evals = Table(title=f"{PHASES_CAPTION}, {units}")
         for i in [0, *(k + 1 for k in keep)]:
@@ -275,11 +309,13 @@ def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
         "",
         f"Sizes in {units}.",
         "",
-        _md_table(_RANK_HEADERS, [_rank_row(r, units) for r in epoch.ranks]),
+        _md_table(_RANK_HEADERS, [_rank_row(r, units) for r in table_ranks(epoch)]),
         "",
     ]
+    if shown_note(epoch):
+        out += [shown_note(epoch) + ".", ""]
     headers = ["component"]
-    for r in epoch.ranks:
+    for r in component_ranks(epoch):
         headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
     out += [_md_table(headers, _component_rows(epoch, units)), ""]
     if epoch.phases:

@@ -19,15 +19,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memplan.model.result import COMPONENTS, PHASES
-from lightning_memplan.report.records import EpochReport, MemoryReport, RankSummary, Spread, StepRecord
+from lightning_memplan.report.records import (
+    EpochReport,
+    MemoryReport,
+    RankSummary,
+    Spread,
+    StepRecord,
+    representative_ranks,
+)
 
 __all__ = [
+    "BAR_RANKS",
+    "CHART_RANKS",
     "COMPONENT_COLORS",
     "PlanPoint",
     "PlanView",
     "RankBar",
     "RunView",
     "TimelineView",
+    "chart_ranks",
     "plan_view",
     "rank_view",
     "run_view",
@@ -182,6 +192,25 @@ def report_ranks(report: MemoryReport) -> list[int]:
     return sorted(ranks)
 
 
+#: Most ranks drawn one by one (the run chart's lines and switcher, the step timelines, the rank bars).
+CHART_RANKS = 16
+BAR_RANKS = 64
+
+
+def chart_ranks(report: MemoryReport) -> list[int]:
+    """The ranks the run chart draws: every rank of a small run; of a large one, the latest epoch's
+    :func:`~lightning_memplan.report.records.representative_ranks` and the ranks of the first incidents,
+    at most :data:`CHART_RANKS` (each rank's view reads every epoch: drawing all of a large run's would be
+    quadratic)."""
+    ranks = report_ranks(report)
+    if len(ranks) <= CHART_RANKS:
+        return ranks
+    latest = report.latest
+    chosen = [r.rank for r in representative_ranks(latest.ranks, CHART_RANKS)] if latest is not None else []
+    chosen += [i.rank for i in report.incidents]
+    return sorted(dict.fromkeys(chosen))[:CHART_RANKS]
+
+
 # ------------------------------------------------------------------------------------ across ranks
 @dataclass(frozen=True, kw_only=True)
 class RankBar:
@@ -208,7 +237,8 @@ def _stage_of(run: Mapping[str, Any], rank: int) -> int | None:
 
 
 def rank_view(epoch: EpochReport, run: Mapping[str, Any]) -> tuple[list[RankBar], Spread | None]:
-    """Every rank's bars in ``epoch`` and the spread of the measured (else estimated) peak."""
+    """Every rank's bars in ``epoch`` (:data:`BAR_RANKS` representative ones of a large run) and the spread
+    of the measured (else estimated) peak over every rank."""
     bars = [
         RankBar(
             rank=r.rank,
@@ -217,7 +247,7 @@ def rank_view(epoch: EpochReport, run: Mapping[str, Any]) -> tuple[list[RankBar]
             measured=dict(r.measured_components or {}),
             measured_total=None if r.measured_components else r.measured_peak,
         )
-        for r in epoch.ranks
+        for r in representative_ranks(epoch.ranks, BAR_RANKS)
     ]
     spread = epoch.spread("measured_peak") or epoch.spread("estimated_peak")
     return bars, spread

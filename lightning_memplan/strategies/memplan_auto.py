@@ -50,6 +50,7 @@ from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.record import (
     CHECKPOINT_KEY,
     PLAN_FILENAME,
+    checkpoint_plan,
     publish,
     record,
     stored_plan,
@@ -205,6 +206,10 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
         lm = self._require_lightning_module()
         forced, source = self._options.plan, "forced"
         stored = stored_plan(getattr(trainer, "ckpt_path", None))
+        if stored is not None and stored.world_size != self.num_processes * self.num_nodes:
+            rank_zero_warn(f"memplan_auto: the checkpoint's stored plan {stored.describe()} needs {stored.world_size} "
+                           f"processes, this run has {self.num_processes * self.num_nodes}; a plan is made afresh")
+            stored = None
         if stored is not None and forced is None:
             forced, source = stored, "checkpoint"
         return resolve(
@@ -370,14 +375,14 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
             checkpoint = self._load_sharded(path, weights_only, flatten=flat)
         else:
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("plan")
+        stored = checkpoint_plan(checkpoint.get(CHECKPOINT_KEY), path) if isinstance(checkpoint, dict) else None
         if stored is not None and self.resolution is not None:
-            blocked = resume_blocker(self._layout, int(stored.get("tp", 1)), self.resolution.plan.tp)
+            blocked = resume_blocker(self._layout, stored.tp, self.resolution.plan.tp)
             if blocked is not None:
                 raise ValueError(f"memplan_auto: fit(ckpt_path={str(path)!r}): {blocked}")
-        if stored is not None and self.resolution is not None and stored != self.resolution.plan.to_dict():
+        if stored is not None and self.resolution is not None and stored.to_dict() != self.resolution.plan.to_dict():
             rank_zero_warn(
-                f"memplan_auto: the checkpoint was written under plan {ParallelPlan.from_dict(stored).describe()} "
+                f"memplan_auto: the checkpoint was written under plan {stored.describe()} "
                 f"and is loaded into {self.resolution.plan.describe()} (the distributed checkpoint reshards "
                 "parameters and optimizer states by name). fit(ckpt_path=...) reveals the path only after the "
                 "layout is applied; set trainer.ckpt_path = path before fit to resume with the stored plan"

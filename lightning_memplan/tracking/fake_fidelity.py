@@ -31,22 +31,93 @@ answer for a training batch (no KV cache, positions from 0):
   returns ``None``; a fake step returns ``None`` too (unpatched it returned the all-zero index tensor,
   and the masks were built for packed sequences, as the real step does not).
 
+Functions that read whether an attention mask holds padding (``padding_mask.all()``, a value a fake
+tensor does not have: ``DataDependentOutputException``, so BERT, RoBERTa, T5, BART, wav2vec2 or Whisper
+with an ``attention_mask`` could not be traced) are answered from the *real* batch, which the tracer reads
+before it makes the fake one: :func:`mask_padding` gives ``{(rows, length): padded}`` for the batch's
+masks (mapping keys :data:`MASK_KEYS`; in a tuple or list, 2-d integer or bool tensors of 0s and 1s), and
+``real_step_branches(padding=...)`` answers a fake mask of that shape with it. A mask of a shape the batch
+does not hold was made by the model from shapes alone (an encoder-decoder's decoder mask when the batch
+gives none: all ones), so it is answered as unpadded.
+
+- ``transformers/masking_utils.py`` ``_ignore_causal_mask_sdpa`` and ``_ignore_bidirectional_mask_sdpa``
+  (and their XPU variants): a padded mask is needed (the real step returns ``False``: no skip); an
+  unpadded one is answered as for ``padding_mask=None`` (what an all-ones mask gives: the mask is skipped
+  where the shapes allow);
+- ``create_recurrent_attention_mask`` (transformers >= 5.2x): the 2-D mask sliced to the local sequence
+  when padded, ``None`` when not.
+
 The patched function keeps every other answer of the original: ``torch.compile``/``torch.export``
 (``is_torchdynamo_compiling``), ``torch.jit`` tracing and CUDA stream capture still count as tracing.
+
+Kernels whose *fake* output differs in size from the real one are listed in :data:`FAKE_KERNELS` and
+corrected while a fake step runs (:func:`real_kernel_sizes`):
+
+- ``aten.mkldnn_rnn_layer`` (the oneDNN LSTM layer of a CPU ``nn.LSTM`` in training): the real kernel
+  (``aten/src/ATen/native/mkldnn/RNN.cpp``, ``mkldnn_rnn_layer``) allocates a byte tensor of
+  ``pd.workspace_desc().get_size()`` -- oneDNN's training workspace (gates, layer and iteration states,
+  each section rounded up to a 4096-byte page: ``src/cpu/rnn/rnn_utils.cpp``, ``set_offsets``) -- and
+  returns it to be saved for backward; the meta kernel (``torch/_meta_registrations.py``) returns 0 bytes,
+  so a traced 2-layer LSTM step read 25% under the real one. The size depends on oneDNN's version and
+  the CPU's kernels (leading dimensions padded per ISA), so it is *measured*: the same call is run on
+  zero tensors of the real kernel (:func:`mkldnn_rnn_workspace_bytes`), at the requested shape when that
+  costs at most :data:`RNN_PROBE_BYTES`, else at three smaller shapes fitted as ``c0 + c1*T*B + c2*B``
+  (every section is a multiple of T*B or (T+1)*B).
+- ``aten.mse_loss`` and ``aten.smooth_l1_loss`` with a ``"mean"`` or ``"sum"`` reduction: the structured
+  kernel's meta function (``aten/src/ATen/native/Loss.cpp``, ``TORCH_META_FUNC(mse_loss)``) builds the
+  output at the broadcast input size and then ``resize_({})`` it, so the real 0-d loss keeps the whole
+  unreduced buffer's storage alive as long as the loss lives (a UNet's MSE step: +1.2%); the fake kernel
+  allocates 4 bytes. The corrected fake result is a 0-d tensor on a storage of the unreduced size.
+- a 0-d ``aten.rand`` (LayerDrop in wav2vec2, Whisper, BART: ``if torch.rand([]) < layerdrop``) is read by
+  a Python branch, which a fake tensor cannot answer (``DataDependentOutputException``): it is drawn as a
+  constant just below 1, so no layer is dropped -- the largest step (a real step that drops layers holds
+  less).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import inspect
+import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["FAKE_METHODS", "FAKE_SENSITIVE", "real_step_branches"]
+__all__ = [
+    "FAKE_KERNELS",
+    "FAKE_METHODS",
+    "FAKE_SENSITIVE",
+    "RNN_PROBE_BYTES",
+    "fake_batch_tensor",
+    "mask_padding",
+    "mkldnn_rnn_workspace_bytes",
+    "real_kernel_sizes",
+    "real_step_branches",
+]
+
+#: ``{(rows, length): padded}`` of the real batch's attention masks (:func:`mask_padding`).
+_PADDING: contextvars.ContextVar[Mapping[tuple[int, int], bool] | None] = contextvars.ContextVar(
+    "memplan_padding", default=None)
+#: While a padded batch's mask function runs: ``is_tracing(fake)`` answers True, so the original takes the
+#: branch that never reads the mask's values -- the branch the real padded step takes.
+_TRACED_ANSWER: contextvars.ContextVar[bool] = contextvars.ContextVar("memplan_traced_answer", default=False)
+
+#: Mapping keys of a batch that hold an attention (padding) mask: 1 keeps a position, 0 pads it.
+MASK_KEYS = ("attention_mask", "decoder_attention_mask", "padding_mask")
+
+
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
 
 
 def _is_tracing_real(original: Callable[..., bool]) -> Callable[..., bool]:
     def is_tracing(tensor: Any = None) -> bool:  # the tensor is fake only because the step is traced
+        if _TRACED_ANSWER.get() and _is_fake(tensor):
+            return True
         return bool(original())
 
     is_tracing.__wrapped__ = original  # type: ignore[attr-defined]
@@ -82,22 +153,114 @@ def _unpacked(original: Callable[..., Any]) -> Callable[..., Any]:
     return find_packed_sequence_indices
 
 
+def _padding_answer(parameter: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper for a function whose branch depends on whether its ``parameter`` (a padding mask) is all
+    ones: for a fake mask, the real batch's mask of its shape decides (:data:`_PADDING`, module docstring)."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def answer(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            mask = bound.arguments.get(parameter)
+            if not _is_fake(mask):
+                return original(*args, **kwargs)
+            shape = tuple(getattr(mask, "shape", ())[-2:])
+            if not (_PADDING.get() or {}).get(shape, False):  # all ones: the answer for no mask
+                bound.arguments[parameter] = None
+                return original(*bound.args, **bound.kwargs)
+            token = _TRACED_ANSWER.set(True)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _TRACED_ANSWER.reset(token)
+
+        answer.__wrapped__ = original  # type: ignore[attr-defined]
+        return answer
+
+    return wrap
+
+
 #: ``{"module:Class.method" or "module:function": wrapper(original) -> the real step's method}``: methods that read a tensor's
 #: value the real training step knows (see the module docstring).
 FAKE_METHODS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "transformers.models.jamba.modeling_jamba:JambaModel._update_mamba_mask": _mask_none_without_mask,
     "transformers.masking_utils:find_packed_sequence_indices": lambda original: _unpacked(original),
+    "transformers.masking_utils:_ignore_causal_mask_sdpa": _padding_answer("padding_mask"),
+    "transformers.masking_utils:_ignore_bidirectional_mask_sdpa": _padding_answer("padding_mask"),
+    "transformers.masking_utils:_can_skip_causal_mask_xpu": _padding_answer("padding_mask"),
+    "transformers.masking_utils:_can_skip_bidirectional_mask_xpu": _padding_answer("padding_mask"),
+    "transformers.masking_utils:create_recurrent_attention_mask": _padding_answer("attention_mask"),
 }
 
 
+def _mask_like(t: Any, in_mapping: bool, key: Any) -> bool:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.ndim != 2:
+        return False
+    if _is_fake(t) or t.device.type == "meta":
+        return False
+    if in_mapping:
+        return key in MASK_KEYS
+    return t.dtype == torch.bool or bool(((t == 0) | (t == 1)).all())
+
+
+def mask_padding(batch: Any, depth: int = 4) -> dict[tuple[int, int], bool]:
+    """``{(rows, length): padded}`` of a real batch's attention masks: the 2-d integer or bool tensors
+    under a :data:`MASK_KEYS` key of a mapping, or of 0s and 1s in a tuple or list; ``padded`` when one of
+    that shape holds a 0. Empty when the batch holds none."""
+    found: dict[tuple[int, int], bool] = {}
+
+    def visit(obj: Any, level: int) -> None:
+        if level > depth:
+            return
+        items = list(obj.items()) if isinstance(obj, Mapping) else (
+            list(enumerate(obj)) if isinstance(obj, (list, tuple)) else [])
+        for key, value in items:
+            if _mask_like(value, isinstance(obj, Mapping), key):
+                shape = (int(value.shape[0]), int(value.shape[1]))
+                found[shape] = found.get(shape, False) or bool((value == 0).any())
+            else:
+                visit(value, level + 1)
+
+    visit(batch, 0)
+    return found
+
+
+def fake_batch_tensor(fake_mode: Any, t: Any) -> Any:
+    """The fake tensor of one real batch tensor: an integer or bool tensor (token ids, labels, masks) keeps
+    its values as the fake tensor's *constant*, so a check of the step that reads a value computed from it
+    alone (``labels.max() >= vocab_size`` in wav2vec2's CTC head) is answered as in the real step (the fake
+    mode runs an operator on constants when every input has one and the result has one element);
+    floating-point tensors have no values (``fake_mode.from_tensor``)."""
+
+    if t.is_floating_point() or t.is_complex() or t.requires_grad or _is_fake(t) or t.device.type == "meta":
+        return fake_mode.from_tensor(t)
+    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, t, make_constant=True)
+
+
 @contextlib.contextmanager
-def real_step_branches() -> Iterator[list[str]]:
+def real_step_branches(padding: Mapping[tuple[int, int], bool] | None = None) -> Iterator[list[str]]:
     """While the block runs, every imported module of a package in :data:`FAKE_SENSITIVE` sees that
     package's listed functions as the real step does; yields the ``module.function`` names patched.
 
-    Only modules already imported are patched (a traced model's modules are imported when it is built);
-    the originals are restored on exit, also after an exception.
+    ``padding``: ``{(rows, length): padded}`` of the real batch's attention masks (:func:`mask_padding`);
+    a fake mask of another shape is answered as unpadded. Only modules already imported are patched (a
+    traced model's modules are imported when it is built); the originals are restored on exit, also
+    after an exception.
     """
+    token = _PADDING.set(dict(padding or {}))
+    try:
+        with _patched() as names:
+            yield names
+    finally:
+        _PADDING.reset(token)
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    """``(owner, name, original)`` of every function :func:`real_step_branches` patches now."""
     patched: list[tuple[Any, str, Any]] = []
     for package, functions in FAKE_SENSITIVE.items():
         if package not in sys.modules:
@@ -123,6 +286,12 @@ def real_step_branches() -> Iterator[list[str]]:
         original = cls.__dict__.get(method) if isinstance(cls, type) else None
         if original is not None and not hasattr(original, "__wrapped__"):
             patched.append((cls, method, original))
+    return patched
+
+
+@contextlib.contextmanager
+def _patched() -> Iterator[list[str]]:
+    patched = _targets()
     replaced: dict[int, Any] = {}
     try:
         for owner, fn_name, original in patched:
@@ -138,3 +307,157 @@ def real_step_branches() -> Iterator[list[str]]:
     finally:
         for module, fn_name, original in patched:
             setattr(module, fn_name, original)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+#: Most bytes a probe of a real kernel may allocate (input, outputs and the workspace together); above it
+#: the size is fitted from smaller probes.
+RNN_PROBE_BYTES = 32 * 2**20
+
+
+def _rnn_probe(dims: tuple[int, int], template: tuple[Any, ...]) -> int:
+    """Workspace bytes of the real ``mkldnn_rnn_layer`` called like ``template`` with its input's first
+    two dimensions set to ``dims`` (zeros; no dispatch mode sees it; with grad mode on, as in training)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    (x_shape, dtype, weight_shapes, hidden, flags) = template
+    with _disable_current_modes(), torch.enable_grad():
+        x = torch.zeros((*dims, x_shape[2]), dtype=dtype)
+        weights = [torch.zeros(shape, dtype=dtype) for shape in weight_shapes]
+        state = torch.zeros((1, dims[1], hidden), dtype=dtype)
+        args = [list(a) if isinstance(a, tuple) else a for a in flags]  # batch_sizes travels as a tuple
+        out = torch.ops.aten.mkldnn_rnn_layer.default(x, *weights, state, state.clone(), *args)
+        return int(out[3].numel() * out[3].element_size())
+
+
+@functools.lru_cache(maxsize=256)
+def mkldnn_rnn_workspace_bytes(template: tuple[Any, ...], seq: int, batch: int) -> int:
+    """Bytes of the oneDNN training workspace the real ``aten.mkldnn_rnn_layer`` returns for an input of
+    ``[seq, batch, input_size]`` (module docstring). ``template`` is ``(input shape, dtype, the four weight
+    shapes, hidden size, the call's trailing flags)``. Measured at the shape itself when a probe costs at
+    most :data:`RNN_PROBE_BYTES`; else fitted as ``c0 + c1*seq*batch + c2*batch`` from three probes."""
+    x_shape, dtype, weight_shapes, hidden, _ = template
+    import torch
+
+    element = torch.empty((), dtype=dtype).element_size()
+    per_cell = element * (x_shape[2] + 16 * hidden)  # input, output and a generous workspace per (t, b)
+    if seq * batch * per_cell <= RNN_PROBE_BYTES:
+        return _rnn_probe((seq, batch), template)
+    cells = max(8, RNN_PROBE_BYTES // (2 * per_cell))  # (t, b) cells of the largest probe, halved
+    b1 = max(1, min(batch, math.isqrt(cells // 2)))
+    t1 = max(1, min(seq, cells // (2 * b1)))
+    points = [(t1, b1), (2 * t1, b1), (t1, 2 * b1)]
+    rows = torch.tensor([[1.0, float(t * b), float(b)] for t, b in points], dtype=torch.float64)
+    sizes = torch.tensor([[float(_rnn_probe(p, template))] for p in points], dtype=torch.float64)
+    c = torch.linalg.lstsq(rows, sizes).solution.flatten().tolist()
+    return max(0, round(c[0] + c[1] * seq * batch + c[2] * batch))
+
+
+def _fake(fake_mode: Any, meta: Any, device: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(fake_mode, meta, device)
+
+
+def _meta(t: Any) -> Any:
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
+def _mkldnn_rnn_layer_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """The meta kernel's outputs, with the workspace at the real kernel's size (module docstring)."""
+    import torch
+
+    x = args[0]
+    outputs = func(*(_meta(a) for a in args), **{k: _meta(v) for k, v in kwargs.items()})
+    wrapped = [_fake(fake_mode, o, x.device) for o in outputs]
+    if x.device.type == "cpu" and torch.is_grad_enabled() and x.dim() == 3:
+        weights = tuple(tuple(w.shape) for w in args[1:5])
+        flags = tuple(tuple(a) if isinstance(a, list) else a for a in args[7:])  # hashable for the cache
+        template = (tuple(x.shape), x.dtype, weights, int(args[10]), flags)
+        try:
+            nbytes = mkldnn_rnn_workspace_bytes(template, int(x.shape[0]), int(x.shape[1]))
+        except RuntimeError:  # the real kernel refuses this dtype on this CPU: the meta kernel's answer
+            nbytes = 0
+        wrapped[3] = _fake(fake_mode, torch.empty(nbytes, dtype=torch.uint8, device="meta"), x.device)
+    return tuple(wrapped)
+
+
+def _unreduced_storage_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """A reduced ``mse_loss`` / ``smooth_l1_loss``: the 0-d result on a storage of the unreduced loss
+    (module docstring), as the real structured kernel leaves it."""
+    import torch
+
+    x, target = args[0], args[1]
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1.0)
+    if reduction == 0 or (func is torch.ops.aten.smooth_l1_loss.default and beta == 0):
+        return NotImplemented  # unreduced (or l1_loss's path): the meta kernel's answer is the real one
+    shape = torch.broadcast_shapes(x.shape, target.shape)
+    full = torch.empty(shape, dtype=torch.result_type(x, target), device="meta")
+    full.resize_(())  # what the kernel's meta function does to its full-size output
+    return _fake(fake_mode, full, x.device)
+
+
+def _scalar_draw_fake(fake_mode: Any, func: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+    """A 0-d ``torch.rand`` that a branch reads (LayerDrop's ``if torch.rand([]) < layerdrop``): a fake
+    tensor holding the constant ``1 - 2**-24`` (the largest float32 below 1), so the branch is taken as in
+    a step that drops no layer -- the largest step, the one the estimate must cover."""
+    import torch
+
+    device = kwargs.get("device")
+    if tuple(size) != () or (device is not None and torch.device(device).type != "cpu"):
+        return NotImplemented
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    value = torch.tensor(1.0 - 2.0**-24, dtype=dtype)
+    return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value, make_constant=True)
+
+
+#: ``{op name: fake kernel (fake_mode, func, *args) -> outputs or NotImplemented}``: kernels whose fake
+#: outputs differ from the real ones (module docstring), answered while a fake step runs
+#: (:func:`real_kernel_sizes`); ``NotImplemented`` leaves a call to the fake mode.
+FAKE_KERNELS: dict[str, Callable[..., Any]] = {
+    "aten.mkldnn_rnn_layer.default": _mkldnn_rnn_layer_fake,
+    "aten.mse_loss.default": _unreduced_storage_fake,
+    "aten.smooth_l1_loss.default": _unreduced_storage_fake,
+    "aten.rand.default": _scalar_draw_fake,
+}
+
+
+def _kernel_mode() -> Any:
+    """A dispatch mode over the fake mode that answers the operators of :data:`FAKE_KERNELS` (a mode, not
+    the fake mode's own registry: the fake mode runs Python decompositions, such as ``mse_loss``'s, before
+    consulting that registry)."""
+    import torch
+    from torch._guards import active_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    kernels = {}
+    for name, impl in FAKE_KERNELS.items():
+        namespace, op, overload = name.split(".")
+        kernels[getattr(getattr(getattr(torch.ops, namespace), op), overload)] = impl
+
+    class RealKernelSizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            impl = kernels.get(func)
+            fake_mode = active_fake_mode() if impl is not None else None
+            if impl is not None and fake_mode is not None:
+                with _disable_current_modes():
+                    out = impl(fake_mode, func, *args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
+            return func(*args, **(kwargs or {}))
+
+    return RealKernelSizes()
+
+
+@contextlib.contextmanager
+def real_kernel_sizes() -> Iterator[None]:
+    """While the block runs (entered inside the fake mode), the operators of :data:`FAKE_KERNELS` answer
+    with the real kernels' sizes (module docstring)."""
+    with _kernel_mode():
+        yield

@@ -276,12 +276,22 @@ def _stacks(cfg: Mapping[str, Any], t0: TracedStep,
 
 def _plain_stacks(cfg: Mapping[str, Any], t0: TracedStep) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Any]:
     """:func:`_stacks` without an adapter."""
-    from lightning_memplan.model.hf_build import build_reduced, build_stack, full_model, layer_plan
+    from lightning_memplan.model.hf_build import (
+        FULL_BUILD_LAYERS,
+        build_reduced,
+        build_stack,
+        deep_stack_check,
+        depth_of,
+        full_model,
+        layer_plan,
+    )
 
-    try:
-        full = full_model(cfg, attention=t0.attention)
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError):
-        full = None
+    full = None
+    if (depth_of(cfg) or 0) > FULL_BUILD_LAYERS:  # bounded time: the kinds from a prefix, no full-depth build
+        deep_stack_check(cfg, attention=t0.attention)
+    else:
+        with contextlib.suppress(ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError):
+            full = full_model(cfg, attention=t0.attention)
     plan = layer_plan(full, cfg) if full is not None else None
     if plan is None or not plan.mixed or plan.path is None:
         copies = [(str(d), build_reduced(cfg, d, attention=t0.attention, recompute=t0.recompute), (0,) * d)

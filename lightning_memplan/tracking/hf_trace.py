@@ -52,6 +52,7 @@ from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.model.traced import DepthTraces, TracedStep, traced_estimate
 from lightning_memplan.tracking.hf_cache import CACHE_ENV, cached, clear_cache, entry_key
 from lightning_memplan.tracking.hf_calibrate import TRACE_SHAPES, peft_available, trace_depths
+from lightning_memplan.tracking.isolation import preserved_run_state
 
 __all__ = [
     "CACHE_ENV",
@@ -145,6 +146,12 @@ class HFTraceSource:
         adapter_json = _adapter_json(model)
         lora = json.loads(adapter_json) if adapter_json is not None else None
         key, step, knobs = _entry(config_json, t0, adapter_json)
+        with preserved_run_state():  # building and tracing the copies draws nothing from the run's streams
+            return self._traces(config_json, t0, key, step, knobs, lora)
+
+    @staticmethod
+    def _traces(config_json: str, t0: TrainSpec, key: str, step: TracedStep, knobs: str,
+                lora: dict[str, object] | None) -> DepthTraces:
         fitted = cached(key, lambda: trace_depths(json.loads(config_json), step, lora=lora), DepthTraces.from_entry)
         if fitted.untrusted_at(t0.micro_batch, t0.seq_len) is None:
             return fitted

@@ -15,12 +15,8 @@ Importing this module imports no Lightning; a LightningModule is recognised by i
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import random
-import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
-from lightning_memplan.tracking.batch import first_tensor
-from lightning_memplan.tracking.fake_fidelity import real_step_branches
+from lightning_memplan.tracking.fake_fidelity import (
+    real_kernel_sizes,
+    real_step_branches,
+)
 from lightning_memplan.tracking.fake_params import fake_parameter_memo
+from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
+from lightning_memplan.tracking.trace_batch import (
+    TraceBatches,
+    batch_source,
+    copy_module,
+    map_tensors,
+    move_module,
+    token_batch,
+    vocab_of,
+)
 from lightning_memplan.tracking.tracker import TensorTracker
 from lightning_memplan.validation import check_bool, check_int, check_optional_int
 
@@ -158,80 +166,6 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return out.mean()
 
 
-def _vocab_of(module: nn.Module) -> int | None:
-    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
-    return max(sizes) if sizes else None
-
-
-def _token_batch(module: nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
-    vocab = _vocab_of(module)
-    if vocab is None:
-        raise ValueError(
-            f"batch_shape=({micro_batch}, {seq_len}) builds token ids, but {type(module).__name__} has no "
-            "nn.Embedding to take the vocabulary from; pass example_input= or input_fn=(b, s) -> batch"
-        )
-    return torch.randint(0, vocab, (micro_batch, seq_len))
-
-
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
-
-
-def _copy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
-    # Never deep-copy what a LightningModule merely points at (its Trainer / Fabric).
-    memo = {} if memo is None else memo
-    for attr in ("_trainer", "_fabric", "_fabric_optimizers"):
-        value = module.__dict__.get(attr)
-        if value is not None:
-            memo[id(value)] = None
-    return copy.deepcopy(module, memo)
-
-
-@contextlib.contextmanager
-def _private_random_state() -> Iterator[None]:
-    """The CPU and CUDA generators (``torch.random.fork_rng``), Python's ``random`` and NumPy's global
-    state (when NumPy is imported) put back on exit: a real step run beside the user's leaves their
-    random draws as they were."""
-    numpy = sys.modules.get("numpy")
-    py_state, np_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(py_state)
-        if numpy is not None:
-            numpy.random.set_state(np_state)
-
-
-def _move(module: nn.Module, device: torch.device) -> nn.Module:
-    tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device == device for t in tensors):
-        return module
-    try:
-        return module.to(device)
-    except RuntimeError:
-        # Fake parameters carry weak references (the fake-tensor memo), so ``Module._apply`` cannot swap
-        # them in place; re-create them on the device instead (tied parameters stay tied).
-        moved: dict[int, nn.Parameter] = {}
-        for mod in module.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None:
-                    if id(p) not in moved:
-                        moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                    mod._parameters[name] = moved[id(p)]
-            for name, buf in list(mod._buffers.items()):
-                if buf is not None:
-                    mod._buffers[name] = buf.to(device)
-        return module
-
-
 #: Most training steps :func:`trace_memory` runs (the last is measured; 2 reach the steady state).
 MAX_TRACE_STEPS = 64
 #: Largest micro-batch or sequence length a traced batch may have: 2^31 - 1, the int32 index range of
@@ -248,7 +182,7 @@ def _check_shape(name: str, value: Any, module: Any) -> tuple[int, int]:
     if pair is None or len(pair) != 2:
         example = ("; a module without an nn.Embedding (such as "
                    f"{type(module).__name__}) takes example_input= (e.g. a [batch, features] tensor) or "
-                   "input_fn=(b, s) -> batch") if _vocab_of(module) is None else ""
+                   "input_fn=(b, s) -> batch") if vocab_of(module) is None else ""
         raise ValueError(
             f"{name}={value!r:.80} must be a pair (micro_batch, seq_len) of positive ints, e.g. {name}=(8, 2048): "
             f"it builds [micro_batch, seq_len] token ids{example}"
@@ -280,10 +214,10 @@ def _run(
     grads_alive_in_forward: bool = True,
 ) -> TrackerReport:
     # ``module`` is already the caller's private copy (fake or real)
-    model = precision.convert_module(_move(module, device))
+    model = precision.convert_module(move_module(module, device))
     model.train()
     opt = make_optimizer(optimizer, model.parameters(), optimizer_impl=optimizer_impl)
-    batch = precision.convert_input(_map_tensors(make_batch(), lambda t: t.to(device)))
+    batch = precision.convert_input(map_tensors(make_batch(), lambda t: t.to(device)))
     scaler = precision.make_scaler(fake=fake)
     tracker = TensorTracker(model, opt, seq_len=seq_len, vocab_size=vocab_size, device=device, pin=pin)
     with tracker:
@@ -295,6 +229,104 @@ def _run(
                 grads_alive_in_forward=grads_alive_in_forward,
             )
     return tracker.report()
+
+
+def _check_device(device: Any) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device={device!r:.80} must be a device string such as 'cpu' or 'cuda', or a torch.device")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r:.80} is not a torch device; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA build with a visible GPU to trace its kernels; use device='cpu'")
+    return device
+
+
+def _check_inputs(module: Any, example_input: Any, batch_shape: Any, input_fn: Any, loss_fn: Any,
+                  optimizer: Any, optimizer_impl: Any, pin_moments: Any) -> tuple[int, int] | None:
+    """The checks of :func:`trace_memory`'s module, batch and callables; the checked ``batch_shape``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module={module!r:.80} must be an nn.Module (a LightningModule or any torch module) to trace; "
+            "e.g. trace_memory(model, example_input=batch)"
+        )
+    if (example_input is None) == (batch_shape is None):
+        raise ValueError(
+            "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
+            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r:.80}"
+        )
+    _check_callable("input_fn", input_fn, "(b, s) -> batch")
+    _check_callable("loss_fn", loss_fn, "(module, batch) -> loss")
+    if not isinstance(optimizer, str) and not callable(optimizer):
+        raise TypeError(f"optimizer={optimizer!r:.80} must be a name such as 'adamw' or a factory params -> Optimizer")
+    if pin_moments is not None and not isinstance(pin_moments, Mapping):
+        raise TypeError(f"pin_moments={pin_moments!r:.80} must be a dict {{phase: '<operator>#<k>'}} or None")
+    if isinstance(optimizer, str) and optimizer not in _OPTIMIZER_NAMES:
+        make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
+    if optimizer_impl not in _OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
+    if batch_shape is None:
+        return None
+    checked = _check_shape("batch_shape", batch_shape, module)
+    if input_fn is None and vocab_of(module) is None:
+        token_batch(module, *checked)  # raises: nothing to draw token ids from
+    return checked
+
+
+def _check_options(steps: Any, grads_alive_in_forward: Any, fake: Any, seq_len: Any,
+                   vocab_size: Any) -> tuple[int, bool, bool, int | None, int | None]:
+    """:func:`trace_memory`'s numbers and flags as plain Python values (the errors name each)."""
+    return (
+        check_int("steps", steps, maximum=MAX_TRACE_STEPS, hint=f"training steps to run, the last measured: 2 reach "
+                  f"the steady state (at most {MAX_TRACE_STEPS})"),
+        check_bool("grads_alive_in_forward", grads_alive_in_forward,
+                   hint="True is Lightning's order, False a loop that zeroes gradients before the forward"),
+        check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step"),
+        check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it"),
+        check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it"),
+    )
+
+
+def _fake_report(module: nn.Module, batches: TraceBatches, device: torch.device,
+                 run_kwargs: dict[str, Any]) -> tuple[TrackerReport | None, str | None]:
+    """The fake-tensor step's report, or ``(None, why it failed)``."""
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with FakeCopyMode(fake_mode), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            fake_module = copy_module(module, fake_parameter_memo(module, fake_mode))  # bitsandbytes' params
+        # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
+        # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
+        # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)
+        with fake_mode, real_step_branches(batches.padding), real_kernel_sizes():
+            fake_batch = batches.fake(fake_mode)  # inside the mode: a factory's tensors are made fake
+            report = _run(fake_module, lambda: fake_batch, fake=True, device=device, **run_kwargs)
+        return report, None
+    except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        warnings.warn(
+            f"trace_memory: the fake-tensor step failed ({reason}); measuring a real CPU step instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None, reason
+
+
+def _real_report(module: nn.Module, batches: TraceBatches, reason: str | None,
+                 run_kwargs: dict[str, Any]) -> TrackerReport:
+    """A real CPU step of a private copy of ``module`` (the user's module is never stepped)."""
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "module has parameters on the meta device, so a real step cannot run"
+            + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
+        )
+    cpu_module = copy_module(module).to("cpu")
+    return _run(cpu_module, batches.real, fake=False, device=torch.device("cpu"), **run_kwargs)
 
 
 def trace_memory(
@@ -319,12 +351,15 @@ def trace_memory(
 
     Args:
         module: any ``nn.Module`` (a LightningModule runs its ``training_step``); it is copied, never
-            modified or stepped.
+            modified or stepped, and the global random states (CPU, CUDA, Python, NumPy) are as they were
+            after the call (:func:`~lightning_memplan.tracking.isolation.preserved_run_state`).
         example_input: a batch (tensor, tuple, list or dict of tensors) as the loss function takes it.
         batch_shape: ``(b, s)`` instead of ``example_input``: random token ids ``[b, s]`` from the
             module's largest ``nn.Embedding`` (or ``input_fn(b, s)`` when given). Made directly as fake
             tensors, so a batch that would not fit anywhere can be traced.
-        input_fn: ``(b, s) -> batch`` used with ``batch_shape``.
+        input_fn: ``(b, s) -> batch`` used with ``batch_shape`` (its ``padding_at(b, s)``, when it has one,
+            says which of its attention masks hold padding, as :func:`~lightning_memplan.live.batch_factory`
+            answers for the real batch resized).
         loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
             :func:`default_loss`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``.
@@ -339,9 +374,8 @@ def trace_memory(
             ``batch_shape`` / a 2-d integer input, and the largest ``nn.Embedding``).
         pin_moments: ``{phase: "<operator>#<k>"}``: also report the components at that moment of each
             phase (``result.report.pinned``); :func:`calibrate` uses it to compare shapes at one moment.
-        device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` on a machine with
-            CUDA: then autocast's CUDA op lists, the CUDA attention kernels and the foreach optimizer
-            are traced, still without allocating). A real fallback step always runs on the CPU.
+        device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` with a GPU: CUDA's
+            autocast lists, attention kernels and foreach optimizer, nothing allocated); a real step is CPU.
         grads_alive_in_forward: ``True`` (Lightning's order: ``zero_grad`` after ``training_step``, so
             the previous step's gradients are alive in the forward) or ``False`` (a plain loop that
             calls ``zero_grad(set_to_none=True)`` before the forward), as ``TrainSpec`` has it.
@@ -350,120 +384,30 @@ def trace_memory(
         ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
             ``steps``; an unknown precision or optimizer.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"module={module!r:.80} must be an nn.Module (a LightningModule or any torch module) to trace; "
-            "e.g. trace_memory(model, example_input=batch)"
-        )
-    if (example_input is None) == (batch_shape is None):
-        raise ValueError(
-            "pass exactly one of example_input= (a batch) or batch_shape=(micro_batch, seq_len); got "
-            f"example_input={'set' if example_input is not None else None}, batch_shape={batch_shape!r:.80}"
-        )
-    steps = check_int("steps", steps, maximum=MAX_TRACE_STEPS,
-                      hint=f"training steps to run, the last measured: 2 reach the steady state (at most {MAX_TRACE_STEPS})")
-    grads_alive_in_forward = check_bool(
-        "grads_alive_in_forward", grads_alive_in_forward,
-        hint="True is Lightning's order, False a loop that zeroes gradients before the forward")
-    fake = check_bool("fake", fake, hint="True traces under FakeTensorMode, False runs a real CPU step")
-    seq_len = check_optional_int("seq_len", seq_len, hint="tokens per sequence, or None to infer it")
-    vocab_size = check_optional_int("vocab_size", vocab_size, hint="the vocabulary, or None to infer it")
-    _check_callable("input_fn", input_fn, "(b, s) -> batch")
-    _check_callable("loss_fn", loss_fn, "(module, batch) -> loss")
-    if not isinstance(optimizer, str) and not callable(optimizer):
-        raise TypeError(f"optimizer={optimizer!r:.80} must be a name such as 'adamw' or a factory params -> Optimizer")
-    if pin_moments is not None and not isinstance(pin_moments, Mapping):
-        raise TypeError(f"pin_moments={pin_moments!r:.80} must be a dict {{phase: '<operator>#<k>'}} or None")
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device={device!r:.80} must be a device string such as 'cpu' or 'cuda', or a torch.device")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device={device!r:.80} is not a torch device; use 'cpu' or 'cuda'") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not traceable; use 'cpu' or 'cuda'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' needs a CUDA build with a visible GPU to trace its kernels; use device='cpu'")
+    batch_shape = _check_inputs(module, example_input, batch_shape, input_fn, loss_fn, optimizer, optimizer_impl,
+                                pin_moments)
+    steps, grads_alive_in_forward, fake, seq_len, vocab_size = _check_options(
+        steps, grads_alive_in_forward, fake, seq_len, vocab_size)
+    device = _check_device(device)
     emulation = PrecisionEmulation(precision=precision, device_type=device.type)
-    if isinstance(optimizer, str) and optimizer not in _OPTIMIZER_NAMES:
-        make_optimizer(optimizer, [], optimizer_impl=optimizer_impl)  # raises the explanatory ValueError
-    if optimizer_impl not in _OPTIMIZER_IMPLS:
-        raise ValueError(f"optimizer_impl={optimizer_impl!r} must be one of {_OPTIMIZER_IMPLS}")
-    if batch_shape is not None:
-        batch_shape = _check_shape("batch_shape", batch_shape, module)
-        if input_fn is None and _vocab_of(module) is None:
-            _token_batch(module, *batch_shape)  # raises: nothing to draw token ids from
-    loss_fn = loss_fn or default_loss
-    if batch_shape is not None:
-        b, s = batch_shape
-        micro_batch: int = b
-        seq: int | None = s
-
-        def make_batch() -> Any:
-            return input_fn(b, s) if input_fn is not None else _token_batch(module, b, s)
-    else:
-        first = first_tensor(example_input)
-        if first is None:
-            raise ValueError("example_input holds no tensor; pass a batch of tensors or batch_shape=")
-        micro_batch = int(first.shape[0]) if first.dim() else 1
-        seq = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
-
-        def make_batch() -> Any:
-            return _map_tensors(example_input, lambda t: t.detach().clone())
-    seq_len = seq_len if seq_len is not None else seq
-    vocab_size = vocab_size if vocab_size is not None else _vocab_of(module)
-    n_params = sum(p.numel() for p in module.parameters())
-    run_kwargs = dict(
-        loss_fn=loss_fn, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation, steps=steps,
-        seq_len=seq_len, vocab_size=vocab_size, pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
+    batches = batch_source(module, example_input, batch_shape, input_fn)
+    seq_len = seq_len if seq_len is not None else batches.seq
+    run_kwargs: dict[str, Any] = dict(
+        loss_fn=loss_fn or default_loss, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation,
+        steps=steps, seq_len=seq_len, vocab_size=vocab_size if vocab_size is not None else vocab_of(module),
+        pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
     )
-    mode, reason = "real", None
-    if fake:
-        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        try:
-            with FakeCopyMode(fake_mode), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-                fake_module = _copy_module(module, fake_parameter_memo(module, fake_mode))  # bitsandbytes' params
-            if batch_shape is None:
-                fake_batch = _map_tensors(example_input, fake_mode.from_tensor)
-                make_fake: Callable[[], Any] = lambda: fake_batch  # noqa: E731
-            else:
-                make_fake = make_batch
-            # real_step_branches: library code that branches on "is this a FakeTensor" takes the real
-            # step's branch (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks)
-            with fake_mode, real_step_branches():
-                report = _run(fake_module, make_fake, fake=True, device=device, **run_kwargs)  # type: ignore[arg-type]
-            mode = "fake"
-        except Exception as err:  # noqa: BLE001 - any fake-mode failure falls back to a real step
-            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            warnings.warn(
-                f"trace_memory: the fake-tensor step failed ({reason}); measuring a real CPU step instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    if mode == "real":
-        if any(p.is_meta for p in module.parameters()):
-            raise ValueError(
-                "module has parameters on the meta device, so a real step cannot run"
-                + (f" (the fake trace failed: {reason})" if reason else "; use fake=True")
-            )
-        if device.type != "cpu":
-            run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
-        cpu_module = _copy_module(module).to("cpu")  # a private copy: the user's module is never stepped
-        with _private_random_state():  # its dropout and synthetic batches draw from the run's generators
-            report = _run(cpu_module, make_batch, fake=False, device=torch.device("cpu"), **run_kwargs)  # type: ignore[arg-type]
+    with preserved_run_state(module):
+        report, reason = _fake_report(module, batches, device, run_kwargs) if fake else (None, None)
+        mode = "fake" if report is not None else "real"
+        if report is None:
+            if device.type != "cpu":
+                run_kwargs["precision"] = emulation = PrecisionEmulation(precision=precision, device_type="cpu")
+            report = _real_report(module, batches, reason, run_kwargs)
     return TraceResult(
-        estimate=report.to_estimate(source="traced"),
-        report=report,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        precision=emulation.precision,
-        mode=mode,
-        fallback_reason=reason,
-        n_params=n_params,
-        steps=steps,
+        estimate=report.to_estimate(source="traced"), report=report, micro_batch=batches.micro_batch,
+        seq_len=seq_len, precision=emulation.precision, mode=mode,
+        fallback_reason=reason, n_params=sum(p.numel() for p in module.parameters()), steps=steps,
     )
 
 
@@ -485,12 +429,71 @@ def _rank(shapes: Sequence[tuple[int, int]], terms: int) -> int:
     return int(torch.linalg.matrix_rank(x / x.abs().amax(dim=0).clamp_min(1.0)))
 
 
+def _check_shapes(module: Any, shapes: Any, quadratic: Any) -> tuple[list[tuple[int, int]], bool | None]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r:.80} must be an nn.Module to calibrate; e.g. calibrate(model)")
+    if not isinstance(shapes, (tuple, list)) or not 1 <= len(shapes) <= MAX_CALIBRATION_SHAPES:
+        raise ValueError(
+            f"shapes={shapes!r:.80} must be a list of one to {MAX_CALIBRATION_SHAPES} (micro_batch, seq_len) "
+            "pairs (one trace each; two or three separate the terms), e.g. ((1, 64), (2, 128))"
+        )
+    checked = [_check_shape(f"shapes[{i}]", pair, module) for i, pair in enumerate(shapes)]
+    if quadratic is not None:
+        quadratic = check_bool("quadratic", quadratic, hint="or None to decide from the attention")
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"shapes={checked!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
+    return checked, quadratic
+
+
+def _pinned_tracer(module: nn.Module, reference: tuple[int, int], ref: TraceResult,
+                   input_fn: Callable[[int, int], Any] | None,
+                   trace_kwargs: Mapping[str, Any]) -> Callable[[tuple[int, int]], Mapping[str, Mapping[str, int]]]:
+    """``shape -> {phase: {component: bytes}}`` at the moments where the ``reference`` shape peaks."""
+    pin = dict(ref.report.peak_ops)
+
+    def at_moment(shape: tuple[int, int]) -> Mapping[str, Mapping[str, int]]:
+        if shape == reference:
+            return ref.by_phase
+        pinned = trace_memory(module, batch_shape=shape, input_fn=input_fn, pin_moments=pin, **trace_kwargs).report.pinned
+        missing = [p for p in pin if p not in pinned]
+        if missing:
+            raise ValueError(
+                f"the step for shape {shape} never reaches the moment(s) {[pin[p] for p in missing]} where "
+                f"{reference} peaks in phase(s) {missing}: its op sequence depends on the batch shape, so shapes "
+                "cannot be compared at one moment; calibrate with shapes closer to each other"
+            )
+        return pinned
+
+    return at_moment
+
+
+def _fit(shapes: Sequence[tuple[int, int]], measured: Sequence[Mapping[str, Mapping[str, int]]],
+         phases: Sequence[str], terms: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """``{phase: {component: (c0, c1, c2)}}``: solved exactly with as many shapes as terms, else by least
+    squares (columns scaled first: they span 1 .. b*s^2)."""
+    x = _design(shapes, terms)
+    scale = x.abs().amax(dim=0).clamp_min(1.0)
+    coefficients: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for phase in phases:
+        coefficients[phase] = {}
+        for component in COMPONENTS:
+            y = torch.tensor([[float(m[phase].get(component, 0))] for m in measured], dtype=torch.float64)
+            if len(shapes) == terms:
+                sol = (torch.linalg.solve(x / scale, y).flatten() / scale).tolist()
+            else:
+                sol = (torch.linalg.lstsq(x / scale, y, driver="gelsd").solution.flatten() / scale).tolist()
+            c = (sol + [0.0, 0.0, 0.0])[:3]
+            coefficients[phase][component] = (float(c[0]), float(c[1]), float(c[2]))
+    return coefficients
+
+
 def calibrate(
     module: nn.Module,
     shapes: Sequence[tuple[int, int]] = ((1, 64), (2, 128)),
     *,
     input_fn: Callable[[int, int], Any] | None = None,
     quadratic: bool | None = None,
+    exact_at: tuple[int, int] | None = None,
     **trace_kwargs: Any,
 ) -> Calibration:
     """Fit ``bytes = c0 + c1*(b*s) + c2*(b*s^2)`` per phase and component from traced steps.
@@ -510,45 +513,29 @@ def calibrate(
     the traced shapes (as many shapes as terms). ``quadratic=False`` forces the two-term fit (an input
     whose sequence length is fixed by the model, such as a vision transformer's patch count, where the
     b*s^2 term cannot be separated); ``True`` forces the three-term fit; ``None`` decides as above.
+    One shape is a measurement, not a fit: c0 is its bytes and c1 = c2 = 0, exact at that shape only
+    (for a batch none of whose tensors can be resized). ``exact_at``: one of ``shapes`` (the real batch's)
+    where the least-squares fit must reproduce each phase's traced peak within
+    :data:`EXACT_TOLERANCE`; where it does not, the memory is not a function of b*s (and b*s^2) for this
+    batch, and a ``ValueError`` says by how much.
 
     Raises:
-        ValueError: fewer than 2 shapes, a non-positive size, or shapes that cannot separate the terms
-            (e.g. the same b*s twice).
+        ValueError: no shape or more than :data:`MAX_CALIBRATION_SHAPES`, a non-positive size, shapes
+            that cannot separate the terms (e.g. the same b*s twice), or a fit that misses ``exact_at``.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={module!r:.80} must be an nn.Module to calibrate; e.g. calibrate(model)")
-    if not isinstance(shapes, (tuple, list)) or not 2 <= len(shapes) <= MAX_CALIBRATION_SHAPES:
-        raise ValueError(
-            f"shapes={shapes!r:.80} must be a list of at least two (micro_batch, seq_len) pairs and at most "
-            f"{MAX_CALIBRATION_SHAPES} (one trace each), e.g. ((1, 64), (2, 128))"
-        )
-    shapes = [_check_shape(f"shapes[{i}]", pair, module) for i, pair in enumerate(shapes)]
-    if quadratic is not None:
-        quadratic = check_bool("quadratic", quadratic, hint="or None to decide from the attention")
-    if len(set(shapes)) != len(shapes):
-        raise ValueError(f"shapes={shapes!r} repeats a shape; give distinct (micro_batch, seq_len) pairs")
+    shapes, quadratic = _check_shapes(module, shapes, quadratic)
     reference = max(shapes, key=lambda bs: (bs[0] * bs[1] * bs[1], bs[0] * bs[1]))
     ref = trace_memory(module, batch_shape=reference, input_fn=input_fn, **trace_kwargs)
-    pin = dict(ref.report.peak_ops)
-
-    def at_moment(shape: tuple[int, int]) -> Mapping[str, Mapping[str, int]]:
-        if shape == reference:
-            return ref.by_phase
-        pinned = trace_memory(module, batch_shape=shape, input_fn=input_fn, pin_moments=pin, **trace_kwargs).report.pinned
-        missing = [p for p in pin if p not in pinned]
-        if missing:
-            raise ValueError(
-                f"the step for shape {shape} never reaches the moment(s) {[pin[p] for p in missing]} where "
-                f"{reference} peaks in phase(s) {missing}: its op sequence depends on the batch shape, so shapes "
-                "cannot be compared at one moment; calibrate with shapes closer to each other"
-            )
-        return pinned
-
+    at_moment = _pinned_tracer(module, reference, ref, input_fn, trace_kwargs)
     measured = [at_moment(shape) for shape in shapes]
-    if quadratic is None:
-        quadratic = any(p.get("attention", 0) for m in measured for p in m.values())
-    terms = 3 if quadratic else 2
-    if quadratic and _rank(shapes, 3) < 3:
+    if len(shapes) == 1:
+        terms = 1
+    else:
+        if quadratic is None:  # at s = 1, b*s^2 is b*s (and every [.., 1, 1] tensor looks like scores)
+            quadratic = any(s > 1 for _, s in shapes) and any(
+                p.get("attention", 0) for m in measured for p in m.values())
+        terms = 3 if quadratic else 2
+    if terms == 3 and _rank(shapes, 3) < 3:
         third = _third_shape(shapes)
         if third is None:
             raise ValueError(f"shapes={shapes!r} cannot separate the b*s and b*s^2 terms; add a third (b, s)")
@@ -559,22 +546,28 @@ def calibrate(
             f"shapes={shapes!r} do not separate the fitted terms (need different b*s"
             + (" and b*s^2" if terms == 3 else "") + "); use shapes such as ((1, 64), (2, 128))"
         )
-    x = _design(shapes, terms)
-    scale = x.abs().amax(dim=0).clamp_min(1.0)  # columns span 1 .. b*s^2: scale before solving
-    coefficients: dict[str, dict[str, tuple[float, float, float]]] = {}
-    for phase in pin:
-        coefficients[phase] = {}
-        for component in COMPONENTS:
-            y = torch.tensor([[float(m[phase].get(component, 0))] for m in measured], dtype=torch.float64)
-            if len(shapes) == terms:
-                sol = (torch.linalg.solve(x / scale, y).flatten() / scale).tolist()
-            else:
-                sol = (torch.linalg.lstsq(x / scale, y, driver="gelsd").solution.flatten() / scale).tolist()
-            c = (sol + [0.0, 0.0, 0.0])[:3]
-            coefficients[phase][component] = (float(c[0]), float(c[1]), float(c[2]))
-    return Calibration(
-        coefficients=coefficients,
-        traced_shapes=tuple(shapes),  # type: ignore[arg-type]
+    calibration = Calibration(
+        coefficients=_fit(shapes, measured, list(ref.report.peak_ops), terms),
+        traced_shapes=tuple(shapes),
         precision=ref.precision,
         n_params=ref.n_params,
     )
+    if exact_at is not None and tuple(exact_at) in shapes:
+        _check_exact(calibration, tuple(exact_at), measured[shapes.index(tuple(exact_at))])  # type: ignore[arg-type]
+    return calibration
+
+
+#: Largest miss of a calibration fit at the real batch's shape (``calibrate(exact_at=...)``), a fraction.
+EXACT_TOLERANCE = 0.01
+
+
+def _check_exact(calibration: Calibration, shape: tuple[int, int], measured: Mapping[str, Mapping[str, int]]) -> None:
+    for phase, components in measured.items():
+        traced = sum(components.get(c, 0) for c in COMPONENTS)
+        fitted = sum(calibration.bytes_for(phase, c, *shape) for c in COMPONENTS)
+        if traced and abs(fitted / traced - 1) > EXACT_TOLERANCE:
+            raise ValueError(
+                f"the fit through {list(calibration.traced_shapes)} misses the traced {phase} peak at {shape} by "
+                f"{100 * (fitted / traced - 1):+.1f}%: this batch's memory is not a function of b*s, so the shapes "
+                "cannot share one fit; calibrate along one axis"
+            )

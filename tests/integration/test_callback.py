@@ -253,13 +253,14 @@ def test_inputs_it_cannot_read_are_reported_with_the_argument_that_supplies_them
     images = torch.utils.data.TensorDataset(torch.randn(8, 3, 8, 8))
     cb = MemoryPlanCallback(calibrate=False, print_report=False)
     trainer = make_trainer(tmp_path, [cb], limit_train_batches=2)
-    with pytest.warns(UserWarning, match="seq_len="):
+    with pytest.warns(UserWarning, match="train_spec="):
         trainer.fit(NoParams(), torch.utils.data.DataLoader(images, batch_size=4))
     notes = " ".join(cb.report.notes)
-    assert "seq_len=" in notes and "measurement continues" in notes
+    assert "optimizer_bytes_per_param=" in notes and "model_spec=" in notes and "measurement continues" in notes
     report = load_report(trainer.log_dir)
     rank0 = report.epochs[0].ranks[0]
     assert rank0.steps == 2 and rank0.estimated_peak is None and rank0.reserved > 0
+    assert rank0.shapes == ((4, 1),)  # images are fixed-size samples: s = 1, read without seq_len=
 
 
 def test_nested_batch_containers_are_read(tmp_path):

@@ -157,8 +157,19 @@ def _snapshot_223c039() -> dict[str, Any]:
     return json.loads(gzip.decompress((DATA / _SNAPSHOT_223C039).read_bytes()))
 
 
+@pytest.fixture
+def without_backward_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate without the one rule added after 223c039 on purpose (issue 32): on the traced plan, an
+    analytic backward point above the traced backward peak is scaled down to it
+    (``activations._bound_by_traced_backward``). The snapshot compares the restructured pipeline with the
+    tree before it; :func:`test_the_backward_bound_only_lowers_backward_points` checks the rule itself."""
+    from lightning_memplan.model import activations
+
+    monkeypatch.setattr(activations, "_bound_by_traced_backward", lambda *args: None)
+
+
 @pytest.mark.parametrize("table", _TABLES_223C039)
-def test_every_table_is_the_223c039_snapshot_byte_for_byte(table: str) -> None:
+def test_every_table_is_the_223c039_snapshot_byte_for_byte(table: str, without_backward_bound: None) -> None:
     """Recomputed now, each case's canonical JSON equals the one written on 223c039 (a refusal's text
     too); the HF replay uses the traced entries stored with the 8bf0700 snapshot (no tracing)."""
     module = _snapshot_module()
@@ -176,6 +187,30 @@ def test_every_table_is_the_223c039_snapshot_byte_for_byte(table: str) -> None:
     # checks the answer against the analytic estimate)
     assert len(fixed) == (_FORWARD_BLOCK_FIXED if table == "calibrated" else 0)
     assert all(got[key]["source"] == "calibrated" and got[key]["total"] > 0 for key in fixed)
+
+
+def test_the_backward_bound_only_lowers_backward_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibrated table with and without the backward bound: forward and optimizer phases identical in
+    every case, the backward phase never higher, and lower in the cases whose analytic backward points
+    exceed the (synthetic, small) traced backward peak of the fixed coefficients."""
+    from lightning_memplan.model import activations
+
+    module = _snapshot_module()
+    bounded = module.coverage_tables(["calibrated"], _snapshot()["hf"], _entries())["calibrated"]
+    monkeypatch.setattr(activations, "_bound_by_traced_backward", lambda *args: None)
+    unbounded = module.coverage_tables(["calibrated"], _snapshot()["hf"], _entries())["calibrated"]
+    lowered = 0
+    for key, want in unbounded.items():
+        got = bounded[key]
+        if "by_phase" not in want:  # a refusal: refused the same way
+            assert got == want
+            continue
+        for phase in ("forward", "optimizer"):
+            assert got["by_phase"][phase] == want["by_phase"][phase], (key, phase)
+        got_bwd, want_bwd = sum(got["by_phase"]["backward"].values()), sum(want["by_phase"]["backward"].values())
+        assert got_bwd <= want_bwd, key
+        lowered += got_bwd < want_bwd
+    assert lowered > 0
 
 
 #: What 223c039 raised for a calibrated estimate under activation offloading, and the number of such

@@ -166,8 +166,8 @@ def test_bad_input_raises() -> None:
         trace_memory(model, batch_shape=(1, 8), optimizer="rmsprop")
     with pytest.raises(ValueError, match="no nn.Embedding"):
         trace_memory(MLPNet(), batch_shape=(1, 8))
-    with pytest.raises(ValueError, match="at least two"):
-        calibrate(model, [(1, 8)])
+    with pytest.raises(ValueError, match="one to 16"):
+        calibrate(model, [])
     with pytest.raises(ValueError, match="do not separate"):
         calibrate(model, [(1, 24), (3, 8)], loss_fn=_lm_loss)  # same b*s twice
 
@@ -201,3 +201,35 @@ def test_grads_zeroed_before_forward_matches_memtracker() -> None:
     assert lightning.total > plain.total
     with pytest.raises(TypeError, match="grads_alive_in_forward='no'"):
         trace_memory(model, idx, grads_alive_in_forward="no")  # type: ignore[arg-type]
+
+
+class _TwoTowers(torch.nn.Module):
+    """Token ids [b, s] and an image [b, 3, 10, 10]: memory grows with b*s and with b alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.conv = torch.nn.Conv2d(3, 32, 3, padding=1)
+
+    def forward(self, ids: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids).mean() + self.conv(image).relu().mean()
+
+
+def test_a_fit_that_misses_the_real_shape_is_refused_with_exact_at() -> None:
+    """The least-squares fit through (b, s), (b, 3s/4), (2b, s) cannot describe a b-only term; with
+    exact_at=(b, s) the miss is an error naming it (the callback then calibrates along b alone)."""
+    from lightning_memplan.live import batch_factory
+
+    batch = (torch.randint(0, 50, (2, 16)), torch.randn(2, 3, 10, 10))
+    factory = batch_factory(batch, 2, 16)
+
+    def loss(module: torch.nn.Module, b: tuple) -> torch.Tensor:
+        return module(*b)
+
+    shapes = [(2, 16), (2, 12), (4, 16)]
+    calibrate(_TwoTowers(), shapes, input_fn=factory, loss_fn=loss)  # a fit, not exact at (2, 16)
+    with pytest.raises(ValueError, match=r"misses the traced .* peak at \(2, 16\) by"):
+        calibrate(_TwoTowers(), shapes, input_fn=factory, loss_fn=loss, exact_at=(2, 16))
+    along_b = calibrate(_TwoTowers(), [(2, 16), (4, 16)], input_fn=factory, loss_fn=loss, exact_at=(2, 16))
+    real = trace_memory(_TwoTowers(), batch, loss_fn=loss)
+    assert abs(along_b.bytes_for("forward", "activations", 2, 16) - real.by_phase["forward"]["activations"]) <= 1
