@@ -220,6 +220,7 @@ class MemoryPlanCallback(Callback):
             optimizers=tuple(trainer.optimizers),
             strategy=trainer.strategy,
             precision=str(trainer.precision),
+            precision_plugin=trainer.precision_plugin,
             accumulate_grad_batches=int(trainer.accumulate_grad_batches),
             world_size=int(trainer.world_size),
             rank=int(trainer.global_rank),

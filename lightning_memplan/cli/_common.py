@@ -10,6 +10,8 @@ import re
 from typing import Any
 
 from lightning_memplan.files import parse_json_text
+from lightning_memplan.model.float8 import FLOAT8_RECIPES
+from lightning_memplan.model.quantized import BASE_WEIGHT_FORMATS
 from lightning_memplan.model.specs import (
     ATTENTION_KINDS,
     LOSS_MODES,
@@ -156,19 +158,43 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, micro_batch_default:
     group.add_argument("--grad-accumulation", type=int_at_least(1), default=1)
     group.add_argument("--norm-impl", default="native", choices=list(NORM_IMPLS),
                        help="RMSNorm implementation: composite for Hugging Face's LlamaRMSNorm family and torchtune's")
+    # low precision (docs/quantized.md): QLoRA base weights need a LoRA adapter (--lora-rank)
+    group.add_argument("--base-weights", default=None, choices=list(BASE_WEIGHT_FORMATS),
+                       help="frozen base weights stored quantized (bitsandbytes; QLoRA); needs --lora-rank")
+    group.add_argument("--quantized-head", action="store_true",
+                       help="the lm_head is quantized too (Lightning's BitsandbytesPrecision converts every "
+                       "nn.Linear, the head included); needs --base-weights")
+    group.add_argument("--float8", default=None, choices=list(FLOAT8_RECIPES),
+                       help="torchao float8 training of the blocks' linears, as torchtitan runs it")
+    group.add_argument("--lora-rank", type=int_at_least(1), default=None, help="a LoRA adapter of rank r (peft's r)")
+    group.add_argument("--lora-targets", default="q_proj,v_proj",
+                       help="comma-separated module names the adapter targets (peft's target_modules)")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``; a ``--seq-len`` longer
+    """Resolve ``--model``: a preset name, a config.json path, or ``pkg.module:Class``, with the LoRA adapter
+    of ``--lora-rank`` / ``--lora-targets`` when given (:meth:`ModelSpec.with_lora`); a ``--seq-len`` longer
     than its learned position table is refused (model/positions.py)."""
     from lightning_memplan.model.positions import learned_positions_blocker
 
-    model = _model_from_args(args)
+    model = _with_lora(args, _model_from_args(args))
     seq_len = getattr(args, "seq_len", None)
     blocker = learned_positions_blocker(model, seq_len) if isinstance(seq_len, int) else None
     if blocker is not None:
         raise ValueError(f"--seq-len={seq_len}: {blocker.replace('use seq_len <= ', 'use --seq-len <= ')}")
     return model
+
+
+def _with_lora(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the LoRA adapter of ``--lora-rank`` / ``--lora-targets``, or as it is without one."""
+    rank = getattr(args, "lora_rank", None)
+    if rank is None:
+        return spec
+    targets = tuple(t.strip() for t in str(args.lora_targets).split(",") if t.strip())
+    try:
+        return spec.with_lora(rank=rank, targets=targets)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"--lora-rank={rank} --lora-targets={args.lora_targets!r}: {exc}") from None
 
 
 def _model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -216,6 +242,9 @@ def train_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSpec:
         loss_chunk_size=args.loss_chunk_size,
         grad_accumulation=args.grad_accumulation,
         norm_impl=args.norm_impl,
+        base_weights=getattr(args, "base_weights", None),
+        quantized_head=bool(getattr(args, "quantized_head", False)),
+        float8=getattr(args, "float8", None),
     )
     fields.update(overrides)
     return TrainSpec(**fields)

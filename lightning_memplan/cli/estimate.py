@@ -162,7 +162,11 @@ def _title(model: Any, train: Any, plan: Any, worst: Any) -> str:
     # the name may come from a config.json: escaped for rich markup and the terminal
     return (
         f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B "
-        f"params) | b={train.micro_batch} s={train.seq_len} {train.precision} {train.optimizer} | {plan.describe()}"
+        f"params) | b={train.micro_batch} s={train.seq_len} {train.precision} {train.optimizer}"
+        + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision (issue 35)
+        + (" quantized_head" if train.quantized_head else "")
+        + (f" float8={train.float8}" if train.float8 else "")
+        + f" | {plan.describe()}"
     )
 
 

@@ -183,6 +183,7 @@ class MemoryMonitor:
             optimizers=(optimizer.optimizer,),
             strategy=fabric.strategy,
             precision=str(getattr(fabric.strategy.precision, "precision", "32-true")),
+            precision_plugin=fabric.strategy.precision,
             accumulate_grad_batches=self.accumulate_grad_batches,
             world_size=int(fabric.world_size),
             rank=int(fabric.global_rank),

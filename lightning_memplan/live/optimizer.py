@@ -22,8 +22,9 @@ def infer_optimizer(optimizer: Any) -> tuple[str, str]:
     opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
     name = type(opt).__name__.lower()
     defaults = getattr(opt, "defaults", {}) or {}
-    if "8bit" in name and "adam" in name:
-        kind = "adamw8bit"
+    low_bit = _low_bit_kind(name, defaults)
+    if low_bit is not None:
+        kind = low_bit
     elif name in ("adamw", "adam", "lion", "adafactor"):
         kind = name
     elif name == "sgd":
@@ -31,7 +32,7 @@ def infer_optimizer(optimizer: Any) -> tuple[str, str]:
     else:
         raise InferenceError(
             f"optimizer {type(opt).__name__!r} has no entry in the memory model (known: Adam, AdamW, SGD, "
-            "Lion, Adafactor, 8-bit Adam); pass MemoryPlanCallback(train_spec=TrainSpec(..., "
+            "Lion, Adafactor, bitsandbytes' and torchao's 8-bit, 4-bit, float8, bf16 and paged Adam); pass MemoryPlanCallback(train_spec=TrainSpec(..., "
             "optimizer_bytes_per_param=...)) with its state bytes per parameter"
         )
     if defaults.get("fused"):
@@ -46,6 +47,23 @@ def infer_optimizer(optimizer: Any) -> tuple[str, str]:
         params = [p for g in opt.param_groups for p in g["params"]]
         impl = "foreach" if params and all(p.is_cuda for p in params) else "for_loop"
     return kind, impl
+
+def _low_bit_kind(name: str, defaults: dict[str, Any]) -> str | None:
+    """The TrainSpec optimizer of bitsandbytes' and torchao's Adam variants by lower-cased class name
+    (``lightning_memplan.model.quantized``): bitsandbytes ``PagedAdamW8bit`` / ``PagedAdamW(32bit)``
+    (paged), ``AdamW8bit`` / ``Adam8bit``; torchao ``AdamW4bit``, ``AdamWFp8``, ``AdamW8bit`` and ``_AdamW``
+    (bf16 states with ``bf16_stochastic_round``); ``None`` for anything else."""
+    if "adam" not in name:
+        return None
+    if name.startswith("paged"):
+        return "paged_adamw8bit" if "8bit" in name else "paged_adamw"
+    for marker, kind in (("8bit", "adamw8bit"), ("4bit", "adamw4bit"), ("fp8", "adamw_fp8")):
+        if marker in name:
+            return kind
+    if name == "_adamw":
+        return "adamw_bf16" if defaults.get("bf16_stochastic_round") else "adamw"
+    return None
+
 
 def optimizer_factory(opt: torch.optim.Optimizer) -> Any:
     """``params -> Optimizer`` rebuilding ``opt``'s class with its defaults (only the keywords its

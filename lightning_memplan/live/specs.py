@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lightning_memplan.live.batch import InferenceError, batch_shape
+from lightning_memplan.live.low_precision import infer_low_precision
 from lightning_memplan.live.optimizer import infer_optimizer
 from lightning_memplan.live.strategy import (
     deepspeed_settings,
@@ -46,14 +47,17 @@ def infer_train_spec(
             "MemoryPlanCallback(train_spec=TrainSpec(..., optimizer='sgd'))"
         )
     optimizer, impl = infer_optimizer(trainer.optimizers[0])
+    # low precision: quantized base weights / float8 linears from the plugin and the module (live/low_precision.py)
+    low = infer_low_precision(trainer)
     spec = TrainSpec(
         micro_batch=b,
         seq_len=s,
-        precision=str(trainer.precision),
+        precision=low.pop("precision", str(trainer.precision)),
         optimizer=optimizer,
         optimizer_impl=impl,
         grad_accumulation=int(trainer.accumulate_grad_batches),
         device=kernel_device(trainer),
+        **low,
     )
     # strategy="memplan_auto" applies activation checkpointing and picks the loss mode itself; its
     # resolution says which, so the estimate assumes what really runs.

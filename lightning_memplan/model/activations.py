@@ -37,13 +37,26 @@ from lightning_memplan.model.result import DYNAMIC_COMPONENTS, Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan
 from lightning_memplan.model.stage_layout import blocks_matmul_local, rescaled, routed_experts_local
 
-__all__ = ["PHASE_OF_POINT", "MicroBatchBytes", "activation_points", "calibrated_points", "micro_batch_bytes"]
+__all__ = [
+    "LOW_PRECISION_HEAD_BACKWARD",
+    "LOW_PRECISION_HEAD_POINT",
+    "LOW_PRECISION_POINT",
+    "PHASE_OF_POINT",
+    "MicroBatchBytes",
+    "activation_points",
+    "calibrated_points",
+    "low_precision_points",
+    "micro_batch_bytes",
+]
 
 #: The phase each point of the timeline belongs to.
 PHASE_OF_POINT = {
     "forward": "forward",
     "forward_block": "forward",
     "forward_checkpoint": "forward",
+    "forward_low_precision": "forward",
+    "forward_head_low_precision": "forward",
+    "backward_head_low_precision": "backward",
     "backward_start": "backward",
     "backward_layer": "backward",
     "backward_softmax": "backward",
@@ -110,7 +123,19 @@ def _autocast_copies(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> 
         matmul -= blocks_matmul_local(model, r.t, n_layers)
     # The routed experts run transformers' grouped_mm kernel, outside autocast: no 16-bit copy of them.
     matmul -= routed_experts_local(model, r.t, n_layers)
+    matmul -= _uncopied(r)
     return terms.autocast_copy_bytes(max(matmul, 0), r.sizes)
+
+
+def _uncopied(r: ResolvedStage) -> int:
+    """Matmul values autocast does not cast and keep: quantized linears (bitsandbytes rebuilds the weight
+    inside its op and keeps only the packed one) and float8 linears (torchao's autograd function takes the
+    weight as it is and casts it to float8 itself) [``model/quantized.py``, ``model/float8.py``]. Under full
+    or op-level recompute the blocks' copies are already gone (:func:`_autocast_copies`)."""
+    if r.low is None:
+        return 0
+    blocks = 0 if r.kernels.recompute in ("full", "selective_op") else r.low.uncopied_blocks
+    return blocks + r.low.uncopied_head
 
 
 def _freed_copies(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, copies: int) -> int:
@@ -123,7 +148,9 @@ def _freed_copies(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, copies
     t = r.t
     after_matmul, _ = param_counts.layer_params_after_scores(model)
     freed_matmul = math.ceil(after_matmul / t) - math.ceil(param_counts.routed_expert_param_count(model) / t)
-    if r.layout.has_head:
+    if r.low is not None and r.low.uncopied_blocks:  # the block's quantized or float8 linears had no copy
+        freed_matmul = 0
+    if r.layout.has_head and not (r.low is not None and r.low.uncopied_head):
         freed_matmul += math.ceil(model.vocab_size * model.hidden / t)
     freed_matmul = rescaled(model, freed_matmul)  # as stage_params rescales the matmul weights
     return min(copies, terms.autocast_copy_bytes(max(freed_matmul, 0), r.sizes))
@@ -347,6 +374,39 @@ def _offloaded_block_points(out: dict[str, dict[str, int]], mb: MicroBatchBytes,
     out["backward_layer"]["attention"] += attn_layer
     end = out["backward_end"]  # the first block's backward: its saves (the analytic end holds min(saved, head))
     end["activations"], end["attention"] = max(end["activations"], saved_layer), max(end["attention"], attn_layer)
+
+
+#: The forward's points inside its largest quantized or float8 block linear and inside a quantized lm_head
+#: (:func:`low_precision_points`).
+LOW_PRECISION_POINT = "forward_low_precision"
+LOW_PRECISION_HEAD_POINT = "forward_head_low_precision"
+#: The loss's backward inside a quantized lm_head: the logits' gradient and the head's rebuilt weight.
+LOW_PRECISION_HEAD_BACKWARD = "backward_head_low_precision"
+
+
+def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage) -> dict[str, dict[str, int]]:
+    """``points`` with the quantized or float8 linears' transients (``model/low_precision.py``), analytic
+    or calibrated alike (a trace runs the unquantized step: ``model/traced.traced_train``; on the CPU
+    bitsandbytes' forward rebuild happens inside its ``gemm_4bit`` op, which dispatch-mode trackers do not
+    see). Forward: a point of its own inside the last block, its largest linear running (the forward
+    without the loss's logits, :data:`LOW_PRECISION_POINT`), and with a quantized lm_head one inside it
+    (its rebuilt weight beside its ``[b s, V]`` output, :data:`LOW_PRECISION_HEAD_POINT`); backward: the
+    last block's backward (``backward_layer``) holds the largest linear's backward transient in
+    ``workspace``; a quantized head's backward is a point of its own after the loss's
+    (:data:`LOW_PRECISION_HEAD_BACKWARD`: the loss's buffers gone but the logits' gradient, the head's
+    rebuilt weight); float8's persistent scales are ``other`` at every point."""
+    low = r.low
+    if low is None:
+        return points
+    out = {key: dict(point, other=point["other"] + low.scales) for key, point in points.items()}
+    out[LOW_PRECISION_POINT] = dict(out["forward"], logits=0, workspace=out["forward"]["workspace"] + low.forward)
+    out["backward_layer"]["workspace"] += low.backward
+    if low.head_output:  # a quantized lm_head: its rebuilt weight beside its output / its output's gradient
+        out[LOW_PRECISION_HEAD_POINT] = dict(out["forward"], logits=low.head_output,
+                                             workspace=out["forward"]["workspace"] + low.head_forward)
+        out[LOW_PRECISION_HEAD_BACKWARD] = dict(out["backward_start"], logits=low.head_output,
+                                                workspace=out["backward_start"]["workspace"] + low.head_backward)
+    return out
 
 
 def calibrated_points(

@@ -22,7 +22,15 @@ import math
 from collections.abc import Callable
 
 from lightning_memplan.model import offload, pipeline_timeline, terms
-from lightning_memplan.model.activations import activation_points, calibrated_points, micro_batch_bytes
+from lightning_memplan.model.activations import (
+    LOW_PRECISION_HEAD_BACKWARD,
+    LOW_PRECISION_HEAD_POINT,
+    LOW_PRECISION_POINT,
+    activation_points,
+    calibrated_points,
+    low_precision_points,
+    micro_batch_bytes,
+)
 from lightning_memplan.model.comm_buffers import CommBuffers
 from lightning_memplan.model.resolve import ResolvedStage
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
@@ -42,7 +50,7 @@ def _timeline(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, moment: pi
     points = activation_points(model, r, plan, moment)
     if calibration is not None:
         points = calibrated_points(model, r, plan, calibration, points, reference)
-    return points
+    return low_precision_points(points, r)
 
 
 def assemble_stage(
@@ -85,7 +93,12 @@ def assemble_stage(
     if host is not None:
         details.update({f"host_{part}": value for part, value in host.host.items()})
         details.update(host_pinned=host.pinned, offload_h2d_bytes=host.h2d, offload_d2h_bytes=host.d2h)
-    return _estimate(points, r, rank=rank, details=details, source=source, host=0 if host is None else host.total)
+    if r.low is not None:  # quantized base weights / float8 linears (model/low_precision.py)
+        details.update(r.low.details)
+    if states.paged_optimizer:
+        details["host_paged_optimizer"] = states.paged_optimizer
+    host_total = (0 if host is None else host.total) + states.paged_optimizer
+    return _estimate(points, r, rank=rank, details=details, source=source, host=host_total)
 
 
 def _estimate(points: Points, r: ResolvedStage, *, rank: int, details: dict[str, int], source: str,
@@ -110,12 +123,15 @@ def _one_stage_points(r: ResolvedStage, states: StageStates, comm: CommBuffers, 
     grads_bwd_start = states.grads if r.accumulating else 0
     fwd = comm.static + comm.forward
     points: Points = {"forward": {**static, "grads": grads_fwd, "comm": fwd, **dynamic["forward"]}}
-    for key in ("forward_block", "forward_checkpoint"):  # inside the last block's forward
-        if key in dynamic:  # (activation offloading; full recompute with eager attention)
+    for key in ("forward_block", "forward_checkpoint", LOW_PRECISION_POINT, LOW_PRECISION_HEAD_POINT):  # inside a
+        # block (activation offloading; full recompute with eager attention; low precision) or a quantized head
+        if key in dynamic:
             points[key] = {**static, "grads": grads_fwd, "comm": fwd, **dynamic[key]}
     bwd = comm.static + comm.backward
     points["backward_start"] = {**static, "grads": grads_bwd_start, "comm": comm.static + comm.backward_start,
                                 **dynamic["backward_start"]}
+    if LOW_PRECISION_HEAD_BACKWARD in dynamic:  # inside a quantized lm_head's backward (model/activations.py)
+        points[LOW_PRECISION_HEAD_BACKWARD] = {**points["backward_start"], **dynamic[LOW_PRECISION_HEAD_BACKWARD]}
     points["backward_layer"] = {**static, "grads": max(grads_bwd_start, states.head_grads), "comm": bwd,
                                 **dynamic["backward_layer"]}
     if "backward_softmax" in dynamic:
@@ -151,6 +167,9 @@ def _pipeline_points(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, sta
     most = max(mom.inflight for mom in moments)
     grads_fwd = grads_at(max(mom.grads_before for mom in moments if mom.inflight >= most - 1e-9))
     points: Points = {"forward": {**static, "grads": grads_fwd, "comm": comm.static + comm.forward, **dynamic["forward"]}}
+    for key in (LOW_PRECISION_POINT, LOW_PRECISION_HEAD_POINT):  # inside a quantized or float8 linear
+        if key in dynamic:  # (model/activations.py)
+            points[key] = {**points["forward"], **dynamic[key]}
     if states.pipelined_fsdp and grads_fwd:
         # a forward after a backward starts with every unit still unsharded (the backward kept them);
         # each unit reshards after its forward (measured, 2 x 4 gloo ranks, dp=2 tp=2 pp=2), so at
@@ -186,6 +205,7 @@ def _best_backward(plan: ParallelPlan, r: ResolvedStage, states: StageStates, co
         block_new = states.after_scores_grads if not r.accumulating and made else 0
         for key, grads_now, comm_now in (
             ("backward_start", before, start_comm),
+            (LOW_PRECISION_HEAD_BACKWARD, before, start_comm),
             ("backward_layer", before + head_new, comm.backward),
             ("backward_softmax", before + head_new + block_new, comm.backward),
             ("backward_end", after, comm.backward_end),

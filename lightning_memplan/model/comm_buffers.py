@@ -73,8 +73,18 @@ def comm_buffers(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, states:
         backward_start=backward if start is None else start + extra,
         backward_end=backward if end is None else end + extra,
         extra=extra,
-        all_unsharded=r.params.local * gathered + extra,
+        all_unsharded=r.params.local * gathered - _low_saving(r, r.layout.n_layers) + extra,
     )
+
+
+def _low_saving(r: ResolvedStage, blocks: int, root: bool = True) -> int:
+    """Bytes ``blocks`` gathered block units (and the root unit, ``root``) hold less than their parameters
+    in the gathered dtype: quantized base weights gathered as their packed values, float8 weights under
+    the float8 all-gather (``model/low_precision.py``); 0 without them."""
+    low = r.low
+    if low is None:
+        return 0
+    return blocks * low.gather_block + (low.gather_head if root else 0)
 
 
 def _shard_grad_op(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, states: StageStates,
@@ -87,7 +97,7 @@ def _shard_grad_op(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
     ``comm_ctx.all_gather_state``) [PT fully_shard]; the last block's is still alive at the loss. Measured
     on 2 gloo ranks (tests/distributed/test_strategy_budget.py): without it -5.5 %, exactly one block's
     parameters short."""
-    forward = backward = r.params.local * gathered
+    forward = backward = r.params.local * gathered - _low_saving(r, r.layout.n_layers)
     block = math.ceil(terms.layer_param_count(model) / plan.tp)
     if r.flat_params:
         # FSDP1 gathers straight into each unit's unsharded flat parameter and keeps nothing else
@@ -97,7 +107,7 @@ def _shard_grad_op(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
         # over-estimated SHARD_GRAD_OP by +5.3 %, one block's parameters.
         backward += block * r.sizes.grad
     else:
-        forward += block * gathered
+        forward += block * gathered - _low_saving(r, 1, root=False)
     if states.per_mb_grads:  # the block whose gradient waits for its reduce-scatter
         backward += block * r.sizes.grad
     return forward, backward
@@ -129,11 +139,15 @@ def _fully_sharded(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
     unit_params, root_params = fsdp_units(model, plan.tp, plan.pp > 1, r.layout, r.params.local)
     own_emb, own_head = own_unit_params(model, plan, r.layout)
     unit, root = unit_params * gathered, max(0, root_params - own_emb - own_head) * gathered
+    # quantized or float8 weights gathered in fewer bytes; only a quantized base's adapter gets gradients
+    unit -= _low_saving(r, 1, root=False)
+    root -= _low_saving(r, 0, root=not own_head)
+    grad_params = r.low.block_trainable if r.low is not None and r.low.quantized_bytes else unit_params
     post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
     forward = root + (unit if plan.zero == 3 and shard > 1 else 0) + post_fwd(n_layers)
-    backward = root + 2 * unit + unit // gathered * r.sizes.grad + post_fwd(max(n_layers - 2, 0))
+    backward = root + 2 * unit + grad_params * r.sizes.grad + post_fwd(max(n_layers - 2, 0))
     if states.pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
-        backward = r.params.local * gathered
+        backward = r.params.local * gathered - _low_saving(r, n_layers)
     # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet: FSDP2
     # unshards a block in its pre-backward hook [PT fully_shard].
     start = root + post_fwd(n_layers)
@@ -141,7 +155,8 @@ def _fully_sharded(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
     if not states.pipelined_fsdp and root:
         # the root unit reduce-scatters last, in the backward's final callback: its unsharded gradients
         # and their reduce-dtype copy-in (its gathered parameters are freed just before)
-        end = max(backward, terms.fsdp_root_post_backward_bytes(root // gathered, gathered, r.sizes.grad))
+        root_grads = max(0, root_params - own_emb - own_head)  # (a frozen root's gradients: not modelled apart)
+        end = max(backward, terms.fsdp_root_post_backward_bytes(root_grads, gathered, r.sizes.grad))
     return forward, backward, start, end
 
 

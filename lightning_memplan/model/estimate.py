@@ -25,14 +25,16 @@ the asked or the worst rank.
 from __future__ import annotations
 
 import math
+import warnings
 
-from lightning_memplan.model import frameworks, offload
+from lightning_memplan.model import frameworks, low_precision, offload
 from lightning_memplan.model.assemble import assemble_stage
 from lightning_memplan.model.comm_buffers import comm_buffers
 from lightning_memplan.model.positions import warn_learned_positions
 from lightning_memplan.model.resolve import resolve_stage
 from lightning_memplan.model.result import Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
+from lightning_memplan.model.sizes import low_precision_of
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.model.stage_layout import StageLayout, stage_layout
 from lightning_memplan.model.states import stage_states
@@ -75,6 +77,8 @@ def check_compatible(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> 
             )
     if train.framework == "deepspeed":
         _check_deepspeed(train, plan)
+    # quantized base weights, float8 linears: the layouts they are modelled for
+    low_precision.check_plan(model, low_precision_of(train), plan)
     blocker = offload.offload_blocker(train, plan)
     if blocker is not None:
         raise ValueError(f"plan={plan.describe()} cannot run this TrainSpec: {blocker}")
@@ -202,6 +206,11 @@ def estimate_memory(
     rank = check_optional_int("rank", rank, minimum=0, maximum=plan.world_size - 1,
                               hint=f"a global rank of this plan's {plan.world_size} ranks, or None for the worst one")
     check_compatible(model, train, plan)
+    return _warn_unknown(_estimate(model, train, plan, rank, calibration))
+
+
+def _estimate(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, rank: int | None,
+              calibration: Calibration | None) -> MemoryEstimate:
     source = model.calibration_source
     if calibration is None and source is not None and source.available():
         # traced coefficients handed over with the spec (e.g. a Hugging Face config's real class): scaled
@@ -216,3 +225,16 @@ def estimate_memory(
         estimate_stage(model, train, plan, stage, stage * ranks_per_stage, calibration) for stage in range(plan.pp)
     ]
     return max(estimates, key=lambda e: e.total)
+
+
+def _warn_unknown(estimate: MemoryEstimate) -> MemoryEstimate:
+    """Warn about bytes the estimate cannot know and leaves out (their bound is in its details)."""
+    if estimate.details.get("int8_outlier_bound"):
+        warnings.warn(
+            "base_weights='int8' on CUDA: LLM.int8()'s outlier columns (bitsandbytes keeps a copy of each int8 "
+            "linear's input columns that hold a value >= its threshold, for backward) depend on the data and are "
+            "not in the estimate; MemoryEstimate.details['int8_outlier_bound'] bounds them (every column); "
+            "threshold=0 (llm_int8_threshold=0.0) keeps none",
+            UserWarning, stacklevel=3,
+        )
+    return estimate

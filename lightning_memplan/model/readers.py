@@ -20,6 +20,7 @@ for the activation side of such models.
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -276,7 +277,15 @@ def _whole(cfg: Mapping[str, Any], names: tuple[str, ...], value: Any, maximum: 
 
 # ---------------------------------------------------------------------------------------- modules
 def _count_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(_logical_numel(p) for p in module.parameters())
+
+
+def _logical_numel(param: Any) -> int:
+    """Values a parameter stands for: a bitsandbytes ``Params4bit`` stores two 4-bit values per uint8
+    element (``[(n + 1) // 2, 1]``), its ``quant_state.shape`` is the weight's (bitsandbytes 0.50.2
+    ``functional.py`` ``quantize_4bit``); every other parameter is its ``numel()``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else int(param.numel())
 
 
 def _out_features(layer: Any) -> int | None:

@@ -45,9 +45,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memplan.model import terms
+from lightning_memplan.model import low_precision, terms
 from lightning_memplan.model.result import DYNAMIC_COMPONENTS, MemoryEstimate, readable_bytes
-from lightning_memplan.model.sizes import precision_bytes
+from lightning_memplan.model.sizes import low_precision_of, precision_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.validation import check_int
 
@@ -139,8 +139,10 @@ def fsdp_stream_pool_bytes(
     block = math.ceil(terms.layer_param_count(model) / plan.tp)
     root = math.ceil((terms.embedding_param_count(model) + terms.head_param_count(model)) / plan.tp)
     largest = max(block, root)
+    # quantized base weights gathered packed, float8 weights under the float8 all-gather (model/low_precision.py)
+    block_saving, head_saving = low_precision.gather_saving_bytes(model, low_precision_of(train), plan, pb.compute)
     return {
-        "all_gather": (root + 2 * block) * pb.compute,
+        "all_gather": (root + 2 * block) * pb.compute - 2 * block_saving - head_saving,
         "reduce_scatter": largest * reduce_bytes + sharded_grad_bytes,
     }
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 from lightning_memplan.model import frameworks, offload, terms
 from lightning_memplan.model.frameworks import ZeroConfig
+from lightning_memplan.model.low_precision import LowPrecisionStage, stage_low_precision
 from lightning_memplan.model.sizes import Kernels, OptimizerBytes, PrecisionBytes, kernels_of, optimizer_bytes
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.model.stage_layout import StageLayout, StageParams, stage_layout, stage_params
@@ -44,6 +45,8 @@ class ResolvedStage:
             grads_per_microbatch: FSDP inside a pipeline reduce-scatters every micro-batch (Llama 3).
         offload: ``TrainSpec.offload``. offload_params: FSDP2's ``CPUOffloadPolicy``.
             offload_activations: ``save_on_cpu`` around every block. zero_config: DeepSpeed's settings.
+        low: the stage's quantized base weights or float8 linears as numbers (``model/low_precision.py``),
+            ``None`` without them.
     """
 
     kernels: Kernels
@@ -68,6 +71,7 @@ class ResolvedStage:
     offload_params: bool
     offload_activations: bool
     zero_config: ZeroConfig
+    low: LowPrecisionStage | None = None
 
     def __hash__(self) -> int:
         # computed once: the record is the cache key of the later stages (model/activations.py), looked up
@@ -111,6 +115,7 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
     kernels, optimizer, facts, offload_params, zero_config = _step(train)
     layout = stage_layout(model, plan, stage, train.framework)
     b, s = train.micro_batch, train.seq_len // plan.cp
+    inflight = terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
     return ResolvedStage(
         kernels=kernels,
         optimizer=optimizer,
@@ -123,8 +128,7 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
         t=plan.tp,
         sp=plan.sp,
         shard=plan.dp * plan.cp,
-        inflight=terms.pipeline_inflight_microbatches(stage, plan.pp, plan.microbatches, plan.schedule,
-                                                      plan.virtual_stages),
+        inflight=inflight,
         batch_tokens=train.micro_batch * train.seq_len * (plan.microbatches if plan.pp > 1 else 1),
         accumulation=train.grad_accumulation,
         grads_alive_in_forward=train.grads_alive_in_forward,
@@ -135,4 +139,5 @@ def resolve_stage(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, stage:
         offload_params=offload_params,
         offload_activations=train.offload_activations,
         zero_config=zero_config,
+        low=stage_low_precision(model, kernels, plan, layout, b * s, inflight),
     )

@@ -11,7 +11,10 @@ worked out in one place.
   loss terms depend on (attention kernel, recompute mode, device, RMSNorm implementation, the framework's
   sequence-parallel and SwiGLU kernels, the loss mode and chunk size).
 - :class:`OptimizerBytes` (:func:`optimizer_bytes`): what the optimizer keeps per parameter and how its
-  step runs.
+  step runs (block-quantized and 16-bit states of ``model/quantized.py``; paged states).
+- :class:`LowPrecision` (:func:`low_precision_of`): how the linears' weights are stored and multiplied
+  beyond the precision plugin (QLoRA's quantized base weights, torchao's float8 linears); the bytes of
+  one stage are worked out from it by ``model/low_precision.py`` in the resolve stage.
 
 Sources: [PL] Lightning 2.6 precision plugins (``lightning/pytorch/plugins/precision``); [PT] PyTorch 2.13
 ``torch/amp/autocast_mode.py`` and ``torch/optim/adam.py``; [R20] Rajbhandari et al. 2020, "ZeRO: Memory
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_memplan.model.frameworks import framework_facts
+from lightning_memplan.model.quantized import LOW_BIT_OPTIMIZERS, PAGED_OPTIMIZERS, optimizer_state_rate
 
 if TYPE_CHECKING:
     from lightning_memplan.model.specs import TrainSpec
@@ -43,9 +47,11 @@ __all__ = [
     "SDPA_LSE_BYTES",
     "TOKEN_ID_BYTES",
     "Kernels",
+    "LowPrecision",
     "OptimizerBytes",
     "PrecisionBytes",
     "kernels_of",
+    "low_precision_of",
     "optimizer_bytes",
     "precision_bytes",
 ]
@@ -149,20 +155,29 @@ class OptimizerBytes:
     Attributes:
         name: ``TrainSpec.optimizer``. impl: ``TrainSpec.optimizer_impl`` (``"foreach"``, ``"fused"``,
             ``"for_loop"``). state: bytes of one state element. per_param: state bytes per parameter.
+        paged: the states live in CUDA unified memory (bitsandbytes' paged optimizers), outside the
+            caching allocator: host bytes, not device bytes (``model/quantized.py`` ``PAGED_OPTIMIZERS``).
+        low_bit: one of ``model/quantized.py``'s ``LOW_BIT_OPTIMIZERS`` (one fused or compiled kernel per
+            tensor: no step temporaries the size of the states).
     """
 
     name: str
     impl: str
     state: int
     per_param: float
+    paged: bool = False
+    low_bit: bool = False
 
 
 def _state_bytes_per_param(train: TrainSpec, state: int) -> float:
     """Adam/AdamW: 2 states x state bytes (8 with fp32 states) [R20]; 8-bit Adam: 2 x 1 byte [D8]; SGD
     with momentum and Lion: 1 state; SGD: 0; Adafactor: factored second moments, O(rows + cols) per
-    matrix, counted as 0 per parameter. ``optimizer_bytes_per_param`` overrides."""
+    matrix, counted as 0 per parameter; the block-quantized and 16-bit states of ``model/quantized.py``
+    (``optimizer_state_rate``). ``optimizer_bytes_per_param`` overrides."""
     if train.optimizer_bytes_per_param is not None:
         return float(train.optimizer_bytes_per_param)
+    if train.optimizer in LOW_BIT_OPTIMIZERS:
+        return optimizer_state_rate(train.optimizer, state)
     return {
         "adamw": ADAM_STATE_COUNT * state,
         "adam": ADAM_STATE_COUNT * state,
@@ -179,7 +194,46 @@ def optimizer_bytes(train: TrainSpec) -> OptimizerBytes:
     """The optimizer of ``train`` as :class:`OptimizerBytes` (state bytes from :func:`precision_bytes`)."""
     state = precision_bytes(train).state
     return OptimizerBytes(name=train.optimizer, impl=train.optimizer_impl, state=state,
-                          per_param=_state_bytes_per_param(train, state))
+                          per_param=_state_bytes_per_param(train, state), paged=train.optimizer in PAGED_OPTIMIZERS,
+                          low_bit=train.optimizer in LOW_BIT_OPTIMIZERS)
+
+
+@dataclass(frozen=True)
+class LowPrecision:
+    """How the linears' weights are stored and multiplied beyond the precision plugin.
+
+    Attributes:
+        base_weights: ``TrainSpec.base_weights``: the frozen base linears' bitsandbytes format (QLoRA),
+            ``None`` for weights in the parameter dtype.
+        float8: ``TrainSpec.float8``: torchao's float8 recipe of the blocks' linears, or ``None``.
+        quantized_head: ``TrainSpec.quantized_head``: the lm_head is quantized too (Lightning's
+            ``BitsandbytesPrecision`` converts every ``nn.Linear``; transformers' ``BitsAndBytesConfig``
+            leaves the output embedding in the parameter dtype).
+        fp16: the activations are float16 (``"16-true"``): bitsandbytes' int8 matmul casts any other input
+            to float16 first.
+    """
+
+    base_weights: str | None = None
+    float8: str | None = None
+    quantized_head: bool = False
+    fp16: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Some linears are quantized or run in float8."""
+        return self.base_weights is not None or self.float8 is not None
+
+
+#: Neither quantized weights nor float8 linears.
+NO_LOW_PRECISION = LowPrecision()
+
+
+def low_precision_of(train: TrainSpec) -> LowPrecision:
+    """The :class:`LowPrecision` of ``train`` (:data:`NO_LOW_PRECISION` for a plain step)."""
+    if train.base_weights is None and train.float8 is None:
+        return NO_LOW_PRECISION
+    return LowPrecision(base_weights=train.base_weights, float8=train.float8, quantized_head=train.quantized_head,
+                        fp16=train.precision == "16-true")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +255,7 @@ class Kernels:
         sp_saves_shard, fused_swiglu: the framework's kernels
             (:class:`~lightning_memplan.model.frameworks.FrameworkFacts`).
         loss: ``TrainSpec.loss``. loss_chunk_size: ``TrainSpec.loss_chunk_size``.
+        low_precision: quantized base weights and float8 linears (:class:`LowPrecision`).
     """
 
     sizes: PrecisionBytes
@@ -215,6 +270,7 @@ class Kernels:
     fused_swiglu: bool
     loss: str
     loss_chunk_size: int | None
+    low_precision: LowPrecision = NO_LOW_PRECISION
 
     @property
     def eager(self) -> bool:
@@ -241,4 +297,5 @@ def kernels_of(train: TrainSpec) -> Kernels:
         fused_swiglu=facts.fused_swiglu,
         loss=train.loss,
         loss_chunk_size=train.loss_chunk_size,
+        low_precision=low_precision_of(train),
     )

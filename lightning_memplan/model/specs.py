@@ -14,9 +14,11 @@ from typing import Any
 
 from lightning_memplan.model import presets, readers
 from lightning_memplan.model.experts import check_expert_fields
+from lightning_memplan.model.float8 import FLOAT8_RECIPES
 from lightning_memplan.model.frameworks import DEEPSPEED_OFFLOADS, FSDP2_OFFLOADS, ZeroConfig
 from lightning_memplan.model.lora import check_lora_fields, lora_trainable_params
 from lightning_memplan.model.param_counts import param_count
+from lightning_memplan.model.quantized import BASE_WEIGHT_FORMATS, LOW_BIT_OPTIMIZERS
 from lightning_memplan.model.traced import CoefficientSource, coefficient_source
 from lightning_memplan.validation import MAX_WORLD_SIZE, divisor_hint, divisors, plain_scalar
 from lightning_memplan.validation import check_bool as _check_bool
@@ -51,7 +53,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_IMPLS = ("native", "composite", "composite_fp32")
 POSITION_KINDS = ("learned", "rope", "none")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion")
+OPTIMIZERS = ("adamw", "adam", "adamw8bit", "sgd", "sgd_momentum", "adafactor", "lion", *LOW_BIT_OPTIMIZERS)
 OPTIMIZER_IMPLS = ("foreach", "fused", "for_loop")
 RECOMPUTE_MODES = ("none", "selective", "selective_op", "full")
 ATTENTION_KINDS = ("sdpa", "eager")
@@ -459,6 +461,10 @@ class ModelSpec:
         return spec if source is None else replace(spec, calibration_source=source)
 
 
+#: ``TrainSpec`` fields :meth:`TrainSpec.to_dict` leaves out at their defaults (``None`` / ``False``).
+_LOW_PRECISION_FIELDS = ("base_weights", "float8", "quantized_head")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """How one optimizer step runs: batch shape, precision, optimizer, recompute, attention and loss.
@@ -470,7 +476,12 @@ class TrainSpec:
             ``"16-true"``, ``"bf16-true"`` (aliases ``"32"``, ``"16"``, ``"bf16"`` accepted).
         optimizer: ``"adamw"``/``"adam"`` (2 states), ``"adamw8bit"`` (2 one-byte states),
             ``"sgd"`` (none), ``"sgd_momentum"`` (1 state), ``"adafactor"`` (factored, ~0 per param),
-            ``"lion"`` (1 state).
+            ``"lion"`` (1 state); block-quantized and 16-bit Adam states as libraries keep them
+            (``lightning_memplan.model.quantized``): ``"adamw4bit"`` (torchao ``AdamW4bit``: 4-bit states,
+            a fp32 scale per 128 values), ``"adamw_fp8"`` (torchao ``AdamWFp8``: float8 states, a scale per
+            256), ``"adamw_bf16"`` (two bf16 states: torchao ``_AdamW(bf16_stochastic_round=True)`` on bf16
+            parameters), ``"paged_adamw8bit"`` / ``"paged_adamw"`` (bitsandbytes' paged optimizers: 8-bit
+            / fp32 states in CUDA unified memory, counted in :attr:`MemoryEstimate.host`, not the device).
         optimizer_impl: ``"foreach"`` (PyTorch's default on CUDA: temporaries the size of the states),
             ``"fused"`` (no temporaries) or ``"for_loop"`` (one parameter's temporaries at a time; the
             default for CPU tensors).
@@ -534,6 +545,25 @@ class TrainSpec:
         zero_config: DeepSpeed's bucket and stage-3 sizes (:class:`~lightning_memplan.model.frameworks.
             ZeroConfig`; a mapping of its fields is accepted); ``None`` means DeepSpeed's defaults.
             ``framework="deepspeed"`` only.
+        base_weights: how the frozen base weights of a LoRA model are stored (QLoRA): ``None`` (in the
+            parameter dtype), ``"nf4"``/``"fp4"`` (bitsandbytes 4-bit: half a byte per value and a fp32
+            absmax per 64), ``"nf4-dq"``/``"fp4-dq"`` (double quantisation: the absmaxes in 8 bits, a fp32
+            scale per 256 of them) or ``"int8"`` (bitsandbytes ``Linear8bitLt``: int8 values, a fp32 scale
+            per row), Lightning's ``BitsandbytesPrecision`` modes. The blocks' linears are quantized;
+            embeddings, norms and the lm_head are not (transformers' ``BitsAndBytesConfig``); each
+            quantized linear rebuilds its weight while it runs (``lightning_memplan.model.quantized``).
+            Needs ``framework="torch"`` and no tensor parallelism; DDP and FSDP2 (``zero`` 2 or 3: the
+            packed 4-bit values stored in the parameter dtype, bitsandbytes' ``quant_storage``, are sharded;
+            each layer's ``QuantState`` stays whole on every rank) are modelled; ``"int8"`` is not sharded.
+        quantized_head: the lm_head is quantized too (``base_weights`` needed): Lightning's
+            ``BitsandbytesPrecision`` replaces every ``nn.Linear`` not in its ``ignore_modules``, the head
+            included (``lightning/fabric/plugins/precision/bitsandbytes.py`` ``_convert_layers``);
+            transformers' ``BitsAndBytesConfig`` and peft leave it unquantized (the default, ``False``).
+        float8: torchao float8 training of the blocks' linears, as torchtitan runs it (compiled casts):
+            ``None``, ``"tensorwise"`` (one scale per tensor; under FSDP2 the weights are all-gathered in
+            float8) or ``"rowwise"`` (one scale per row). The linears save their bf16 inputs as a bf16 step
+            does; the float8 copies are transients (``lightning_memplan.model.float8``). Needs a bf16
+            precision and ``framework="torch"``.
     """
 
     micro_batch: int
@@ -559,6 +589,9 @@ class TrainSpec:
     offload: str = "none"
     zero_config: ZeroConfig | None = None
     offload_activations: bool = False
+    base_weights: str | None = None
+    float8: str | None = None
+    quantized_head: bool = False
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int), so to_dict() is JSON with exact ints
@@ -584,10 +617,39 @@ class TrainSpec:
                 "optimizer_bytes_per_param", self.optimizer_bytes_per_param, minimum=0.0, min_inclusive=False,
                 hint="e.g. 8 for Adam's two fp32 states; use optimizer='sgd' for a stateless optimizer",
             ))
-        for name in ("master_weights", "grads_alive_in_forward", "offload_activations"):
+        for name in ("master_weights", "grads_alive_in_forward", "offload_activations", "quantized_head"):
             _keep(self, name, _check_bool(name, getattr(self, name)))
         self._check_deepspeed()
         self._check_torch_offload()
+        self._check_low_precision()
+
+    def _check_low_precision(self) -> None:
+        """``base_weights`` (QLoRA) and ``float8`` (torchao): one of the known formats, on the stack they
+        are modelled for (``framework="torch"``), float8 under a bf16 precision, not both at once."""
+        for name, choices in (("base_weights", BASE_WEIGHT_FORMATS), ("float8", FLOAT8_RECIPES)):
+            value = getattr(self, name)
+            if value is not None:
+                _keep(self, name, _check_choice(name, value, choices))
+                if self.framework != "torch":
+                    raise ValueError(
+                        f"{name}={value!r} needs framework='torch' (got framework={self.framework!r}): it is "
+                        f"modelled as bitsandbytes / torchao run under PyTorch; pass framework='torch' or {name}=None"
+                    )
+        if self.base_weights is not None and self.float8 is not None:
+            raise ValueError(
+                f"base_weights={self.base_weights!r} and float8={self.float8!r} together are not modelled "
+                "(quantized frozen weights and float8 matmuls); choose one of them"
+            )
+        if self.quantized_head and self.base_weights is None:
+            raise ValueError(
+                "quantized_head=True needs base_weights (got base_weights=None): it says the lm_head is stored "
+                "quantized like the blocks' linears; pass base_weights='nf4' (or another format) or quantized_head=False"
+            )
+        if self.float8 is not None and self.precision not in ("bf16-mixed", "bf16-true"):
+            raise ValueError(
+                f"float8={self.float8!r} needs a bf16 precision (got precision={self.precision!r}): torchao's "
+                "float8 linears cast from bf16 activations; use precision='bf16-mixed' or 'bf16-true'"
+            )
 
     def _check_torch_offload(self) -> None:
         """FSDP2's offloads (``framework="torch"``): ``offload`` ``"none"``/``"params"``; activation offloading
@@ -651,9 +713,15 @@ class TrainSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values; the low-precision fields (``base_weights``, ``float8``,
+        ``quantized_head``) only when set, so a plain step's JSON is what it was before them."""
         from dataclasses import asdict
 
-        return asdict(self)
+        out = asdict(self)
+        for name in _LOW_PRECISION_FIELDS:
+            if not out[name]:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainSpec:

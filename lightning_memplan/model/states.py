@@ -15,8 +15,9 @@
 - frozen parameters (a LoRA base): no gradients, optimizer states or master copies for them.
 
 FSDP2's ``CPUOffloadPolicy`` and DeepSpeed's offloads move these states to the host in the last stage
-(``model/assemble.py``), where the device points are known. A new way to hold states (quantized base
-weights, expert-parallel groups) is a rule here: its element sizes come from ``model/sizes.py``.
+(``model/assemble.py``), where the device points are known. Quantized frozen base weights (QLoRA) are
+one (:func:`_quantized_params`); paged optimizer states are host bytes. A new way to hold states
+(expert-parallel groups) is a rule here: its element sizes come from ``model/sizes.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class StageStates(NamedTuple):
         one_rank_fsdp: FSDP2's ``CPUOffloadPolicy`` on one data-parallel rank (a one-rank mesh).
         zero: DeepSpeed's placement (``framework="deepspeed"``), else ``None``.
         zero_persistent: DeepSpeed ZeRO-3's parameters kept whole on every rank.
+        paged_optimizer: optimizer states in CUDA unified memory (bitsandbytes' paged optimizers): host
+            bytes, not in :attr:`optimizer`.
     """
 
     params: int
@@ -70,6 +73,7 @@ class StageStates(NamedTuple):
     one_rank_fsdp: bool
     zero: deepspeed.ZeroLayout | None = None
     zero_persistent: int = 0
+    paged_optimizer: int = 0
 
 
 def _trainable(model: ModelSpec, count: int) -> int:
@@ -92,6 +96,8 @@ def stage_states(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> Stag
     # fully_shard]. Measured on 2 gloo ranks (tests/distributed/test_zero2_memory.py): a whole-parameter
     # term here over-estimated by the other ranks' shards, +2.9 %.
     params = math.ceil(states["params"] / shard) if plan.zero >= 2 else states["params"]
+    if r.low is not None and r.low.quantized_bytes:
+        params = _quantized_params(r, plan)
     grads = math.ceil(states["grads"] / shard) if plan.zero >= 2 else states["grads"]
     if r.flat_params and plan.zero >= 2 and shard > 1 and local:
         params, grads = _fsdp1_flat(model, r, plan, states)
@@ -99,12 +105,13 @@ def stage_states(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> Stag
     opt_local = math.ceil(trainable_local / shard) if plan.zero >= 1 else trainable_local
     opt_ws = terms.optimizer_workspace_bytes(r.optimizer, opt_local, largest)
     head, after_scores, first_missing = _point_grads(model, r, plan, pipelined_fsdp)
+    optimizer = math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"]
     out = StageStates(
         params=params,
         grads=grads,
         grads_accum=states["grads"] if pipelined_fsdp else grads,
         grads_unsharded=states["grads"],
-        optimizer=math.ceil(states["optimizer"] / shard) if plan.zero >= 1 else states["optimizer"],
+        optimizer=0 if r.optimizer.paged else optimizer,
         master=math.ceil(states["master"] / shard) if plan.zero >= 1 else states["master"],
         opt_local=opt_local,
         opt_ws=opt_ws,
@@ -116,8 +123,21 @@ def stage_states(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> Stag
         # FSDP2's CPUOffloadPolicy on one data-parallel rank: memplan_auto shards over a one-rank mesh, each
         # block copied into its unsharded buffer for its forward and backward (model/comm_buffers.py)
         one_rank_fsdp=r.offload_params and shard == 1,
+        paged_optimizer=optimizer if r.optimizer.paged else 0,
     )
     return _deepspeed(model, r, plan, out, trainable_local) if r.framework == "deepspeed" else out
+
+
+def _quantized_params(r: ResolvedStage, plan: ParallelPlan) -> int:
+    """Parameter bytes with quantized frozen base weights (``model/low_precision.py``): the packed values,
+    ``(N_local - Q + A) * param_bytes`` for the rest (A: a :meth:`ModelSpec.with_lora` adapter, not in N),
+    both sharded under FSDP (``zero >= 2``: bitsandbytes' packed storage is a parameter FSDP flattens), and
+    every layer's ``QuantState`` constants whole on each rank (an attribute of the layer, not a parameter:
+    bitsandbytes' ``fix_4bit_weight_quant_state_from_module`` restores it on the gathered weight)."""
+    low = r.low
+    assert low is not None
+    sharded = low.quantized_bytes - low.state_bytes + (max(r.params.local - low.quantized, 0) + low.adapter) * r.sizes.param
+    return (math.ceil(sharded / r.shard) if plan.zero >= 2 else sharded) + low.state_bytes
 
 
 def _fsdp1_flat(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, states: dict[str, int]) -> tuple[int, int]:

@@ -817,6 +817,8 @@ def optimizer_workspace_bytes(optimizer: OptimizerBytes, local_params: int, larg
     state = optimizer.state
     if optimizer.impl == "fused" or optimizer.name in ("sgd", "sgd_momentum", "adafactor"):
         return 0
+    if optimizer.low_bit:  # one fused (bitsandbytes) or compiled (torchao) kernel per tensor (model/quantized.py)
+        return 0
     if optimizer.name == "lion":
         return local_params * state if optimizer.impl == "foreach" else largest_param * state
     if optimizer.impl == "foreach":

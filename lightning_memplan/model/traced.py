@@ -400,6 +400,11 @@ def traced_train(train: TrainSpec, device: str) -> TrainSpec:
         # the trace is a plain step: FSDP2's offloads are scaled in by the analytic terms
         offload=train.offload if train.framework == "deepspeed" else "none",
         offload_activations=False,
+        # low precision: the trace runs the unquantized bf16/fp32 copy; quantized base weights and float8
+        # linears are scaled in by the analytic terms (model/low_precision.py)
+        base_weights=None,
+        quantized_head=False,
+        float8=None,
     )
 
 
@@ -480,6 +485,16 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
     return traced
 
 
+def _add_int8_kept_inputs(by_phase: dict[str, dict[str, int]], model: ModelSpec, target: MemoryEstimate) -> None:
+    """A LoRA spec is traced with frozen linears that keep no input (``model/lora.py``); bitsandbytes' int8
+    linears keep theirs (``MatMul8bitLt``: ``ctx.tensors = (CAt, subA, A)``), so the inputs no adapter
+    keeps (``details["int8_kept_inputs"]``, ``model/quantized.int8_kept_inputs_bytes``) are added to the
+    traced activations from the forward to the backward (in place)."""
+    kept = target.details.get("int8_kept_inputs", 0) if model.lora_rank is not None else 0
+    for phase in ("forward", "backward"):
+        by_phase[phase]["activations"] += kept
+
+
 def traced_estimate(
     model: ModelSpec,
     train: TrainSpec,
@@ -540,6 +555,7 @@ def traced_estimate(
                     value, den, num = traced[phase][comp], den_phase.get(comp, 0), num_phase.get(comp, 0)
                     values[comp] = round(value * num / den) if den else value + num
             by_phase[phase] = {comp: max(0, int(v)) for comp, v in values.items()}
+        _add_int8_kept_inputs(by_phase, model, target)
         peak = max(PHASES, key=lambda p: sum(by_phase[p].values()))
         est = MemoryEstimate(
             **by_phase[peak],

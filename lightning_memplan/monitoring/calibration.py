@@ -159,6 +159,22 @@ def _calibrate_run(
         return None
 
 
+def _precision_label(precision: str, train: TrainSpec | None) -> str:
+    """The run's precision string, with the quantized base weights, float8 linears or low-bit optimizer the
+    estimate assumed (``"32-true; base weights nf4-dq"``): Lightning's ``BitsandbytesPrecision`` reports
+    ``"32-true"`` whatever it quantizes, so the report names what was read (``live/low_precision.py``)."""
+    if train is None:
+        return precision
+    parts = [precision]
+    if train.base_weights is not None:
+        parts.append(f"base weights {train.base_weights}" + (" (lm_head too)" if train.quantized_head else ""))
+    if train.float8 is not None:
+        parts.append(f"float8 {train.float8}")
+    if train.optimizer not in ("adamw", "adam", "sgd", "sgd_momentum", "adafactor", "lion"):
+        parts.append(f"optimizer {train.optimizer}")
+    return "; ".join(parts)
+
+
 def describe_run(
     run: RunContext,
     spec: ModelSpec | None,
@@ -177,7 +193,7 @@ def describe_run(
         "train_spec": train.to_dict() if train is not None else None,
         "plan": plan.to_dict(),
         "plan_description": f"{plan.describe()} ({how})",
-        "precision": str(run.precision),
+        "precision": _precision_label(str(run.precision), train),
         "estimate_source": source,
         "accelerator": accelerator,
         "world_size": run.world_size,

@@ -55,6 +55,7 @@ from lightning_memplan.report.records import (
     RankSummary,
     StepRecord,
 )
+from lightning_memplan.report.render import format_bytes
 from lightning_memplan.tracking.compiled import (
     AllocationMeter,
     CompileSafeTracker,
@@ -93,6 +94,9 @@ class RunContext:
     strategy: Any
     #: Lightning precision string, e.g. ``"32-true"``, ``"bf16-mixed"``.
     precision: str
+    #: The precision plugin object (``BitsandbytesPrecision``, ``TransformerEnginePrecision`` ... are read
+    #: from it: ``live/low_precision.py``); ``None`` when the front door has none to give.
+    precision_plugin: Any = None
     #: Micro-batches per optimizer step.
     accumulate_grad_batches: int = 1
     world_size: int = 1
@@ -280,6 +284,11 @@ class MemorySession:
             try:
                 train = fit.train.replace(micro_batch=stage_micro_batch(fit.plan, b), seq_len=s)
                 est = estimate_memory(fit.spec, train, fit.plan, rank=fit.est_rank, calibration=fit.calibration)
+                bound = est.details.get("int8_outlier_bound", 0)
+                if bound and "int8_outliers" not in self.warned:  # bytes the estimate cannot know (issue 35)
+                    self.warned.add("int8_outliers")
+                    self.note(f"int8 base weights on CUDA: LLM.int8()'s outlier columns are not in the estimate (they "
+                              f"depend on the data); at most {format_bytes(bound, 'MiB')} at batch {b} x {s}")
             except (ValueError, TypeError) as exc:
                 self.note(f"the memory model cannot estimate batch {b} x {s}: {exc}")
         fit.estimates[key] = est

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
+from lightning_memplan.tracking.tracker import quantization_constants
 
 __all__ = ["ARCHITECTURES", "SHAPE_ARCHITECTURES", "Architecture", "build_model", "example_batch", "loss_of", "measure_step"]
 
@@ -187,7 +188,9 @@ def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) 
     opt.step()
     tracker = MemTracker()
     _skip_frozen_grad_hooks(tracker, model)
-    tracker.track_external(model, opt)
+    # bitsandbytes' absmaxes and codes are no parameters: MemTracker counts what it is handed ("Other")
+    constants = [c for p in model.parameters() for c in quantization_constants(p)]
+    tracker.track_external(model, opt, *constants)
     with tracker:
         inputs = {k: v.clone() for k, v in batch.items()}  # the batch is live during the step
         run_training_step(model, inputs, loss_of, opt, precision=emulation)

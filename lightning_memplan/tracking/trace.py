@@ -29,6 +29,7 @@ from lightning_memplan.tracking.fake_fidelity import (
     real_kernel_sizes,
     real_step_branches,
 )
+from lightning_memplan.tracking.fake_params import fake_parameter_memo
 from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
@@ -298,7 +299,7 @@ def _fake_report(module: nn.Module, batches: TraceBatches, device: torch.device,
     try:
         with FakeCopyMode(fake_mode), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            fake_module = copy_module(module)
+            fake_module = copy_module(module, fake_parameter_memo(module, fake_mode))  # bitsandbytes' params
         # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
         # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
         # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)

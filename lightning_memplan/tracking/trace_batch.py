@@ -49,10 +49,10 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-def copy_module(module: nn.Module) -> nn.Module:
+def copy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """A private deep copy of ``module``; what a LightningModule merely points at (its Trainer, Fabric)
-    is not copied."""
-    memo: dict[int, Any] = {}
+    is not copied; ``memo`` pre-filled entries (``tracking/fake_params.py``) are taken as they are."""
+    memo = {} if memo is None else memo
     for attr in ("_trainer", "_fabric", "_fabric_optimizers"):
         value = module.__dict__.get(attr)
         if value is not None:

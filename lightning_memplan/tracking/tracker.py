@@ -65,7 +65,7 @@ from lightning_memplan.model.result import COMPONENTS, PHASES
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 
-__all__ = ["TensorTracker"]
+__all__ = ["TensorTracker", "quantization_constants"]
 
 # Components a storage can move *into* after its creation; only these re-classifications are applied to
 # peak snapshots taken before the move (a gradient or an optimizer state is what the bytes are).
@@ -122,6 +122,25 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):  # e.g. tensors without storage (functional wrappers)
         return []
+
+
+def quantization_constants(param: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a quantized parameter keeps beside its storage, which ``module.parameters()`` does not
+    reach: a bitsandbytes ``Params4bit``'s ``quant_state`` (``absmax``, ``code``, ``offset`` and, under
+    double quantisation, ``state2.absmax`` / ``state2.code``) and an ``Int8Params``' fp32 row scales
+    ``SCB`` (bitsandbytes 0.50.2 ``bitsandbytes/functional.py`` ``QuantState``, ``nn/modules.py``).
+    Read by attribute, so bitsandbytes is never imported here; ``[]`` for any other parameter."""
+    found: list[torch.Tensor] = []
+    state = getattr(param, "quant_state", None)
+    for holder in (state, getattr(state, "state2", None)):
+        for name in ("absmax", "code", "offset"):
+            value = getattr(holder, name, None)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    scb = getattr(param, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        found.append(scb)
+    return found
 
 
 def _flat_tensors(out: Any) -> Iterable[torch.Tensor]:
@@ -385,6 +404,8 @@ class TensorTracker(TorchDispatchMode):
     def _register_module(self, module: nn.Module) -> None:
         for p in module.parameters():
             self._classify_existing(p, "params")
+            for constant in quantization_constants(p):  # bitsandbytes' absmaxes, codes, row scales
+                self._classify_existing(constant, "params")
             if p.grad is not None:
                 self._classify_existing(p.grad, "grads")
         for b in module.buffers():

@@ -23,7 +23,7 @@ from lightning_memplan.model.states import stage_states
 MODEL = Path(__file__).resolve().parents[2] / "lightning_memplan" / "model"
 #: The stages after the first and the term modules: what they take is resolved.
 _NO_TRAINSPEC = ("terms.py", "checkpointing.py", "moe_terms.py", "states.py", "comm_buffers.py", "activations.py",
-                 "assemble.py", "stage_layout.py", "deepspeed.py")
+                 "assemble.py", "stage_layout.py", "deepspeed.py", "low_precision.py", "quantized.py", "float8.py")
 
 
 @pytest.mark.parametrize("name", _NO_TRAINSPEC)
