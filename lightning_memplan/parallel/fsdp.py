@@ -267,7 +267,7 @@ def _disable_kv_cache(transformer: TransformerLayout) -> str:
     a block's recomputed forward sees the cache grown by its own first pass (the checkpoint's shape check
     fails, ``[b, kv, s]`` against ``[b, kv, 2 s]``) and the cache keeps them alive past the checkpoint.
     ``use_cache`` is turned off, as transformers' own ``gradient_checkpointing_enable`` does in training."""
-    config = getattr(transformer.root, "config", None)
+    config: Any = getattr(transformer.root, "config", None)
     if not getattr(config, "use_cache", False):
         return ""
     config.use_cache = False
