@@ -77,15 +77,23 @@ class CalibratedEstimator:
         Raises:
             CalibrationUnavailable: the module cannot be traced for it (why in the message).
         """
-        if plan.pp == 1:
-            calibration = self._whole(train)
-            try:
-                estimate = _estimate(self.model, train, plan, calibration=calibration)
-            except ValueError as exc:
-                raise CalibrationUnavailable(f"the calibrated estimate failed: {exc}") from exc
-            return dataclasses.replace(estimate, source="calibrated")
-        ranks = [self._pipeline_rank(plan, train, r) for r in range(plan.pp)]
-        return max(ranks, key=lambda e: e.total)
+        return max(self.stages(plan, train), key=lambda e: e.total)
+
+    def stages(self, plan: ParallelPlan, train: TrainSpec) -> list[MemoryEstimate]:
+        """The calibrated estimate of each pipeline stage (of its first rank), in stage order; one entry,
+        the worst rank, without a pipeline.
+
+        Raises:
+            CalibrationUnavailable: as :meth:`estimate`.
+        """
+        if plan.pp > 1:
+            return [self._pipeline_rank(plan, train, r) for r in range(plan.pp)]
+        calibration = self._whole(train)
+        try:
+            estimate = _estimate(self.model, train, plan, calibration=calibration)
+        except ValueError as exc:
+            raise CalibrationUnavailable(f"the calibrated estimate failed: {exc}") from exc
+        return [dataclasses.replace(estimate, source="calibrated")]
 
     # ------------------------------------------------------------------------------------ helpers
     def _batch_fn(self) -> tuple[Callable[[int, int], Any], int, int]:
