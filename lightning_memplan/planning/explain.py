@@ -234,7 +234,8 @@ def _markdown(d: Any, top: int, max_rejected: int) -> str:
         out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in _candidate_rows(d, top)]
     checked = _checked_rows(d)
     if checked:
-        out += ["", f"### {_CHECK_TITLE[0].upper()}{_CHECK_TITLE[1:]}", "", "| " + " | ".join(_CHECK_HEAD) + " |",
+        out += ["", f"### {_CHECK_TITLE[0].upper()}{_CHECK_TITLE[1:]}", "",
+                "| " + " | ".join(_md_escape(h) for h in _CHECK_HEAD) + " |",
                 "| " + " | ".join("---" for _ in _CHECK_HEAD) + " |"]
         out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in checked]
     out += ["", "### Rejected", ""] + [f"- {_md_escape(x.strip())}" for x in _rejected_lines(d, max_rejected)]

@@ -38,9 +38,11 @@ class TrackerReport:
         n_ops: tensor operations observed.
         device: the device type whose storages were counted (``"cpu"``, ``"cuda"``, ...).
         timeline: live bytes per component over the step (bounded samples), ``None`` when off.
-        released_late: bytes in :attr:`peak` that the step no longer used, released after the peak by
-            another thread (gloo's worker thread drops a finished collective's buffers when the scheduler
-            lets it): the part of a peak that varies between identical runs (0 when nothing was).
+        released_late: how much of :attr:`peak` is storages the step no longer used that another thread
+            released late (gloo's worker thread drops a finished collective's buffers when the scheduler
+            lets it): the part of a peak that varies between identical runs, 0 when nothing was released
+            late. It counts each such storage from its last use by the step, so it may name more than the
+            step's own peak differs by, never less: ``total - released_late`` is at most that peak.
     """
 
     peak: Mapping[str, int] = field(default_factory=_zero)

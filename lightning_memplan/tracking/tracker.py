@@ -551,8 +551,9 @@ class TensorTracker(TorchDispatchMode):
 
     def _released_late(self) -> int:
         """How much of the overall peak is storages the step no longer used, released late by another
-        thread: the peak minus the step's own peak with each such storage counted up to its last use
-        (:class:`_StepView`). Under gloo that is a finished collective's buffers: its worker thread keeps
+        thread: the peak minus the step's peak with each such storage counted only up to its last use as an
+        operation's input or output (:class:`_StepView`; a storage the step held longer without using it
+        is named too, so this is never less than what the late releases added). Under gloo that is a finished collective's buffers: its worker thread keeps
         them (its ``Work`` holds them) after ``wait()`` has returned, until the scheduler lets it take the
         GIL to drop them, so how long depends on the machine's load, not on the step."""
         if self._view is None or not self._late:

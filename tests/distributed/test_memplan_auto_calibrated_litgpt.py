@@ -16,9 +16,10 @@ The repeat test: forced tp=2 five times. Identical runs measured different peaks
 ``wait()`` returned until the scheduler lets it take the GIL to drop them, so on a loaded machine a step's
 peak can include, e.g., the all-gathered logits the step had already let go (+262,144 B, one
 ``[4, 64, 256]`` fp32 tensor; +786,432 B for three). The tracker now applies such frees on its own thread
-and reports them (``TrackerReport.released_late``: the peak minus the step's own peak with each such storage
-counted up to its last use), so ``total - released_late`` is the same in every run, and within 5 % of the
-estimate.
+and reports them (``TrackerReport.released_late``: the peak minus the step's peak with each such storage
+counted only up to its last use by the step). Measured in five runs here: every step without a late release
+3,264,580 B on both ranks (the calibrated estimate 3,306,180 B, +1.3 %); one step of twenty on rank 0
+measured 3,526,724 B with 378,100 B named as released late.
 """
 
 from __future__ import annotations
@@ -102,15 +103,21 @@ def repeat_worker(rank: int, world: int) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_identical_tp_runs_measure_the_same_peak_on_every_rank():
+def test_identical_tp_runs_measure_the_same_peak_or_name_what_varies():
+    """Every steady step of every run without a late release measures the same peak; a step with one
+    measures more, and all of the difference is the bytes the tracker names as released late
+    (``total - released_late <= peak <= total``: the late-release view counts each such storage only up to
+    its last use by the step, never longer than the step held it, so it can only over-name)."""
     runs = [run_distributed(repeat_worker, 2, timeout_s=300) for _ in range(REPEATS)]
     for rank in range(2):
         steps = [step for run in runs for step in run[rank]["steps"]]
-        own = {total - late for total, late in steps}
+        quiet = {total for total, late in steps if not late}
         late = [(total, late) for total, late in steps if late]
-        print(f"rank {rank}: step's own peak {sorted(own)}; steps with late releases (peak, released late): {late}")
-        assert len(own) == 1, (rank, steps)  # the same peak in every steady step of every run
+        print(f"rank {rank}: peak without late releases {sorted(quiet)} in {len(steps) - len(late)} of {len(steps)} "
+              f"steps; steps with late releases (peak, released late): {late}")
+        assert len(quiet) == 1, (rank, steps)  # identical runs, identical peaks
+        (peak,) = quiet
+        assert all(total - released <= peak < total for total, released in late), (rank, peak, late)
         estimate = runs[0][rank]["estimate"]
         assert all(run[rank]["estimate"] == estimate and run[rank]["source"] == "calibrated" for run in runs)
-        (peak,) = own
         assert abs(peak - estimate) <= RTOL * peak, (rank, peak, estimate)
