@@ -617,7 +617,8 @@ def _calibrated_dynamic(
                 out[key][comp] = fitted
             else:
                 assert single is not None  # not trivial
-                base = single[key][comp]
+                # a point only the plan has (activation offloading's block point) scales from the forward
+                base = (single.get(key) or single["forward"])[comp]
                 out[key][comp] = round(fitted * comps[comp] / base) if base else comps[comp]
     return out
 

@@ -19,7 +19,11 @@ from lightning_memplan.live.layouts import find_layout
 from lightning_memplan.model.pipeline_timeline import backward_moments
 from lightning_memplan.model.result import MemoryEstimate
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
-from lightning_memplan.parallel.calibrated import CalibratedEstimator, CalibrationUnavailable, readable_scalars
+from lightning_memplan.parallel.calibrated import (
+    CalibratedEstimator,
+    CalibrationUnavailable,
+    readable_scalars,
+)
 from lightning_memplan.parallel.decision import decide
 from lightning_memplan.parallel.inputs import model_spec_for
 from lightning_memplan.parallel.pipeline_replay import rank_actions
@@ -203,6 +207,9 @@ def test_calibrated_estimate_equals_a_real_step_and_reads_logged_scalars(two_thr
         trace_memory(meta_copy(module), example_input=_batch())  # float(loss) of a fake tensor, unanswered
     again = estimator.estimate(ParallelPlan(dp=2, zero=3), TRAIN)  # cached: no further trace
     assert estimator.traces == 2 and again.total < estimate.total
+    # activation offloading: the fit (traced without it) scaled to the offloaded block point (a KeyError before)
+    offloaded = estimator.estimate(ParallelPlan(dp=2, zero=3), TRAIN.replace(offload_activations=True))
+    assert offloaded.source == "calibrated" and offloaded.host > 0 and offloaded.total < again.total
 
 
 def test_calibration_unavailable_says_why():
