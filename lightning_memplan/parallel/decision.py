@@ -437,6 +437,9 @@ def _verified_choice(
     decision = choice.decision
     ranked = [c for c in ranked_candidates(decision, train)
               if not applicability(c.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)]
+    if not ranked:  # every candidate needs a dimension this module cannot take: the folded plan stands
+        return dataclasses.replace(choice, notes=(*choice.notes, "no ranked candidate can be applied as planned; "
+                                                  "the folded plan was not checked against the calibrated estimate"))
 
     def applied(candidate: Any) -> tuple[ParallelPlan, TrainSpec]:
         plan, _ = _pipeline_split(candidate.plan, train, candidate.train)

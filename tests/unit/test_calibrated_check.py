@@ -217,3 +217,21 @@ def test_calibration_unavailable_says_why():
     estimator = CalibratedEstimator(module, model_spec_for(module, find_layout(module)), lambda: None)
     with pytest.raises(CalibrationUnavailable, match="no batch of the run to trace"):
         estimator.estimate(ParallelPlan(), TRAIN)
+
+
+def test_fabric_front_door_checks_the_calibrated_estimate_too():
+    """``fabric.setup`` plans with the loader's first batch; the choice carries its calibrated check."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_memplan.fabric import MemplanAutoFabricStrategy
+
+    module = ZooLM().model
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=MemplanAutoFabricStrategy(memory_budget=64 * 2**20))
+    fabric.launch()
+    fabric.setup_dataloaders(DataLoader(TensorDataset(*_batch()), batch_size=BATCH))
+    fabric.setup(module, optimizer)
+    decision = fabric.strategy.decision
+    (checked,) = decision.checked
+    assert decision.estimate.source == "calibrated" and checked.decided_by == "calibrated" and checked.fits
+    assert checked.calibrated_bytes == decision.estimate.total and checked.analytic_bytes > 0
