@@ -225,13 +225,22 @@ def test_fabric_front_door_checks_the_calibrated_estimate_too():
 
     from lightning_memplan.fabric import MemplanAutoFabricStrategy
 
+    import os
+
     module = ZooLM().model
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    environ = dict(os.environ)  # fabric.launch() sets MASTER_ADDR/PORT, WORLD_SIZE, ... for its processes
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=MemplanAutoFabricStrategy(memory_budget=64 * 2**20))
     fabric.launch()
-    fabric.setup_dataloaders(DataLoader(TensorDataset(*_batch()), batch_size=BATCH))
-    fabric.setup(module, optimizer)
-    decision = fabric.strategy.decision
+    try:
+        fabric.setup_dataloaders(DataLoader(TensorDataset(*_batch()), batch_size=BATCH))
+        fabric.setup(module, optimizer)
+        decision = fabric.strategy.decision
+    finally:
+        if torch.distributed.is_initialized():  # the strategy's one-rank group: leave none to later tests
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     (checked,) = decision.checked
     assert decision.estimate.source == "calibrated" and checked.decided_by == "calibrated" and checked.fits
     assert checked.calibrated_bytes == decision.estimate.total and checked.analytic_bytes > 0

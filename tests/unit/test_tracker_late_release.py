@@ -26,8 +26,10 @@ N = 1024  # floats: 4 KiB per tensor
 
 @pytest.fixture
 def one_rank_group():
+    """A process group for the test (one an earlier test of this process left is used as it is)."""
     if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+        yield
+        return
     store = dist.TCPStore("127.0.0.1", find_free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
