@@ -221,11 +221,11 @@ def test_calibration_unavailable_says_why():
 
 def test_fabric_front_door_checks_the_calibrated_estimate_too():
     """``fabric.setup`` plans with the loader's first batch; the choice carries its calibrated check."""
+    import os
+
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_memplan.fabric import MemplanAutoFabricStrategy
-
-    import os
 
     module = ZooLM().model
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
