@@ -21,10 +21,11 @@ from typing_extensions import override
 
 from lightning_memplan.live import batch_shape, infer_model_spec, infer_plan, infer_train_spec
 from lightning_memplan.model.reserved import ReservedMargin
+from lightning_memplan.model.result import Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.planning.budget import caching_allocator_applies
 from lightning_memplan.planning.fit import LargestFit, check_reserved_margin, largest_fit
-from lightning_memplan.validation import check_number, check_optional_int, check_str
+from lightning_memplan.validation import check_bool, check_number, check_optional_int, check_str
 
 __all__ = ["MemoryPlanBatchSizeFinder"]
 
@@ -47,7 +48,14 @@ class MemoryPlanBatchSizeFinder(Callback):
     The sequence length (the size axis the memory grows with: tokens for text, 1 for fixed-size images,
     videos or waveforms) is ``seq_len=``, else ``train_spec.seq_len``, else read from
     ``example_input_array`` or one batch drawn from a fresh training dataloader (no step runs on it).
-    No batch is traced: the estimate is the analytic one (or the Hugging Face class's traced terms).
+
+    **Calibrated** (``calibrate=True``, the default): the module at hand is traced under fake tensors with
+    that batch's structure, the optimizer and the precision, as :class:`~lightning_memplan.callbacks.MemoryPlanCallback`
+    calibrates (its meta copy under memplan_auto, which sharded the module; ``monitoring/calibration.py``),
+    and the search runs on the calibrated estimate (``largest_fit(calibration=...)``): the batch size set is
+    one whose calibrated estimate fits, the rule memplan_auto applies before it says FITS. When the module
+    cannot be traced (a module sharded by another strategy, no batch to read, a trace that fails) the
+    analytic estimate decides and :attr:`calibration_note` says why.
 
     **Reserved margin on CUDA** (what the caching allocator holds beyond the allocated bytes), in this
     order: ``reserved_margin=`` when given ("given"); else the margin a
@@ -78,6 +86,7 @@ class MemoryPlanBatchSizeFinder(Callback):
             :class:`~lightning_memplan.model.reserved.ReservedMargin` (``MemoryPlanCallback.reserved_margin``
             of an earlier run) or an int of bytes added at every batch size; ``None``: a restored
             ``MemoryPlanCallback``'s measurement, else the modelled margin (see above).
+        calibrate: search on the calibrated estimate of the module (see above); ``False``: the analytic one.
 
     Raises:
         ValueError / TypeError: an argument of the wrong value or type (at construction).
@@ -90,6 +99,8 @@ class MemoryPlanBatchSizeFinder(Callback):
             ``reserved_margin``: the measured or given margin used, ``None`` for the modelled one).
         margin_source: which reserved margin the search used (``"given"``, ``"measured in the restored
             run"``, ``"measured in an earlier fit"``, ``"modelled"``, or ``"none (...)"`` off CUDA).
+        calibration_note: which estimate the search ran on: ``"calibrated"``, or why the analytic one
+            (``"analytic: calibrate=False"``, ``"analytic: ..."``); ``None`` before a fit.
 
     Example::
 
@@ -110,6 +121,7 @@ class MemoryPlanBatchSizeFinder(Callback):
         train_spec: TrainSpec | None = None,
         plan: ParallelPlan | None = None,
         reserved_margin: ReservedMargin | int | None = None,
+        calibrate: bool = True,
     ) -> None:
         if memory_budget is not None:
             memory_budget = int(check_number("memory_budget", memory_budget, minimum=1.0,
@@ -132,9 +144,11 @@ class MemoryPlanBatchSizeFinder(Callback):
         margin = check_reserved_margin(reserved_margin)  # a ReservedMargin kept as given, bytes as a plain int
         self.reserved_margin: ReservedMargin | int | None = (
             margin if margin is None or isinstance(reserved_margin, ReservedMargin) else margin.overhead)
+        self.calibrate = check_bool("calibrate", calibrate, hint="True searches on the module's calibrated estimate")
         self.optimal_batch_size: int | None = None
         self.fit_result: LargestFit | None = None
         self.margin_source: str | None = None
+        self.calibration_note: str | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -162,7 +176,7 @@ class MemoryPlanBatchSizeFinder(Callback):
 
             _reset_dataloaders(trainer)  # Lightning's own finder reloads the same way
         rank_zero_info(f"MemoryPlanBatchSizeFinder: {self.batch_arg_name}={size} ({found.describe()}; "
-                       f"reserved margin: {self.margin_source})")
+                       f"reserved margin: {self.margin_source}; estimate: {self.calibration_note})")
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
                 logger.log_metrics({"memplan/max_micro_batch": float(found.value), "memplan/batch_size": float(size)},
@@ -192,10 +206,43 @@ class MemoryPlanBatchSizeFinder(Callback):
             margin, self.margin_source = self._margin(trainer, expandable)
         else:
             margin, self.margin_source = None, f"none (a {train.device} step has no caching allocator: allocated bytes)"
+        calibration = self._calibration(trainer, pl_module, model, train)
         found = largest_fit(model, train, plan, axis="micro_batch", memory_budget=self.memory_budget,
                             hardware=hardware, headroom=self.headroom, expandable_segments=expandable,
-                            reserved_margin=margin)
+                            reserved_margin=margin, calibration=calibration)
         return found, plan
+
+    def _calibration(self, trainer: Trainer, pl_module: LightningModule, model: ModelSpec,
+                     train: TrainSpec) -> Calibration | None:
+        """The module's calibration (``monitoring/calibration.run_calibration``, the callback's), traced at
+        the shape of one batch of the run; ``None`` with :attr:`calibration_note` saying why."""
+        if not self.calibrate:
+            self.calibration_note = "analytic: calibrate=False"
+            return None
+        from lightning_memplan.monitoring.calibration import run_calibration
+        from lightning_memplan.monitoring.session import RunContext
+        from lightning_memplan.parallel.inputs import peek_batch
+        from lightning_memplan.tracking.fake_fidelity import readable_scalars
+        from lightning_memplan.tracking.trace import default_loss
+
+        sample = getattr(pl_module, "example_input_array", None)
+        sample = sample if sample is not None else peek_batch(trainer)
+        notes: list[str] = []
+        try:
+            b, s = batch_shape(sample)
+        except Exception as exc:  # noqa: BLE001 - no batch to trace: the analytic estimate decides
+            self.calibration_note = f"analytic: no batch to trace ({exc})"
+            return None
+        run = RunContext(
+            module=pl_module, optimizers=tuple(trainer.optimizers), strategy=trainer.strategy,
+            precision=str(trainer.precision), accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+            world_size=int(trainer.world_size), rank=int(trainer.global_rank),
+            automatic_optimization=bool(pl_module.automatic_optimization),
+            loss_fn=readable_scalars(default_loss), owner="MemoryPlanBatchSizeFinder",
+        )
+        calibration = run_calibration(run, train.replace(micro_batch=b, seq_len=s), model, sample, notes.append)
+        self.calibration_note = "calibrated" if calibration is not None else "analytic: " + "; ".join(notes)
+        return calibration
 
     def _margin(self, trainer: Trainer, expandable: bool) -> tuple[ReservedMargin | int | None, str]:
         """The reserved margin on CUDA and where it came from (the class docstring's order)."""

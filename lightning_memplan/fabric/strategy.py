@@ -78,8 +78,10 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
         **planning: the planning options :class:`~lightning_memplan.strategies.MemplanAutoStrategy` takes,
             with its defaults and checks (one :class:`~lightning_memplan.parallel.resolve.PlanningOptions`):
             ``memory_budget``, ``allow``, ``hardware``, ``plan`` (here with ``pp=1``; its world size must
-            equal devices x num_nodes), ``train`` (fields left at their defaults are read from the run)
-            and ``headroom``.
+            equal devices x num_nodes), ``train`` (fields left at their defaults are read from the run),
+            ``headroom`` and ``calibrate`` (check the plan against the module's calibrated estimate; its
+            traced step runs the module's forward with the loss of ``tracking.trace.default_loss``, since the
+            loop's own loss is outside the module).
 
     Attributes:
         decision, applied_plan, resolution: what was planned and applied
@@ -128,6 +130,7 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
         self._layout: TransformerLayout | None = None
         self._module: nn.Module | None = None
         self._loaders: list[Any] = []
+        self._batch: Any = None
 
     # ------------------------------------------------------------------------------------- properties
     @property  # type: ignore[override]
@@ -250,6 +253,7 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
                 module=module,
                 layout=find_layout(module),
                 read_train=lambda: self._read_train(module, optimizers),
+                read_batch=lambda: self._sample(module),
                 precision=str(self.precision.precision),
                 devices=self.num_processes,
                 num_nodes=self.num_nodes,
@@ -300,12 +304,20 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
             device=device, optimizer=optimizer, base=base, runner="Fabric",
         )
 
+    def _sample(self, module: nn.Module) -> Any:
+        """The module's ``example_input_array``, else the first batch of the first loader set up before
+        ``fabric.setup`` (read once, kept for the calibrated check); ``None`` when neither exists."""
+        if self._batch is None:
+            sample = getattr(module, "example_input_array", None)
+            if sample is None and self._loaders:
+                sample = peek_loader(lambda: self._loaders[0])
+            self._batch = sample
+        return self._batch
+
     def _batch_shape(self, module: nn.Module) -> tuple[int, int]:
         from lightning_memplan.live import InferenceError, batch_shape
 
-        sample = getattr(module, "example_input_array", None)
-        if sample is None and self._loaders:
-            sample = peek_loader(lambda: self._loaders[0])
+        sample = self._sample(module)
         if sample is None:
             raise BatchShapeUnknown(
                 "memplan_auto needs the batch shape to plan at fabric.setup and found no dataloader: call "

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from torch import nn
 
 from lightning_memplan.live.layouts import TransformerLayout
+from lightning_memplan.model.result import MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
 from lightning_memplan.parallel.fsdp import own_units
 from lightning_memplan.parallel.mesh import MeshLayout
@@ -25,6 +27,7 @@ from lightning_memplan.parallel.tensor_parallel import (
     sequence_parallel_blocker,
     tensor_parallel_blocker,
 )
+from lightning_memplan.planning.decision import PlanDecision
 
 __all__ = [
     "ForcedDecision",
@@ -50,8 +53,12 @@ class ForcedDecision:
         plan: the applied plan.
         train: the TrainSpec it was estimated with.
         model: the ModelSpec it was estimated with.
-        estimate: ``estimate_memory(model, train, plan)`` or ``None`` when the estimate is unavailable.
+        estimate: the applied plan's estimate: the calibrated one of the module when it could be traced
+            (``estimate.source == "calibrated"``), else ``estimate_memory(model, train, plan)``; ``None``
+            when no estimate is available.
         source: ``"forced"`` (``plan=``) or ``"checkpoint"`` (restored from a resumed checkpoint).
+        analytic: the analytic estimate beside a calibrated one (``None``: not computed).
+        note: why the estimate is not calibrated, or ``""``.
     """
 
     plan: ParallelPlan
@@ -59,11 +66,19 @@ class ForcedDecision:
     model: ModelSpec
     estimate: Any = None
     source: str = "forced"
+    analytic: Any = None
+    note: str = ""
 
     def explain(self) -> str:
         lines = [f"memplan_auto: plan {self.plan.describe()} ({self.source}, not searched)"]
         if self.estimate is not None:
-            lines.append(f"  predicted peak per rank: {self.estimate.total / 2**30:.3f} GiB")
+            kind = "calibrated" if self.estimate.source == "calibrated" else "analytic"
+            line = f"  predicted peak per rank: {self.estimate.total / 2**30:.3f} GiB ({self.estimate.total:,} B, {kind}"
+            if kind == "calibrated" and self.analytic is not None:
+                line += f"; analytic {self.analytic.total:,} B"
+            lines.append(line + ")")
+        if self.note:
+            lines.append(f"  {self.note}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +88,8 @@ class ForcedDecision:
             "train": self.train.to_dict(),
             "model": self.model.to_dict(),
             "estimate_total_bytes": None if self.estimate is None else int(self.estimate.total),
+            "estimate_source": None if self.estimate is None else self.estimate.source,
+            "analytic_total_bytes": None if self.analytic is None else int(self.analytic.total),
         }
 
 
@@ -273,6 +290,7 @@ def decide(
     batch_known: bool = True,
     runner: str = "the Trainer",
     head_in_root: bool | None = None,
+    calibrated: Callable[[ParallelPlan, TrainSpec], MemoryEstimate] | None = None,
 ) -> Resolution:
     """Pick and check the plan (runs on rank 0 only).
 
@@ -288,72 +306,188 @@ def decide(
             loss); a Fabric loop's loss is outside the module, so the Fabric strategy passes ``True``.
             Pipeline stages always give them units of their own. The choice is the applied plan's
             ``own_units`` (:func:`~lightning_memplan.parallel.fsdp.own_units`), which the estimate counts.
+        calibrated: ``(applied plan, applied TrainSpec) -> MemoryEstimate``, the calibrated estimate of the
+            module (:class:`~lightning_memplan.parallel.calibrated.CalibratedEstimator`); it raises
+            ``CalibrationUnavailable`` when it cannot answer. Given, a searched plan is said to fit only when
+            its calibrated estimate fits (:func:`~lightning_memplan.parallel.verify.check_candidates`), and a
+            forced plan records it. ``None``: the analytic estimate alone.
     Raises:
         ValueError: a forced plan whose world size differs from the run's, or whose pipeline schedule
-            cannot run the batch (:func:`runnable_forced_schedule`).
+            cannot run the batch (:func:`runnable_forced_schedule`); ``PlanDoesNotFitError`` when nothing
+            fits (by the calibrated estimate when it is given).
     """
-    notes: list[str] = []
+    units = _UnitRule(layout=layout, module=module, self_parallel=self_parallel, head_in_root=head_in_root)
     if forced is not None:
-        if forced.world_size != world_size:
-            raise ValueError(
-                f"plan={forced!r} needs {forced.world_size} processes (dp*tp*pp*cp) but {runner} runs "
-                f"{world_size} (devices x num_nodes); change the plan or {runner.removeprefix('the ')}(devices=..., "
-                "num_nodes=...)"
-            )
-        plan = forced
-        blocked = applicability(plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
-        plan, fold_notes = fold_blocked(plan, blocked)
-        notes += fold_notes
-        plan, schedule_notes = runnable_forced_schedule(plan, train.micro_batch if batch_known else None)
-        notes += schedule_notes
-        estimate = _estimate_or_none(model_spec, train, dataclasses.replace(plan, grad_buckets=False))
-        decision: Any = ForcedDecision(plan=plan, train=train, model=model_spec, estimate=estimate, source=forced_source)
-        recompute, loss = train.recompute, train.loss
+        _check_world(forced, world_size, runner)
+        choice = _forced_choice(forced, model_spec, train, layout, module, self_parallel=self_parallel,
+                                source=forced_source, batch_known=batch_known)
     else:
-        # The search sees only the sizes this module can take (module_blockers); the check after it
-        # is the same rule again, for the options the search cannot express (virtual stages, SP).
-        searched = module_blockers(layout, module, world_size, self_parallel=self_parallel)
-        decision = planner(searched)
-        blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
-        if blocked:
-            notes += [f"planner chose {decision.plan.describe()}, but {dim}: {why}" for dim, why in blocked.items()]
-            decision = planner({**searched, **blocked})
-            notes.append(f"re-planned without {', '.join(sorted(blocked))}: {decision.plan.describe()}")
-            still = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
-            if still:  # the planner ignored the exclusion: fold rather than fail
-                plan, fold_notes = fold_blocked(decision.plan, still)
-                notes += fold_notes
-            else:
-                plan = decision.plan
-        else:
-            plan = decision.plan
-        chosen_train = getattr(decision, "train", None) or train
-        recompute, loss = chosen_train.recompute, chosen_train.loss
-        if plan.pp > 1:
-            # The schedule splits each dataloader batch (B = train.micro_batch) into B / b micro-batches;
-            # Lightning's own gradient accumulation stays as the user set it.
-            m = max(1, train.micro_batch // chosen_train.micro_batch)
-            if m != plan.microbatches:
-                notes.append(
-                    f"pipeline micro-batches per dataloader batch: {m} (micro-batch {chosen_train.micro_batch} of "
-                    f"batch {train.micro_batch}; the planner counted {plan.microbatches} per optimizer step)"
-                )
-                plan = dataclasses.replace(plan, microbatches=m)
-    # Data-parallel replicas are FSDP2's replicate mesh dimension: gradients are reduced in place, no
-    # DDP bucket copy (the estimate's ``grad_buckets``); the recorded estimate is the applied plan's.
-    # The untied embedding / lm_head that get FSDP2 units of their own (none when the module applies its
-    # own FSDP2 in configure_model, or without data parallelism): the estimate's root unit leaves them out.
-    in_root = bool(find_linear_cross_entropy(module)) if head_in_root is None else head_in_root
-    units = () if self_parallel or MeshLayout.from_plan(plan).dp == 1 else own_units(
-        layout, separate_head=plan.pp > 1 or not in_root)
-    plan = dataclasses.replace(plan, grad_buckets=False, own_units=units)
-    applied_train = getattr(decision, "train", None) or train
-    if forced is not None and plan.pp > 1:
+        choice = _searched_choice(planner, train, layout, module, world_size, self_parallel=self_parallel)
+        if calibrated is not None and isinstance(choice.decision, PlanDecision):
+            choice = _verified_choice(choice, train, model_spec, layout, module, units, calibrated,
+                                      self_parallel=self_parallel)
+    return _resolution(choice, model_spec, train, units, calibrated, self_parallel=self_parallel,
+                       forced=forced is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Choice:
+    """A decision and the plan chosen from it, before the applied form (FSDP2 units) is made."""
+
+    decision: Any
+    plan: ParallelPlan
+    recompute: str
+    loss: str
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _UnitRule:
+    """Which untied embedding / lm_head get FSDP2 units of their own in the applied plan."""
+
+    layout: TransformerLayout | None
+    module: nn.Module
+    self_parallel: bool
+    head_in_root: bool | None
+
+    def applied(self, plan: ParallelPlan) -> ParallelPlan:
+        """``plan`` as applied: FSDP2's replicate mesh reduces in place (no DDP bucket copy: the estimate's
+        ``grad_buckets``); the untied embedding / lm_head with units of their own (none when the module
+        applies its own FSDP2 in configure_model, or without data parallelism: the estimate's root unit
+        leaves them out)."""
+        in_root = bool(find_linear_cross_entropy(self.module)) if self.head_in_root is None else self.head_in_root
+        units = () if self.self_parallel or MeshLayout.from_plan(plan).dp == 1 else own_units(
+            self.layout, separate_head=plan.pp > 1 or not in_root)
+        return dataclasses.replace(plan, grad_buckets=False, own_units=units)
+
+
+def _check_world(forced: ParallelPlan, world_size: int, runner: str) -> None:
+    if forced.world_size != world_size:
+        raise ValueError(
+            f"plan={forced!r} needs {forced.world_size} processes (dp*tp*pp*cp) but {runner} runs "
+            f"{world_size} (devices x num_nodes); change the plan or {runner.removeprefix('the ')}(devices=..., "
+            "num_nodes=...)"
+        )
+
+
+def _forced_choice(
+    forced: ParallelPlan, model_spec: ModelSpec, train: TrainSpec, layout: TransformerLayout | None, module: nn.Module,
+    *, self_parallel: bool, source: str, batch_known: bool,
+) -> _Choice:
+    """A given plan, with what the module cannot take folded into data parallelism and its schedule checked."""
+    blocked = applicability(forced, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
+    plan, fold_notes = fold_blocked(forced, blocked)
+    plan, schedule_notes = runnable_forced_schedule(plan, train.micro_batch if batch_known else None)
+    estimate = _estimate_or_none(model_spec, train, dataclasses.replace(plan, grad_buckets=False))
+    decision = ForcedDecision(plan=plan, train=train, model=model_spec, estimate=estimate, source=source)
+    return _Choice(decision=decision, plan=plan, recompute=train.recompute, loss=train.loss,
+                   notes=(*fold_notes, *schedule_notes))
+
+
+def _searched_choice(
+    planner: Any, train: TrainSpec, layout: TransformerLayout | None, module: nn.Module, world_size: int,
+    *, self_parallel: bool,
+) -> _Choice:
+    """The planner's choice among what this module can take, re-planned (or folded) when it cannot."""
+    # The search sees only the sizes this module can take (module_blockers); the check after it
+    # is the same rule again, for the options the search cannot express (virtual stages, SP).
+    searched = module_blockers(layout, module, world_size, self_parallel=self_parallel)
+    decision = planner(searched)
+    notes: list[str] = []
+    blocked = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
+    plan = decision.plan
+    if blocked:
+        notes += [f"planner chose {decision.plan.describe()}, but {dim}: {why}" for dim, why in blocked.items()]
+        decision = planner({**searched, **blocked})
+        notes.append(f"re-planned without {', '.join(sorted(blocked))}: {decision.plan.describe()}")
+        still = applicability(decision.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)
+        plan, fold_notes = fold_blocked(decision.plan, still)  # the planner ignored the exclusion: fold, not fail
+        notes += fold_notes
+    chosen_train = getattr(decision, "train", None) or train
+    return _Choice(decision=decision, plan=plan, recompute=chosen_train.recompute, loss=chosen_train.loss,
+                   notes=tuple(notes))
+
+
+def _pipeline_split(plan: ParallelPlan, train: TrainSpec, chosen: TrainSpec) -> tuple[ParallelPlan, list[str]]:
+    """A searched pipeline plan's micro-batch count per dataloader batch: the schedule splits each
+    dataloader batch (B = ``train.micro_batch``) into B / b micro-batches; Lightning's own gradient
+    accumulation stays as the user set it."""
+    if plan.pp == 1:
+        return plan, []
+    m = max(1, train.micro_batch // chosen.micro_batch)
+    if m == plan.microbatches:
+        return plan, []
+    note = (f"pipeline micro-batches per dataloader batch: {m} (micro-batch {chosen.micro_batch} of batch "
+            f"{train.micro_batch}; the planner counted {plan.microbatches} per optimizer step)")
+    return dataclasses.replace(plan, microbatches=m), [note]
+
+
+def _verified_choice(
+    choice: _Choice, train: TrainSpec, model_spec: ModelSpec, layout: TransformerLayout | None, module: nn.Module,
+    units: _UnitRule, calibrated: Callable[[ParallelPlan, TrainSpec], MemoryEstimate], *, self_parallel: bool,
+) -> _Choice:
+    """The first ranked candidate whose calibrated estimate fits (``parallel/verify.py``), the planner's
+    decision swapped to it with the checks recorded; ``PlanDoesNotFitError`` with the calibrated figures
+    when none does."""
+    from lightning_memplan.parallel.planner_bridge import ranked_candidates
+    from lightning_memplan.parallel.verify import check_candidates, refusal
+    from lightning_memplan.planning.budget import device_need
+    from lightning_memplan.planning.decision import PlanDoesNotFitError
+
+    decision = choice.decision
+    ranked = [c for c in ranked_candidates(decision, train)
+              if not applicability(c.plan, layout, module, self_parallel=self_parallel, seq_len=train.seq_len)]
+    if not ranked:  # every candidate needs a dimension this module cannot take: the folded plan stands
+        return dataclasses.replace(choice, notes=(*choice.notes, "no ranked candidate can be applied as planned; "
+                                                  "the folded plan was not checked against the calibrated estimate"))
+
+    def applied(candidate: Any) -> tuple[ParallelPlan, TrainSpec]:
+        plan, _ = _pipeline_split(candidate.plan, train, candidate.train)
+        return units.applied(plan), candidate.train
+
+    def need(plan: ParallelPlan, chosen: TrainSpec, estimate: MemoryEstimate) -> int:
+        return device_need(model_spec, chosen, plan, estimate, decision.hardware,
+                           expandable_segments=decision.expandable_segments).reserved
+
+    verdict = check_candidates(ranked, applied=applied, analytic=_analytic(model_spec), calibrated=calibrated, need=need)
+    if verdict.index is None:
+        closest = dataclasses.replace(decision, fits=False, checked=verdict.checked)
+        raise PlanDoesNotFitError(refusal(decision, verdict.checked, untried=max(0, len(ranked) - len(verdict.checked))),
+                                  closest)
+    best = ranked[verdict.index]
+    notes = list(choice.notes)
+    if verdict.index:
+        notes.append(f"memplan_auto chose {best.describe()}: the calibrated estimate of the module puts the "
+                     f"{verdict.index} candidate(s) ranked before it over the budget")
+    chosen = dataclasses.replace(decision, plan=best.plan, train=best.train, estimate=verdict.estimate, step=best.step,
+                                 budget=best.budget, checked=verdict.checked)
+    return _Choice(decision=chosen, plan=best.plan, recompute=best.train.recompute, loss=best.train.loss,
+                   notes=tuple(notes))
+
+
+def _analytic(model_spec: ModelSpec) -> Callable[[ParallelPlan, TrainSpec], MemoryEstimate]:
+    from lightning_memplan.model.estimate import estimate_memory
+
+    return lambda plan, train: estimate_memory(model_spec, train, plan)
+
+
+def _resolution(
+    choice: _Choice, model_spec: ModelSpec, train: TrainSpec, units: _UnitRule,
+    calibrated: Callable[[ParallelPlan, TrainSpec], MemoryEstimate] | None, *, self_parallel: bool, forced: bool,
+) -> Resolution:
+    """The applied plan, its estimate (the calibrated one when it decided), the mesh and the offloads."""
+    decision, notes = choice.decision, list(choice.notes)
+    chosen_train = getattr(decision, "train", None) or train
+    plan = choice.plan
+    if not forced:
+        plan, split_notes = _pipeline_split(plan, train, chosen_train)
+        notes += split_notes
+    plan = units.applied(plan)
+    applied_train = chosen_train
+    if forced and plan.pp > 1:
         # the schedule splits each dataloader batch into plan.microbatches micro-batches
         applied_train = applied_train.replace(micro_batch=max(1, applied_train.micro_batch // plan.microbatches))
-    refreshed = _estimate_or_none(model_spec, applied_train, plan)
-    if refreshed is not None and dataclasses.is_dataclass(decision) and hasattr(decision, "estimate"):
-        decision = dataclasses.replace(cast(Any, decision), estimate=refreshed)
+    decision = _recorded_estimate(decision, model_spec, applied_train, plan, calibrated if forced else None)
     mesh = MeshLayout.from_plan(plan)
     notes += list(mesh.notes)
     # FSDP2's offloads the TrainSpec asks for (the planner's choice, or the user's): applied by parallel/apply.py
@@ -363,8 +497,31 @@ def decide(
             "offload not applied: the module parallelises itself in configure_model; pass "
             "offload_policy=CPUOffloadPolicy() to its fully_shard calls, or wrap its blocks with offload_wrapper"
         )
-    return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=recompute, loss=loss, notes=tuple(notes),
-                      offload=offload, offload_activations=applied_train.offload_activations and not self_parallel)
+    return Resolution(decision=decision, plan=plan, mesh=mesh, recompute=choice.recompute, loss=choice.loss,
+                      notes=tuple(notes), offload=offload,
+                      offload_activations=applied_train.offload_activations and not self_parallel)
+
+
+def _recorded_estimate(
+    decision: Any, model_spec: ModelSpec, applied_train: TrainSpec, plan: ParallelPlan,
+    calibrated: Callable[[ParallelPlan, TrainSpec], MemoryEstimate] | None,
+) -> Any:
+    """The decision with the applied plan's estimate: a verified choice keeps its calibrated one; a forced
+    plan records the calibrated one when ``calibrated`` answers (its analytic one beside it), else the
+    analytic one."""
+    if getattr(getattr(decision, "estimate", None), "source", None) == "calibrated":
+        return decision
+    refreshed = _estimate_or_none(model_spec, applied_train, plan)
+    if isinstance(decision, ForcedDecision) and calibrated is not None:
+        from lightning_memplan.parallel.calibrated import CalibrationUnavailable
+
+        try:
+            return dataclasses.replace(decision, estimate=calibrated(plan, applied_train), analytic=refreshed)
+        except CalibrationUnavailable as exc:
+            return dataclasses.replace(decision, estimate=refreshed, analytic=refreshed, note=f"not calibrated: {exc}")
+    if refreshed is not None and dataclasses.is_dataclass(decision) and hasattr(decision, "estimate"):
+        return dataclasses.replace(cast(Any, decision), estimate=refreshed)
+    return decision
 
 
 def _estimate_or_none(model: ModelSpec, train: TrainSpec, plan: ParallelPlan) -> Any:

@@ -253,8 +253,29 @@ def apply_activation_checkpointing(transformer: TransformerLayout, recompute: st
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if recompute not in ("full", "selective", "selective_op"):
+        return ""
+    cache = _disable_kv_cache(transformer)
     blocks = transformer.block_items()
     attn = transformer.attn
+    note = _checkpointed(transformer, recompute, blocks, attn, checkpoint_wrapper)
+    return note + cache
+
+
+def _disable_kv_cache(transformer: TransformerLayout) -> str:
+    """A Hugging Face model with ``config.use_cache`` appends each forward's keys and values to a cache, so
+    a block's recomputed forward sees the cache grown by its own first pass (the checkpoint's shape check
+    fails, ``[b, kv, s]`` against ``[b, kv, 2 s]``) and the cache keeps them alive past the checkpoint.
+    ``use_cache`` is turned off, as transformers' own ``gradient_checkpointing_enable`` does in training."""
+    config: Any = getattr(transformer.root, "config", None)
+    if not getattr(config, "use_cache", False):
+        return ""
+    config.use_cache = False
+    return "; config.use_cache set to False (a key/value cache cannot be recomputed)"
+
+
+def _checkpointed(transformer: TransformerLayout, recompute: str, blocks: list[tuple[str, nn.Module]], attn: str | None,
+                  checkpoint_wrapper: Any) -> str:
     if recompute == "selective_op":
         context_fn = selective_op_context_fn()
         for key, block in blocks:

@@ -12,6 +12,7 @@ stream the real fit loop will see.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from lightning_memplan.tracking.isolation import preserved_run_state
 __all__ = [
     "RUN_FIELDS",
     "BatchShapeUnknown",
+    "batch_reader",
     "compose_train_spec",
     "lce_loss_mode",
     "model_spec_for",
@@ -95,7 +97,24 @@ RUN_FIELDS = ("precision", "grad_accumulation", "device", "optimizer", "optimize
               "norm_impl")
 
 
-def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) -> TrainSpec:
+def batch_reader(trainer: Any, lightning_module: Any) -> Callable[[], Any]:
+    """``() -> batch``: the module's ``example_input_array``, else the first training batch
+    (:func:`peek_batch`), read once at the first call and kept (``None`` when neither exists). The batch
+    shape and the calibrated check's traced steps (``parallel/calibrated.py``) read the same one."""
+    cache: list[Any] = []
+
+    def read() -> Any:
+        if not cache:
+            sample = getattr(lightning_module, "example_input_array", None)
+            cache.append(sample if sample is not None else peek_batch(trainer))
+        return cache[0]
+
+    return read
+
+
+def train_spec_for(
+    trainer: Any, lightning_module: Any, base: TrainSpec | None, read_batch: Callable[[], Any] | None = None
+) -> TrainSpec:
     """The :class:`TrainSpec` to plan with.
 
     The run's own settings come from the Trainer: precision (``trainer.precision``), accumulation
@@ -105,12 +124,14 @@ def train_spec_for(trainer: Any, lightning_module: Any, base: TrainSpec | None) 
     shape always, and every :data:`RUN_FIELDS` field whose value differs from the TrainSpec default
     (a field left at its default is read from the run); a precision that contradicts the Trainer's is
     warned about. Without ``base`` the shape is read from ``example_input_array`` or the first batch
-    (which, after the DataModule's ``setup``, is readable for an ordinary DataModule too).
+    (which, after the DataModule's ``setup``, is readable for an ordinary DataModule too), through
+    ``read_batch`` when given (:func:`batch_reader`).
 
     Raises:
         BatchShapeUnknown: neither ``base``, ``example_input_array`` nor a batch gives the shape.
     """
-    shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(trainer, lightning_module)
+    read = read_batch if read_batch is not None else batch_reader(trainer, lightning_module)
+    shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(read())
     from lightning_memplan.live import kernel_device
 
     device = kernel_device(trainer)
@@ -174,12 +195,9 @@ def compose_train_spec(
     return base.replace(**taken)
 
 
-def _batch_shape_of(trainer: Any, lightning_module: Any) -> tuple[int, int]:
+def _batch_shape_of(sample: Any) -> tuple[int, int]:
     from lightning_memplan.live import InferenceError, batch_shape
 
-    sample = getattr(lightning_module, "example_input_array", None)
-    if sample is None:
-        sample = peek_batch(trainer)
     if sample is None:
         raise BatchShapeUnknown(
             "memplan_auto needs the batch shape to plan, and found neither LightningModule.example_input_array "

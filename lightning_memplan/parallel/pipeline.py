@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-__all__ = ["PipelineRunner", "StageModule", "pipeline_blocker", "split_blocks", "stage_indices"]
+__all__ = ["PipelineRunner", "StageModule", "pipeline_blocker", "prune_to_stages", "split_blocks", "stage_indices"]
 
 
 def _zoo_forward(model: Any, x: torch.Tensor, blocks: Iterable[nn.Module], *, first: bool, last: bool):
@@ -264,37 +264,7 @@ class PipelineRunner:
         return (self.n_stages - 1) in self.stage_ids
 
     def _prune(self) -> list[StageModule]:
-        forward, first_names, last_names = _stage_parts(self.layout)
-        root = self.layout.root
-        items = self.layout.block_items()
-        ranges = split_blocks(len(items), self.n_stages)
-        keep = {sid: [items[i] for i in ranges[sid]] for sid in self.stage_ids}
-        kept_keys = {key for pairs in keep.values() for key, _ in pairs}
-        parent_path, _, name = self.layout.blocks.rpartition(".")
-        parent = root.get_submodule(parent_path) if parent_path else root
-        setattr(parent, name, nn.ModuleDict({key: blk for key, blk in items if key in kept_keys}))
-        holds_first, holds_last = 0 in self.stage_ids, (self.n_stages - 1) in self.stage_ids
-        # Names may be nested (Hugging Face Llama's ``model.embed_tokens``); ModuleDict keys cannot hold dots.
-        firsts = {n.replace(".", "__"): m for n in first_names if (m := get_submodule_or_none(root, n)) is not None}
-        lasts = {n.replace(".", "__"): m for n in last_names if (m := get_submodule_or_none(root, n)) is not None}
-        for names, held in ((first_names, holds_first), (last_names, holds_last)):
-            if not held:
-                for n in names:
-                    if get_submodule_or_none(root, n) is not None:
-                        owner_path, _, attr = n.rpartition(".")
-                        setattr(root.get_submodule(owner_path) if owner_path else root, attr, None)
-        return [
-            StageModule(
-                root,
-                forward,
-                dict(keep[sid]),
-                first=sid == 0,
-                last=sid == self.n_stages - 1,
-                first_modules=firsts if sid == 0 else {},
-                last_modules=lasts if sid == self.n_stages - 1 else {},
-            )
-            for sid in self.stage_ids
-        ]
+        return prune_to_stages(self.layout, self.stage_ids, self.n_stages)
 
     def refresh_blocks(self) -> None:
         """Re-read each stage's blocks from the model after they were replaced (activation checkpointing
@@ -370,3 +340,41 @@ class PipelineRunner:
                 continue
             p.grad = g if p.grad is None else p.grad + g
         self._pending = []
+
+
+def prune_to_stages(layout: TransformerLayout, stage_ids: list[int], n_stages: int) -> list[StageModule]:
+    """Cut ``layout.root`` in place down to the stages ``stage_ids`` of ``n_stages`` and return one
+    :class:`StageModule` per held stage: the block container keeps only their blocks (an
+    ``nn.ModuleDict`` with the original keys) and the embedding / head attributes of stages not held
+    are set to ``None`` (what a pipeline rank keeps; also the traced copy of ``parallel/pipeline_replay.py``)."""
+    forward, first_names, last_names = _stage_parts(layout)
+    root = layout.root
+    items = layout.block_items()
+    ranges = split_blocks(len(items), n_stages)
+    keep = {sid: [items[i] for i in ranges[sid]] for sid in stage_ids}
+    kept_keys = {key for pairs in keep.values() for key, _ in pairs}
+    parent_path, _, name = layout.blocks.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, nn.ModuleDict({key: blk for key, blk in items if key in kept_keys}))
+    holds_first, holds_last = 0 in stage_ids, (n_stages - 1) in stage_ids
+    # Names may be nested (Hugging Face Llama's ``model.embed_tokens``); ModuleDict keys cannot hold dots.
+    firsts = {n.replace(".", "__"): m for n in first_names if (m := get_submodule_or_none(root, n)) is not None}
+    lasts = {n.replace(".", "__"): m for n in last_names if (m := get_submodule_or_none(root, n)) is not None}
+    for names, held in ((first_names, holds_first), (last_names, holds_last)):
+        if not held:
+            for n in names:
+                if get_submodule_or_none(root, n) is not None:
+                    owner_path, _, attr = n.rpartition(".")
+                    setattr(root.get_submodule(owner_path) if owner_path else root, attr, None)
+    return [
+        StageModule(
+            root,
+            forward,
+            dict(keep[sid]),
+            first=sid == 0,
+            last=sid == n_stages - 1,
+            first_modules=firsts if sid == 0 else {},
+            last_modules=lasts if sid == n_stages - 1 else {},
+        )
+        for sid in stage_ids
+    ]

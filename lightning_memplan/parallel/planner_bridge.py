@@ -25,7 +25,7 @@ from typing import Any
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
 __all__ = ["ESTIMATE_MARGIN", "expandable_segments_enabled", "hardware_for_run", "narrow_allow", "planning_budget",
-           "run_planner"]
+           "ranked_candidates", "run_planner"]
 
 
 def hardware_for_run(hardware: Any, devices: int, num_nodes: int) -> Any:
@@ -125,6 +125,15 @@ def rank_key(candidate: Any) -> float:
     factor = ranking_factor(candidate.change_cost, len(parallel_axes(plan.tp, plan.pp, plan.cp)),
                             modelled=candidate.step.modelled)
     return factor / max(candidate.tokens_per_s, 1e-30)
+
+
+def ranked_candidates(decision: Any, train: TrainSpec) -> list[Any]:
+    """The candidates of a :func:`run_planner` decision memplan_auto can apply to the dataloader batch
+    (:func:`applicable`), its choice first, then by :func:`rank_key`: the order the calibrated check
+    walks (``parallel/verify.py``)."""
+    usable = sorted((c for c in decision.candidates if applicable(c, train)), key=rank_key)
+    first = [c for c in usable if c.plan == decision.plan and c.train == decision.train][:1]
+    return first + [c for c in usable if c not in first]
 
 
 #: Candidates the planner keeps for re-ranking.

@@ -25,7 +25,7 @@ from lightning_memplan.parallel.inputs import BatchShapeUnknown, model_spec_for
 from lightning_memplan.parallel.mesh import build_device_mesh
 from lightning_memplan.parallel.record import explain
 from lightning_memplan.parallel.stall import RankRendezvous
-from lightning_memplan.validation import check_number, check_optional_int
+from lightning_memplan.validation import check_bool, check_number, check_optional_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,6 +52,9 @@ class PlanningOptions:
         plan: a forced :class:`ParallelPlan` (no search), or ``None``.
         train: the :class:`TrainSpec` to plan with, or ``None`` (read from the run).
         headroom: fraction of device memory kept free, in [0, 1).
+        calibrate: check the plan against the calibrated estimate of the module before it is said to fit
+            (``parallel/verify.py``: the module's meta copy traced under fake tensors on rank 0, at setup);
+            ``False``: the analytic estimate alone decides (faster setup, a looser promise).
 
     Raises:
         ValueError / TypeError: naming the argument, its value and the rule.
@@ -63,6 +66,7 @@ class PlanningOptions:
     plan: ParallelPlan | None = None
     train: TrainSpec | None = None
     headroom: float = 0.1
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         # checked values stored back plain (np.int64 -> int, a 0-d tensor -> its item)
@@ -75,6 +79,8 @@ class PlanningOptions:
         object.__setattr__(self, "headroom", check_number(
             "headroom", self.headroom, minimum=0.0, maximum=1.0, max_inclusive=False,
             hint="a fraction in [0, 1), e.g. 0.1"))
+        object.__setattr__(self, "calibrate", check_bool(
+            "calibrate", self.calibrate, hint="True checks the plan against the module's calibrated estimate"))
 
 
 def resolve(
@@ -93,6 +99,7 @@ def resolve(
     runner: str = "the Trainer",
     warn: Callable[[str], None],
     head_in_root: bool | None = None,
+    read_batch: Callable[[], Any] | None = None,
 ) -> Resolution:
     """The :class:`Resolution` for ``module`` (rank 0 only: no collectives).
 
@@ -112,48 +119,20 @@ def resolve(
         head_in_root: the untied embedding and lm_head in the FSDP2 root unit (``True``: Fabric, whose loss
             reads ``lm_head.weight`` outside the module); ``None`` decides by the module's
             ``LinearCrossEntropy`` (:func:`~lightning_memplan.parallel.decision.decide`).
+        read_batch: returns one batch of the run (its structure, for the calibrated check's traced
+            steps; read only when a plan is checked), or ``None`` (no calibrated check).
 
     Raises:
         BatchShapeUnknown: no batch shape and no forced plan.
         ValueError: a forced plan for another world size, or nothing fits (``PlanDoesNotFitError``).
     """
-    from lightning_memplan.parallel.planner_bridge import run_planner
-    from lightning_memplan.parallel.tensor_parallel import find_linear_cross_entropy
-
     model_spec = model_spec_for(module, layout)
-    batch_known = True
-    try:
-        train = read_train()
-    except BatchShapeUnknown:
-        if forced is None:
-            raise
-        # A given plan needs no search; the shape only feeds its estimate, which is then rough.
-        warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
-        train = TrainSpec(micro_batch=1, seq_len=1, precision=precision)
-        batch_known = False
+    train, batch_known = _run_train(read_train, forced, precision, warn)
+    calibrated = None
+    if options.calibrate and read_batch is not None and batch_known and not self_parallel:
+        from lightning_memplan.parallel.calibrated import CalibratedEstimator
 
-    # Dimensions never planned: what a self-parallelising module decides itself, SP where the layout
-    # cannot take it, and what this front door does not run (the rest is found by ``decide`` and
-    # re-planned without).
-    excluded = set(never) | ({"pp", "sp"} if self_parallel else set())
-    if layout is None or layout.sp_blocker is not None:
-        excluded.add("sp")
-    has_lce = bool(find_linear_cross_entropy(module))
-
-    def planner(blocked: dict[str, str]) -> Any:
-        return run_planner(
-            model_spec,
-            train,
-            hardware=options.hardware,
-            devices=devices,
-            num_nodes=num_nodes,
-            memory_budget=options.memory_budget,
-            headroom=options.headroom,
-            allow=options.allow,
-            exclude=excluded | set(blocked),
-            has_lce=has_lce,
-        )
-
+        calibrated = CalibratedEstimator(module, model_spec, read_batch).estimate
     return decide(
         model_spec=model_spec,
         train=train,
@@ -164,10 +143,57 @@ def resolve(
         forced=forced,
         forced_source=forced_source,
         batch_known=batch_known,
-        planner=planner,
+        planner=_planner(options, model_spec, train, module, layout, devices=devices, num_nodes=num_nodes,
+                         excluded=_excluded(never, self_parallel, layout)),
         runner=runner,
         head_in_root=head_in_root,
+        calibrated=calibrated,
     )
+
+
+def _run_train(
+    read_train: Callable[[], TrainSpec], forced: ParallelPlan | None, precision: str, warn: Callable[[str], None]
+) -> tuple[TrainSpec, bool]:
+    """The run's TrainSpec and whether its batch shape is known (a forced plan plans without it)."""
+    try:
+        return read_train(), True
+    except BatchShapeUnknown:
+        if forced is None:
+            raise
+        # A given plan needs no search; the shape only feeds its estimate, which is then rough.
+        warn("memplan_auto: batch shape unknown before setup; the forced plan's estimate assumes b=1, s=1")
+        return TrainSpec(micro_batch=1, seq_len=1, precision=precision), False
+
+
+def _excluded(never: frozenset[str], self_parallel: bool, layout: TransformerLayout | None) -> set[str]:
+    """Dimensions never planned: what a self-parallelising module decides itself, SP where the layout
+    cannot take it, and what this front door does not run (the rest is found by ``decide`` and re-planned
+    without)."""
+    excluded = set(never) | ({"pp", "sp"} if self_parallel else set())
+    if layout is None or layout.sp_blocker is not None:
+        excluded.add("sp")
+    return excluded
+
+
+def _planner(
+    options: PlanningOptions, model_spec: Any, train: TrainSpec, module: nn.Module, layout: TransformerLayout | None,
+    *, devices: int, num_nodes: int, excluded: set[str],
+) -> Callable[[dict[str, str]], Any]:
+    """``blocked -> PlanDecision``: :func:`~lightning_memplan.parallel.planner_bridge.run_planner` over what
+    this front door and module can apply."""
+    from lightning_memplan.parallel.planner_bridge import run_planner
+    from lightning_memplan.parallel.tensor_parallel import find_linear_cross_entropy
+
+    has_lce = bool(find_linear_cross_entropy(module))
+
+    def planner(blocked: dict[str, str]) -> Any:
+        return run_planner(
+            model_spec, train, hardware=options.hardware, devices=devices, num_nodes=num_nodes,
+            memory_budget=options.memory_budget, headroom=options.headroom, allow=options.allow,
+            exclude=excluded | set(blocked), has_lce=has_lce,
+        )
+
+    return planner
 
 
 def rendezvous(what: str, global_rank: int, world_size: int) -> RankRendezvous | None:

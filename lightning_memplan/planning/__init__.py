@@ -10,6 +10,7 @@ from lightning_memplan.planning.budget import (
 )
 from lightning_memplan.planning.decision import (
     Candidate,
+    CheckedCandidate,
     PlanDecision,
     PlanDoesNotFitError,
     Rejection,
@@ -37,6 +38,7 @@ __all__ = [
     "SIMPLICITY_MARGIN",
     "CUDA_CONTEXT_BYTES",
     "Candidate",
+    "CheckedCandidate",
     "LargestFit",
     "Layout",
     "NCCL_BYTES_PER_GROUP",

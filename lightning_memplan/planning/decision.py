@@ -16,7 +16,8 @@ from lightning_memplan.planning.budget import Budget, need_text
 from lightning_memplan.planning.timing import StepTime
 from lightning_memplan.validation import check_int
 
-__all__ = ["Candidate", "PlanDecision", "PlanDoesNotFitError", "Rejection", "Suggestion", "train_changes"]
+__all__ = ["Candidate", "CheckedCandidate", "PlanDecision", "PlanDoesNotFitError", "Rejection", "Suggestion",
+           "train_changes"]
 
 GiB = 2**30
 
@@ -211,6 +212,51 @@ _SUGGESTION_FIELDS = ("change", "kind", "fits", "detail", "peak_bytes", "reserve
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckedCandidate:
+    """A ranked candidate checked against the calibrated estimate of the module itself before the choice
+    is called fitting (``lightning_memplan.parallel.verify``: memplan_auto traces the user's module; the
+    planner alone has no module and checks nothing).
+
+    Attributes:
+        layout: the plan and training as applied (``"dp=1 tp=2 | b=4 x1, recompute=full, loss=naive"``).
+        analytic_bytes: the analytic estimate's peak of the worst rank.
+        calibrated_bytes: the calibrated one (``None``: the module could not be traced for it; ``note`` says why).
+        need_bytes: what was compared with the budget: the device need of the estimate that decided
+            (allocated bytes on CPU, the modelled reserved bytes on CUDA).
+        budget_bytes: the budget it was compared with.
+        fits: ``need_bytes <= budget_bytes``.
+        decided_by: ``"calibrated"`` or ``"analytic"`` (no calibrated estimate).
+        note: why the analytic estimate decided, or ``""``.
+    """
+
+    layout: str
+    analytic_bytes: int
+    calibrated_bytes: int | None
+    need_bytes: int
+    budget_bytes: int
+    fits: bool
+    decided_by: str
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _CHECKED_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckedCandidate:
+        calibrated = data.get("calibrated_bytes")
+        return cls(
+            layout=str(data["layout"]), analytic_bytes=int(data["analytic_bytes"]),
+            calibrated_bytes=None if calibrated is None else int(calibrated), need_bytes=int(data["need_bytes"]),
+            budget_bytes=int(data["budget_bytes"]), fits=bool(data["fits"]), decided_by=str(data["decided_by"]),
+            note=str(data.get("note", "")),
+        )
+
+
+_CHECKED_FIELDS = ("layout", "analytic_bytes", "calibrated_bytes", "need_bytes", "budget_bytes", "fits", "decided_by",
+                   "note")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanDecision:
     """The planner's answer.
 
@@ -235,6 +281,9 @@ class PlanDecision:
         why, its host bytes against the host budget.
         host_budget_bytes: host bytes one rank may hold (``planning/offload.py``) when the chosen plan
         offloads, else ``None``.
+        checked: the candidates checked against the calibrated estimate of the module, in rank order, the
+        last one the choice when it fits (:class:`CheckedCandidate`; empty when nothing was checked, as
+        from :func:`~lightning_memplan.planning.plan` alone).
     """
 
     plan: ParallelPlan
@@ -256,6 +305,7 @@ class PlanDecision:
     notes: tuple[str, ...] = ()
     expandable_segments: bool = False
     host_budget_bytes: int | None = None
+    checked: tuple[CheckedCandidate, ...] = ()
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -336,6 +386,8 @@ class PlanDecision:
             "reserved_bytes": self.reserved.reserved,
             "stats": dict(self.stats),
             "notes": list(self.notes),
+            # only when a module's calibrated estimate was checked (memplan_auto), so a plan() answer reads as before
+            **({"checked": [c.to_dict() for c in self.checked]} if self.checked else {}),
         }
 
     @classmethod
@@ -360,4 +412,5 @@ class PlanDecision:
             notes=tuple(data.get("notes", ())),
             expandable_segments=bool(data.get("expandable_segments", False)),
             host_budget_bytes=None if data.get("host_budget_bytes") is None else int(data["host_budget_bytes"]),
+            checked=tuple(CheckedCandidate.from_dict(c) for c in data.get("checked", ())),
         )

@@ -36,7 +36,7 @@ def _header(d: Any) -> list[str]:
         f"hardware {hw.describe()}; world size {hw.world_size}",
         f"chosen: {d.plan.describe()}  [{status}]",
         f"budget per device: {d.budget.describe()}",
-        f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}): {_peak_text(d.reserved)}",
+        f"predicted peak (worst rank, stage {d.estimate.stage}, {d.estimate.peak_phase}{_source(d)}): {_peak_text(d.reserved)}",
     ]
     if d.estimate.host:
         from lightning_memplan.model.offload import host_need_bytes
@@ -71,6 +71,11 @@ def _header(d: Any) -> list[str]:
             f"{1000 * float(s.get('seconds', 0.0)):.0f} ms"
         )
     return lines
+
+
+def _source(d: Any) -> str:
+    """``", calibrated"`` when the peak is the module's calibrated estimate (memplan_auto's check)."""
+    return ", calibrated" if d.estimate.source == "calibrated" else ""
 
 
 def _peak_text(need: Any) -> str:
@@ -133,6 +138,40 @@ _CAND_HEAD = ["#", "plan | training", "alloc GiB", "reserved GiB", "budget GiB",
 _NUMERIC = frozenset(_CAND_HEAD[2:-1])
 
 
+_CHECK_HEAD = ["#", "plan | training (as applied)", "analytic", "calibrated", "budget", "decided by", "result", "note"]
+_CHECK_NUMERIC = frozenset({"analytic", "calibrated", "budget"})
+
+
+def _size(n: int | None) -> str:
+    """Bytes with three decimals in MiB (GiB from 1 GiB): the analytic and calibrated peaks differ by a few %."""
+    if n is None:
+        return "-"
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB else f"{n / 2**20:.3f} MiB"
+
+
+def _checked_rows(d: Any) -> list[list[str]]:
+    """The candidates checked against the module's calibrated estimate, analytic and calibrated peaks side
+    by side and which one decided (``PlanDecision.checked``; a decision from ``plan()`` alone has none)."""
+    return [
+        [str(i), c.layout, _size(c.analytic_bytes), _size(c.calibrated_bytes), _size(c.budget_bytes), c.decided_by,
+         "fits" if c.fits else "misses", c.note]
+        for i, c in enumerate(getattr(d, "checked", ()), 1)
+    ]
+
+
+_CHECK_TITLE = "checked against the calibrated estimate of the module (worst rank, in rank order)"
+
+
+def _checked_text(d: Any) -> list[str]:
+    rows = _checked_rows(d)
+    if not rows:
+        return []
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_CHECK_HEAD)]
+    lines = [f"{_CHECK_TITLE}:", "  " + "  ".join(h.ljust(w) for h, w in zip(_CHECK_HEAD, widths, strict=True)).rstrip()]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return lines
+
+
 def _rejected_lines(d: Any, max_rejected: int) -> list[str]:
     by_kind = Counter(r.kind for r in d.rejected)
     if not d.rejected:
@@ -169,6 +208,7 @@ def _text(d: Any, top: int, max_rejected: int) -> str:
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(_CAND_HEAD, widths, strict=True)))
         for row in _candidate_rows(d, top):
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    lines += _checked_text(d)
     lines += _rejected_lines(d, max_rejected)
     return "\n".join(lines)
 
@@ -192,6 +232,12 @@ def _markdown(d: Any, top: int, max_rejected: int) -> str:
         out += ["", "### Ranked candidates", "", "| " + " | ".join(_CAND_HEAD) + " |",
                 "| " + " | ".join("---" for _ in _CAND_HEAD) + " |"]
         out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in _candidate_rows(d, top)]
+    checked = _checked_rows(d)
+    if checked:
+        out += ["", f"### {_CHECK_TITLE[0].upper()}{_CHECK_TITLE[1:]}", "",
+                "| " + " | ".join(_md_escape(h) for h in _CHECK_HEAD) + " |",
+                "| " + " | ".join("---" for _ in _CHECK_HEAD) + " |"]
+        out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in checked]
     out += ["", "### Rejected", ""] + [f"- {_md_escape(x.strip())}" for x in _rejected_lines(d, max_rejected)]
     return "\n".join(out) + "\n"
 
@@ -220,6 +266,14 @@ def rich_renderable(d: Any, *, top: int = 5, max_rejected: int = 12) -> Any:
         for h in _CAND_HEAD:
             tab.add_column(h, justify="right" if h in _NUMERIC else "left")
         for row in _candidate_rows(d, top):
+            tab.add_row(*row)
+        parts.append(tab)
+    checked = _checked_rows(d)
+    if checked:
+        tab = Table(title=_CHECK_TITLE)
+        for h in _CHECK_HEAD:
+            tab.add_column(h, justify="right" if h in _CHECK_NUMERIC else "left")
+        for row in checked:
             tab.add_row(*row)
         parts.append(tab)
     parts.append(Text("\n".join(_rejected_lines(d, max_rejected))))

@@ -44,7 +44,7 @@ from lightning_memplan.live.layouts import TransformerLayout, find_layout
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
 from lightning_memplan.parallel.apply import apply_resolution, check_accelerator, planned_optimizer_mismatch
 from lightning_memplan.parallel.decision import Resolution, ResolvedStrategy
-from lightning_memplan.parallel.inputs import train_spec_for
+from lightning_memplan.parallel.inputs import batch_reader, train_spec_for
 from lightning_memplan.parallel.mesh import LIGHTNING_DP_ALIAS, MeshAxis, alias_mesh
 from lightning_memplan.parallel.pipeline import PipelineRunner
 from lightning_memplan.parallel.record import (
@@ -84,6 +84,10 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
             With ``plan=``, its ``recompute`` is applied.
         headroom: fraction of device memory kept free (planner's ``headroom``).
         save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
+        calibrate: before a plan is said to fit, check it against the calibrated estimate of the module (its
+            meta copy traced under fake tensors on rank 0, at setup; ``parallel/verify.py``), walking the
+            planner's ranking until one fits; a forced plan records its calibrated estimate. ``False``: the
+            analytic estimate alone decides.
 
     Attributes:
         decision: the planner's ``PlanDecision`` (or a ``ForcedDecision``); its ``plan`` is applied.
@@ -114,6 +118,7 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        calibrate: bool = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=check_bool("save_distributed_checkpoint", save_distributed_checkpoint),
@@ -121,7 +126,8 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
             timeout=timeout,
         )
         self._options = PlanningOptions(
-            memory_budget=memory_budget, allow=allow, hardware=hardware, plan=plan, train=train, headroom=headroom
+            memory_budget=memory_budget, allow=allow, hardware=hardware, plan=plan, train=train, headroom=headroom,
+            calibrate=calibrate,
         )
         self.resolution: Resolution | None = None
         self._plan_pending = False
@@ -212,11 +218,13 @@ class MemplanAutoStrategy(ResolvedStrategy, ModelParallelStrategy):
             stored = None
         if stored is not None and forced is None:
             forced, source = stored, "checkpoint"
+        read_batch = batch_reader(trainer, lm)
         return resolve(
             options=self._options,
             module=lm,
             layout=find_layout(lm),
-            read_train=lambda: train_spec_for(trainer, lm, self._options.train),
+            read_train=lambda: train_spec_for(trainer, lm, self._options.train, read_batch),
+            read_batch=read_batch,
             precision=str(trainer.precision),
             devices=self.num_processes,
             num_nodes=self.num_nodes,

@@ -91,9 +91,11 @@ __all__ = [
     "FAKE_SENSITIVE",
     "RNN_PROBE_BYTES",
     "fake_batch_tensor",
+    "fake_scalars",
     "mask_padding",
     "mkldnn_rnn_workspace_bytes",
     "real_kernel_sizes",
+    "readable_scalars",
     "real_step_branches",
 ]
 
@@ -234,9 +236,14 @@ def fake_batch_tensor(fake_mode: Any, t: Any) -> Any:
     its values as the fake tensor's *constant*, so a check of the step that reads a value computed from it
     alone (``labels.max() >= vocab_size`` in wav2vec2's CTC head) is answered as in the real step (the fake
     mode runs an operator on constants when every input has one and the result has one element);
-    floating-point tensors have no values (``fake_mode.from_tensor``)."""
+    floating-point tensors have no values (``fake_mode.from_tensor``). A view (``x, y = ids[:, :-1],
+    ids[:, 1:]``, a next-token batch sharing one storage) has no values either: the fake converter makes a
+    constant of a whole storage only (torch 2.13 ``torch/_subclasses/fake_tensor.py``,
+    ``FakeTensorConverter.add_constant_storage_mapping`` asserts a constant for a view's second alias), and
+    the views keep their one shared storage, as the real step's memory does."""
 
-    if t.is_floating_point() or t.is_complex() or t.requires_grad or _is_fake(t) or t.device.type == "meta":
+    if (t.is_floating_point() or t.is_complex() or t.requires_grad or _is_fake(t) or t.device.type == "meta"
+            or t._is_view()):
         return fake_mode.from_tensor(t)
     return fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, t, make_constant=True)
 
@@ -461,3 +468,43 @@ def real_kernel_sizes() -> Iterator[None]:
     with the real kernels' sizes (module docstring)."""
     with _kernel_mode():
         yield
+
+
+
+def _scalar_reader() -> Any:
+    """A dispatch mode in which reading a fake tensor's value (``loss.item()``, ``float(loss)`` in a
+    ``training_step`` that logs it) gives 0 (0.0, ``False``) instead of ``DataDependentOutputException``: a
+    value read for logging changes no tensor's memory. A fake tensor that carries its real value
+    (``FakeTensor.constant``: the batch's integer tensors, :func:`fake_batch_tensor`) keeps answering with it.
+    A step that branches on a value read this way traces the branch of 0."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FakeScalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default and args and _is_fake(args[0]) and (
+                getattr(args[0], "constant", None) is None
+            ):
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+            return func(*args, **(kwargs or {}))
+
+    return FakeScalars()
+
+
+@contextlib.contextmanager
+def fake_scalars() -> Iterator[None]:
+    """While open (inside a ``FakeTensorMode``): a fake tensor's value read on the host is 0
+    (:func:`_scalar_reader`); :func:`~lightning_memplan.tracking.trace.trace_memory` opens it for its fake step."""
+    with _scalar_reader():
+        yield
+
+def readable_scalars(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``loss_fn`` with fake tensors' values readable as 0 while it runs (:func:`fake_scalars`), for a fake step
+    run outside :func:`~lightning_memplan.tracking.trace.trace_memory` (which opens it itself)."""
+
+    def run(module: Any, batch: Any) -> Any:
+        with fake_scalars():
+            return loss_fn(module, batch)
+
+    return run

@@ -38,6 +38,11 @@ class TrackerReport:
         n_ops: tensor operations observed.
         device: the device type whose storages were counted (``"cpu"``, ``"cuda"``, ...).
         timeline: live bytes per component over the step (bounded samples), ``None`` when off.
+        released_late: how much of :attr:`peak` is storages the step no longer used that another thread
+            released late (gloo's worker thread drops a finished collective's buffers when the scheduler
+            lets it): the part of a peak that varies between identical runs, 0 when nothing was released
+            late. It counts each such storage from its last use by the step, so it may name more than the
+            step's own peak differs by, never less: ``total - released_late`` is at most that peak.
     """
 
     peak: Mapping[str, int] = field(default_factory=_zero)
@@ -49,6 +54,7 @@ class TrackerReport:
     n_ops: int = 0
     device: str = "cpu"
     timeline: StepTimeline | None = None
+    released_late: int = 0
 
     def __post_init__(self) -> None:
         if self.peak_phase not in PHASES:
@@ -91,6 +97,7 @@ class TrackerReport:
             "n_ops": self.n_ops,
             "device": self.device,
             "timeline": self.timeline.to_dict() if self.timeline is not None else None,
+            "released_late": self.released_late,
         }
 
     @classmethod
@@ -105,6 +112,7 @@ class TrackerReport:
             n_ops=int(data.get("n_ops", 0)),
             device=data.get("device", "cpu"),
             timeline=StepTimeline.from_dict(data["timeline"]) if data.get("timeline") else None,
+            released_late=int(data.get("released_late", 0)),
         )
 
     def format_table(self, unit: int = 1) -> str:

@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_memplan.model.result import COMPONENTS, Calibration, MemoryEstimate
 from lightning_memplan.tracking.fake_fidelity import (
+    fake_scalars,
     real_kernel_sizes,
     real_step_branches,
 )
@@ -302,8 +303,9 @@ def _fake_report(module: nn.Module, batches: TraceBatches, device: torch.device,
             fake_module = copy_module(module, fake_parameter_memo(module, fake_mode))  # bitsandbytes' params
         # real_step_branches: library code that branches on "is this a FakeTensor" (or on a mask's values)
         # takes the real step's branch; real_kernel_sizes: kernels whose fake outputs are sized otherwise
-        # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace)
-        with fake_mode, real_step_branches(batches.padding), real_kernel_sizes():
+        # (tracking/fake_fidelity.py: Mamba's scan, transformers' SDPA masks, oneDNN's LSTM workspace);
+        # fake_scalars: a value read for logging (float(loss)) is 0, not DataDependentOutputException
+        with fake_mode, real_step_branches(batches.padding), real_kernel_sizes(), fake_scalars():
             fake_batch = batches.fake(fake_mode)  # inside the mode: a factory's tensors are made fake
             report = _run(fake_module, lambda: fake_batch, fake=True, device=device, **run_kwargs)
         return report, None

@@ -53,7 +53,9 @@ and is resolved when the report is taken).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -83,14 +85,56 @@ _COPY_OPS = frozenset(
     }
 )
 _INHERITED = frozenset({"activations", "attention", "logits", "workspace"})
+#: Operations whose live totals :class:`_StepView` keeps to move a late release back (a late release is
+#: drained within a few hundred operations of its last use; an older one makes the view a bound).
+_VIEW_OPS = 8192
+
+
+class _StepView:
+    """The step's own live bytes per operation, with each storage another thread released late counted
+    only up to its last use by the step: ``total - released`` over the operations in between.
+
+    A ring of the last :data:`_VIEW_OPS` operations' totals; an operation leaving it is final (folded into
+    :attr:`folded`). :meth:`peak` is the step's peak without the late releases.
+    """
+
+    __slots__ = ("exact", "folded", "ops", "totals")
+
+    def __init__(self) -> None:
+        self.ops = [-1] * _VIEW_OPS
+        self.totals = [0] * _VIEW_OPS
+        self.folded = 0
+        self.exact = True
+
+    def note(self, op: int, total: int) -> None:
+        i = op % _VIEW_OPS
+        if self.ops[i] == op:
+            self.totals[i] = max(self.totals[i], total)
+            return
+        if self.ops[i] >= 0:
+            self.folded = max(self.folded, self.totals[i])
+        self.ops[i], self.totals[i] = op, total
+
+    def release(self, last: int, released: int, nbytes: int) -> None:
+        """A storage last used at operation ``last`` and released (by another thread) after ``released``."""
+        start = max(last + 1, released - _VIEW_OPS + 1)
+        self.exact = self.exact and start == last + 1
+        for op in range(start, released + 1):
+            i = op % _VIEW_OPS
+            if self.ops[i] == op:
+                self.totals[i] -= nbytes
+
+    def peak(self) -> int:
+        return max(self.folded, max((t for o, t in zip(self.ops, self.totals, strict=True) if o >= 0), default=0))
 
 
 class _Info:
-    __slots__ = ("component", "nbytes")
+    __slots__ = ("component", "last", "nbytes")
 
-    def __init__(self, nbytes: int, component: str) -> None:
+    def __init__(self, nbytes: int, component: str, last: int = 0) -> None:
         self.nbytes = nbytes
         self.component = component
+        self.last = last  # the tracker's operation count when the storage was last an operation's output
 
 
 _DTENSOR: Any
@@ -226,6 +270,12 @@ class TensorTracker(TorchDispatchMode):
         self._fake_on_entry: Any = None
         self._active = False
         self.n_ops = 0
+        # Frees reported on another thread (gloo's worker dropping a finished collective's buffers): queued,
+        # applied by the tracker's own thread at its next operation (no counter is updated from two threads)
+        self._owner: int | None = None
+        self._deferred: deque[tuple[int, weakref.ref]] = deque()
+        self._view: _StepView | None = None  # under torch.distributed only (its threads release late)
+        self._late = False
 
     # ----------------------------------------------------------------------------------- control
     @property
@@ -248,6 +298,8 @@ class TensorTracker(TorchDispatchMode):
         its ``"start"``, so a moment named after the measured step never points into the step before.
         """
         self._peak = (-1, self._phase, dict(self._cur), ())
+        if self._view is not None:
+            self._view, self._late = _StepView(), False
         self._phase_peaks.clear()
         self._pinned.clear()
         for phase in PHASES:
@@ -309,6 +361,7 @@ class TensorTracker(TorchDispatchMode):
         for p in self._params():
             if p.grad is not None:
                 self._classify_existing(p.grad, "grads")
+        self._drain()
         total, phase, comps, fresh = self._peak
         return TrackerReport(
             peak=self._resolve(comps, fresh),
@@ -317,6 +370,7 @@ class TensorTracker(TorchDispatchMode):
             peak_ops={p: _moment_name(k) for p, (_, _, _, k) in self._phase_peaks.items()},
             pinned={p: self._resolve(c, f) for p, (c, f) in self._pinned.items()},
             current=dict(self._cur),
+            released_late=self._released_late(),
             n_ops=self.n_ops,
             device=self.device_type or "any",
             timeline=self._timeline.timeline(self.n_ops) if self._timeline is not None else None,
@@ -339,6 +393,9 @@ class TensorTracker(TorchDispatchMode):
         if self._active:
             raise RuntimeError("this TensorTracker is already active; create a second tracker instead")
         self._active = True
+        self._owner = threading.get_ident()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._view = _StepView()
         self._fake_on_entry = _fake_mode()
         if self.module is not None:
             self._register_module(self.module)
@@ -473,7 +530,10 @@ class TensorTracker(TorchDispatchMode):
 
     def _add(self, st: torch.UntypedStorage, component: str, *, fresh: bool) -> None:
         key = id(st)
-        info = _Info(st.nbytes(), component)
+        old = self._live.get(key)
+        if old is not None and old[0]() is None:  # a storage freed on another thread, its id reused already
+            self._release(key, old)
+        info = _Info(st.nbytes(), component, self.n_ops)
         ref = weakref.ref(st, functools.partial(self._on_free, key))
         self._live[key] = (ref, info)
         self._cur[component] += info.nbytes
@@ -482,14 +542,44 @@ class TensorTracker(TorchDispatchMode):
             self._fresh[key] = info
 
     def _on_free(self, key: int, ref: weakref.ref) -> None:
+        if self._owner is not None and threading.get_ident() != self._owner:
+            self._deferred.append((key, ref))  # applied by the tracker's thread (_drain)
+            return
         entry = self._live.get(key)
         if entry is None or entry[0] is not ref:
             return
+        self._release(key, entry)
+
+    def _release(self, key: int, entry: tuple[weakref.ref, _Info]) -> None:
         del self._live[key]
         info = entry[1]
         self._fresh.pop(key, None)
         self._cur[info.component] -= info.nbytes
         self._total -= info.nbytes
+
+    def _drain(self) -> None:
+        """Apply the frees another thread reported, on the tracker's thread; each is recorded as released
+        late (:meth:`_released_late`)."""
+        while self._deferred:
+            key, ref = self._deferred.popleft()
+            entry = self._live.get(key)
+            if entry is None or entry[0] is not ref:
+                continue
+            if self._view is not None:
+                self._view.release(entry[1].last, self.n_ops, entry[1].nbytes)
+                self._late = True
+            self._release(key, entry)
+
+    def _released_late(self) -> int:
+        """How much of the overall peak is storages the step no longer used, released late by another
+        thread: the peak minus the step's peak with each such storage counted only up to its last use as an
+        operation's input or output (:class:`_StepView`; a storage the step held longer without using it
+        is named too, so this is never less than what the late releases added). Under gloo that is a finished collective's buffers: its worker thread keeps
+        them (its ``Work`` holds them) after ``wait()`` has returned, until the scheduler lets it take the
+        GIL to drop them, so how long depends on the machine's load, not on the step."""
+        if self._view is None or not self._late:
+            return 0
+        return max(0, self._peak[0] - self._view.peak())
 
     # ---------------------------------------------------------------------------------- dispatch
     def _effective_phase(self) -> str:
@@ -501,6 +591,8 @@ class TensorTracker(TorchDispatchMode):
         if _DTENSOR is not None and any(t is _DTENSOR for t in types):
             # Let DTensor desugar into local ops first, then track those (as MemTracker does).
             return NotImplemented
+        if self._deferred:
+            self._drain()
         out = func(*args, **(kwargs or {}))
         if _fake_mode() is not self._fake_on_entry:
             # Shape propagation inside a nested fake mode (DTensor) allocates nothing real.
@@ -521,6 +613,7 @@ class TensorTracker(TorchDispatchMode):
                 entry = self._live.get(id(st))
                 if entry is not None and entry[0]() is st:
                     info = entry[1]
+                    info.last = self.n_ops
                     nbytes = st.nbytes()
                     if nbytes != info.nbytes:  # e.g. an out= op resized its output
                         self._cur[info.component] += nbytes - info.nbytes
@@ -535,12 +628,25 @@ class TensorTracker(TorchDispatchMode):
                 else:
                     component = self._classify_new(t, func, args, phase)
                     self._add(st, component, fresh=phase != "forward")
+        if self._view is not None:
+            self._touch(args, kwargs)
         self._check_peak(phase)
         if self._timeline is not None:
             self._timeline.sample(self.n_ops, phase, self._total, self._cur.values())
         if self._pin and self._pin.get(phase) == _moment_name(self._moment[phase]):
             self._pinned[phase] = self._snapshot()
         return out
+
+    def _touch(self, args: Any, kwargs: Any) -> None:
+        """The operation's inputs were used now (:attr:`_Info.last`): a storage another thread releases late
+        counts in the step's own view up to its last use as an input or an output (:class:`_StepView`)."""
+        for t in (*_flat_tensors(args), *_flat_tensors(list((kwargs or {}).values()))):
+            if not self._counted(t):
+                continue
+            for st in _storages(t):
+                entry = self._live.get(id(st))
+                if entry is not None and entry[0]() is st:
+                    entry[1].last = self.n_ops
 
     def _classify_new(self, t: torch.Tensor, func: Any, args: Any, phase: str) -> str:
         if func in _COPY_OPS and args and isinstance(args[0], torch.Tensor):
@@ -566,6 +672,8 @@ class TensorTracker(TorchDispatchMode):
     # ------------------------------------------------------------------------------------- peaks
     def _check_peak(self, phase: str) -> None:
         total = self._total
+        if self._view is not None:
+            self._view.note(self.n_ops, total)
         current = self._phase_peaks.get(phase)
         new_phase_peak = current is None or total > current[0]
         new_peak = total > self._peak[0]

@@ -13,7 +13,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memplan import MemoryPlanBatchSizeFinder, ModelSpec, TrainSpec, max_micro_batch
+from lightning_memplan.live import calibration_shapes
 from lightning_memplan.testing.zoo import GPT, causal_lm_loss, gpt2_style
+from lightning_memplan.tracking.trace import calibrate
 
 SEQ, VOCAB = 64, 512
 BUDGET = 8 * 2**20  # bytes: params + grads + AdamW states ~2.4 MB, each sequence ~0.6 MB at s=64
@@ -101,9 +103,17 @@ def test_finder_sets_the_largest_fit_before_the_first_step(tmp_path, caplog) -> 
     with caplog.at_level(logging.INFO):
         trainer.fit(module)
     spec = ModelSpec.from_module(module.model)
-    expected = max_micro_batch(spec, TrainSpec(micro_batch=1, seq_len=SEQ, precision="32-true", optimizer="adamw",
-                                               optimizer_impl="for_loop", device="cpu"), memory_budget=BUDGET)
-    assert 4 <= expected <= 20
+    train = TrainSpec(micro_batch=1, seq_len=SEQ, precision="32-true", optimizer="adamw", optimizer_impl="for_loop",
+                      device="cpu")
+    # the search ran on the module's calibrated estimate (issue 33): its trace at the first batch's shape
+    calibration = calibrate(CountingLM(), calibration_shapes(1, SEQ, spec.dim_head),
+                            input_fn=lambda b, s: tuple(torch.randint(0, VOCAB, (b, s)) for _ in range(2)),
+                            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    expected = max_micro_batch(spec, train, memory_budget=BUDGET, calibration=calibration)
+    analytic = max_micro_batch(spec, train, memory_budget=BUDGET)  # the pure function, no module
+    print(f"calibrated {expected}, analytic {analytic}")
+    assert finder.calibration_note == "calibrated"
+    assert 4 <= expected <= 20 and abs(analytic - expected) <= 2
     assert finder.optimal_batch_size == expected == module.batch_size
     # no trial step: exactly max_steps training steps and the 2 validation batches ran, all at the size set
     assert module.training_steps == 3 and module.forwards == 3 + 2
