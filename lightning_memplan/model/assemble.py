@@ -50,7 +50,7 @@ def _timeline(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, moment: pi
     points = activation_points(model, r, plan, moment)
     if calibration is not None:
         points = calibrated_points(model, r, plan, calibration, points, reference)
-    return low_precision_points(points, r)
+    return low_precision_points(points, r, traced_backward=calibration is not None and calibration.quantized)
 
 
 def assemble_stage(
