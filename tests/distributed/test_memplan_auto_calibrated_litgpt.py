@@ -120,6 +120,7 @@ def test_identical_tp_runs_measure_the_same_peak_or_name_what_varies():
     names as released late (``measured - released_late <= peak < measured``: the late-release view counts
     each such storage only up to its last use by the step, so it can only over-name), and the rendered
     report says so for every rank whose measured peak holds some."""
+    from lightning_memplan.report.escape import html_text
     from lightning_memplan.report.records import MemoryReport
 
     runs = [run_distributed(repeat_worker, 2, timeout_s=300)[0] for _ in range(REPEATS)]
@@ -140,7 +141,7 @@ def test_identical_tp_runs_measure_the_same_peak_or_name_what_varies():
         for run, summary in zip(runs, summaries, strict=True):
             named = f"rank {rank}: {summary.released_late:,d} {LATE}"
             assert (named in run["markdown"]) == bool(summary.released_late), (rank, summary.released_late)
-            assert (LATE in run["html"]) == any(s.released_late for s in run_summaries(run))
+            assert (html_text(LATE) in run["html"]) == any(s.released_late for s in run_summaries(run))
 
 
 def run_summaries(run: dict) -> list:
