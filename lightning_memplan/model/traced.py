@@ -524,7 +524,7 @@ def _pipeline_stage_scaled(traced: Mapping[str, Mapping[str, int]], reference: M
         num = target.get(comp, 0)
         at = _PIPELINE_RATIO_PHASE.get(comp)
         den = reference[at].get(comp, 0) if at is not None else 0
-        out[comp] = num * traced[at][comp] / den if at is not None and den else num
+        out[comp] = round(num * traced[at][comp] / den) if at is not None and den else num
     return out
 
 
@@ -590,7 +590,7 @@ def traced_estimate(
         target = stage_estimate(base, train, plan, stage, r, None)
         by_phase: dict[str, dict[str, int]] = {}
         for phase in PHASES:
-            values = traced[phase]
+            values: Mapping[str, float] = traced[phase]
             if reference is not None and plan.pp > 1:
                 values = _pipeline_stage_scaled(traced, reference, target.by_phase[phase], phase)
             elif reference is not None:
