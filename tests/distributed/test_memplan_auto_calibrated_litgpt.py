@@ -11,7 +11,9 @@ Measured here (b=4 per rank, s=64, fp32, AdamW; the analytic / calibrated / meas
 selective_op 3,150,080 / 3,150,080 / 3,182,032 B; 4 MiB: dp=2 + selective_op 3,840,768 / 3,840,768 /
 3,642,192 B; 1.5 MiB: refused.
 
-The repeat test: forced tp=2 five times. Identical runs measured different peaks on rank 1 before (issue 33:
+The repeat test: forced tp=2 five times, measured by ``MemoryPlanCallback`` (the memory report names the
+late-released part: ``StepRecord.released_late``, the line "N B of the measured peak were collective buffers
+gloo's thread released late"). Identical runs measured different peaks on rank 1 before (issue 33:
 4,950,060 B and 5,736,492 B): gloo's worker thread holds a finished collective's buffers (its ``Work``) after
 ``wait()`` returned until the scheduler lets it take the GIL to drop them, so on a loaded machine a step's
 peak can include, e.g., the all-gathered logits the step had already let go (+262,144 B, one
@@ -19,7 +21,9 @@ peak can include, e.g., the all-gathered logits the step had already let go (+26
 and reports them (``TrackerReport.released_late``: the peak minus the step's peak with each such storage
 counted only up to its last use by the step). Measured in five runs here: every step without a late release
 3,264,580 B on both ranks (the calibrated estimate 3,306,180 B, +1.3 %); one step of twenty on rank 0
-measured 3,526,724 B with 378,100 B named as released late.
+measured 3,526,724 B with 378,100 B named as released late. Through the memory report (w33b), two runs of five
+on the loaded 2-core machine: 18 of 20 steady steps of rank 0 and 20 of 20 of rank 1 at 3,264,580 B, two of
+rank 0 at 3,541,840 B and 3,526,732 B with 393,216 B and 378,108 B named; the other run all 3,264,580 B.
 """
 
 from __future__ import annotations
