@@ -62,6 +62,7 @@ class MemoryPlanCallback(Callback):
       (minus memory held outside the allocator on CUDA)
     - ``memplan/measured_to_estimated`` — measured_peak / estimated_peak (not for warm-up steps)
     - ``memplan/micro_batch``, ``memplan/seq_len`` — the step's batch shape
+    - ``memplan/released_late`` — on a tracked step, the bytes of its peak gloo's worker thread released late
     - ``memplan/{forward,backward,optimizer}/estimated_peak`` — the estimate's peak within each phase
     - ``memplan/{forward,backward,optimizer}/measured_peak`` — the measured peak within each phase
     - ``memplan/<component>/estimated`` and ``memplan/<component>/measured`` — on tracked steps, for each

@@ -299,9 +299,13 @@ class MemplanAutoFabricStrategy(ResolvedStrategy, ModelParallelStrategy):
                 optimizer = optimizer_spec(optimizers[0], device)
             except InferenceError:
                 pass
+        from lightning_memplan.live.low_precision import low_precision_fields
+
+        precision = str(self.precision.precision)
         return compose_train_spec(
-            shape=shape, module=module, precision=str(self.precision.precision), grad_accumulation=1,
+            shape=shape, module=module, precision=precision, grad_accumulation=1,
             device=device, optimizer=optimizer, base=base, runner="Fabric",
+            low=low_precision_fields(self.precision, module, precision),
         )
 
     def _sample(self, module: nn.Module) -> Any:

@@ -43,6 +43,7 @@ __all__ = [
     "float8_of",
     "head_path",
     "infer_low_precision",
+    "low_precision_fields",
     "plugin_low_precision",
     "quantized_head_of",
 ]
@@ -262,13 +263,21 @@ def _param_bytes(module: Any) -> int | None:
 
 
 def infer_low_precision(trainer: Any) -> dict[str, Any]:
-    """The TrainSpec fields of a run's quantized or float8 training (``{}`` for neither): from the
-    precision plugin (``trainer.precision_plugin``; :func:`plugin_low_precision`), then from the module
-    (``trainer.lightning_module``), which wins where it says more (peft + bitsandbytes loaded by
-    transformers under any plugin). With a plugin's ``"-true"`` precision, ``param_bytes`` is the
-    module's own parameter element size when that differs (fp32 parameters computed in bf16)."""
-    module = getattr(trainer, "lightning_module", None)
-    fields = plugin_low_precision(getattr(trainer, "precision_plugin", None), module)
+    """The TrainSpec fields of a run's quantized or float8 training (``{}`` for neither):
+    :func:`low_precision_fields` of the Trainer's precision plugin, its LightningModule and its precision."""
+    return low_precision_fields(getattr(trainer, "precision_plugin", None), getattr(trainer, "lightning_module", None),
+                                str(getattr(trainer, "precision", "")))
+
+
+def low_precision_fields(plugin: Any, module: Any, precision: str) -> dict[str, Any]:
+    """The TrainSpec fields of quantized or float8 training (``{}`` for neither), for every front door
+    (the callback and the Fabric monitor through :func:`infer_low_precision`, memplan_auto's planning for
+    the Trainer and Fabric): from the precision ``plugin`` (:func:`plugin_low_precision`), then from the
+    ``module``, which wins where it says more (peft + bitsandbytes loaded by transformers under any
+    plugin). ``precision`` is the run's precision string (when the plugin names none). With a plugin's
+    ``"-true"`` precision, ``param_bytes`` is the module's own parameter element size when that differs
+    (fp32 parameters computed in bf16)."""
+    fields = plugin_low_precision(plugin, module)
     fmt, recipe, head = base_weights_of(_blocks_of(module)), float8_of(module), quantized_head_of(module)
     if fmt is not None:  # the converted module says what the plugin did
         fields["base_weights"] = fmt
@@ -280,7 +289,7 @@ def infer_low_precision(trainer: Any) -> dict[str, Any]:
         warnings.warn("the module's lm_head is quantized but not its blocks' linears: the estimate models quantized "
                       "block linears (base_weights) only and counts every weight unquantized here",
                       UserWarning, stacklevel=2)
-    precision = fields.get("precision", str(getattr(trainer, "precision", "")))
+    precision = fields.get("precision", precision)
     if recipe is not None and precision in ("bf16-mixed", "bf16-true"):
         fields["float8"] = recipe
     elif recipe is not None:

@@ -384,7 +384,8 @@ LOW_PRECISION_HEAD_POINT = "forward_head_low_precision"
 LOW_PRECISION_HEAD_BACKWARD = "backward_head_low_precision"
 
 
-def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage) -> dict[str, dict[str, int]]:
+def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage,
+                         traced_backward: bool = False) -> dict[str, dict[str, int]]:
     """``points`` with the quantized or float8 linears' transients (``model/low_precision.py``), analytic
     or calibrated alike (a trace runs the unquantized step: ``model/traced.traced_train``; on the CPU
     bitsandbytes' forward rebuild happens inside its ``gemm_4bit`` op, which dispatch-mode trackers do not
@@ -394,18 +395,22 @@ def low_precision_points(points: dict[str, dict[str, int]], r: ResolvedStage) ->
     last block's backward (``backward_layer``) holds the largest linear's backward transient in
     ``workspace``; a quantized head's backward is a point of its own after the loss's
     (:data:`LOW_PRECISION_HEAD_BACKWARD`: the loss's buffers gone but the logits' gradient, the head's
-    rebuilt weight); float8's persistent scales are ``other`` at every point."""
+    rebuilt weight); float8's persistent scales are ``other`` at every point. ``traced_backward``: the points
+    are calibrated on a trace of the quantized module itself (``Calibration.quantized``), whose backward
+    already holds the rebuilt weights (bitsandbytes' ``dequantize_4bit`` is an operator the trace sees; its
+    forward rebuild inside ``gemm_4bit`` is not), so the backward transients are not added again."""
     low = r.low
     if low is None:
         return points
     out = {key: dict(point, other=point["other"] + low.scales) for key, point in points.items()}
     out[LOW_PRECISION_POINT] = dict(out["forward"], logits=0, workspace=out["forward"]["workspace"] + low.forward)
-    out["backward_layer"]["workspace"] += low.backward
+    out["backward_layer"]["workspace"] += 0 if traced_backward else low.backward
     if low.head_output:  # a quantized lm_head: its rebuilt weight beside its output / its output's gradient
         out[LOW_PRECISION_HEAD_POINT] = dict(out["forward"], logits=low.head_output,
                                              workspace=out["forward"]["workspace"] + low.head_forward)
-        out[LOW_PRECISION_HEAD_BACKWARD] = dict(out["backward_start"], logits=low.head_output,
-                                                workspace=out["backward_start"]["workspace"] + low.head_backward)
+        if not traced_backward:
+            out[LOW_PRECISION_HEAD_BACKWARD] = dict(out["backward_start"], logits=low.head_output,
+                                                    workspace=out["backward_start"]["workspace"] + low.head_backward)
     return out
 
 

@@ -144,13 +144,16 @@ def _fully_sharded(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
     root -= _low_saving(r, 0, root=not own_head)
     grad_params = r.low.block_trainable if r.low is not None and r.low.quantized_bytes else unit_params
     post_fwd = functools.partial(terms.fsdp_post_forward_shard_bytes, unit, reshard_to=plan.reshard_to, shard=shard)
-    forward = root + (unit if plan.zero == 3 and shard > 1 else 0) + post_fwd(n_layers)
-    backward = root + 2 * unit + grad_params * r.sizes.grad + post_fwd(max(n_layers - 2, 0))
+    sharded = plan.zero == 3 and shard > 1  # all-gathers into buffers of their own (a shard group of 1 only copies)
+    forward = root + (unit if sharded else 0) + post_fwd(n_layers)
+    backward = root + _backward_units(sharded) * unit + grad_params * r.sizes.grad + post_fwd(max(n_layers - 2, 0))
     if states.pipelined_fsdp:  # every unit stays unsharded after its backward; its gradient is in grads_accum
         backward = r.params.local * gathered - _low_saving(r, n_layers)
     # When the loss's backward starts (the logits' gradient), no block has been re-gathered yet: FSDP2
-    # unshards a block in its pre-backward hook [PT fully_shard].
-    start = root + post_fwd(n_layers)
+    # unshards a block in its pre-backward hook [PT fully_shard]; the root's own pre-backward hook has
+    # prefetched the last unit of the forward by then.
+    prefetch = 0 if r.flat_params else _loss_backward_prefetch(unit, own_head * gathered, sharded=sharded)  # FSDP2's
+    start = root + prefetch + post_fwd(n_layers)
     end = None
     if not states.pipelined_fsdp and root:
         # the root unit reduce-scatters last, in the backward's final callback: its unsharded gradients
@@ -158,6 +161,34 @@ def _fully_sharded(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, state
         root_grads = max(0, root_params - own_emb - own_head)  # (a frozen root's gradients: not modelled apart)
         end = max(backward, terms.fsdp_root_post_backward_bytes(root_grads, gathered, r.sizes.grad))
     return forward, backward, start, end
+
+
+def _backward_units(sharded: bool) -> int:
+    """Gathered block units alive during a block's backward: its own unsharded parameters and, when the
+    units are sharded over more than one rank, the next block's all-gather output that its pre-backward hook
+    prefetched (``FSDPParamGroup._backward_prefetch`` -> ``unshard``: ``foreach_all_gather`` allocates it).
+    On a shard group of one rank (FSDP2 over a replicate mesh: DDP semantics) ``unshard`` allocates nothing
+    and ``wait_for_unshard`` copies the parameters in when the block's backward starts, so one unit
+    [PT fully_shard]. Measured on 2 gloo ranks (tests/distributed/test_memplan_auto_qlora.py, dp=2 with
+    selective_op recompute, the tensor tracker's timeline): the largest communication bytes of a block's
+    backward were the root unit plus exactly one block unit (1,155,072 = 1,049,088 + 105,984 B)."""
+    return 2 if sharded else 1
+
+
+def _loss_backward_prefetch(unit: int, own_head: int, *, sharded: bool) -> int:
+    """Bytes FSDP2 has all-gathered when the loss's backward starts: the root unit's pre-backward hook
+    (registered on the step's output, the loss) prefetches the unit whose forward ended last,
+    ``comm_ctx.post_forward_order[-2]`` (``FSDPParamGroup._backward_prefetch``) -- the lm_head when it
+    is a unit of its own (``own_head``: its parameters' gathered bytes), else the last block -- before the
+    logits' gradient exists [PT fully_shard]; 0 on a shard group of one rank (nothing is allocated until
+    the copy-in). Measured on 2 gloo ranks, FSDP2 ZeRO-3 over a bitsandbytes NF4 Llama + LoRA
+    (tests/distributed/test_fsdp_qlora.py): without it the step was 1.0-1.1 % under the measurement,
+    about one gathered block (105,984 B); an HF Llama under memplan_auto dp=2 zero=3 (embedding and head in
+    units of their own; tests/distributed/test_strategy_memory_tp.py) -1.15 %, 131,160 B. FSDP1's flat
+    parameters (its own backward prefetch) are not modelled here."""
+    if not sharded:
+        return 0
+    return own_head or unit
 
 
 def _parallel_buffers(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> int:

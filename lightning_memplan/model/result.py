@@ -166,12 +166,17 @@ class Calibration:
         traced_shapes: the ``(micro_batch, seq_len)`` pairs it was fitted from.
         precision: the precision string the trace ran under (coefficients depend on it).
         n_params: parameters of the traced module.
+        quantized: the traced module held bitsandbytes quantized weights, so its backward already holds
+            their rebuilt weights (``MatMul4Bit.backward`` calls ``dequantize_4bit``, an operator the trace
+            sees; bitsandbytes 0.50.2 ``autograd/_functions.py``): the estimate does not add that transient
+            again (``model/activations.low_precision_points``).
     """
 
     coefficients: Mapping[str, Mapping[str, tuple[float, float, float]]]
     traced_shapes: tuple[tuple[int, int], ...] = ()
     precision: str = "32-true"
     n_params: int = 0
+    quantized: bool = False
 
     def bytes_for(self, phase: str, component: str, micro_batch: int, seq_len: int) -> int:
         """Fitted bytes of ``component`` at the peak of ``phase`` for a (b, s) batch (never < 0)."""
@@ -185,6 +190,7 @@ class Calibration:
             "traced_shapes": [list(s) for s in self.traced_shapes],
             "precision": self.precision,
             "n_params": self.n_params,
+            **({"quantized": True} if self.quantized else {}),
         }
 
     @classmethod
@@ -197,6 +203,7 @@ class Calibration:
             traced_shapes=tuple(tuple(int(x) for x in s) for s in data.get("traced_shapes", ())),  # type: ignore[misc]
             precision=data.get("precision", "32-true"),
             n_params=int(data.get("n_params", 0)),
+            quantized=data.get("quantized", False) is True,
         )
 
 

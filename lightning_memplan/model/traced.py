@@ -485,6 +485,49 @@ def _on_device(data: DepthTraces, model: ModelSpec, train: TrainSpec, traced_spe
     return traced
 
 
+#: The phase whose traced / analytic ratio scales each component of a pipeline stage's backward: the
+#: batch-dependent ones at the forward's peak (every activation and the logits alive, the same moment in the
+#: trace and in the analytic terms), the states at the optimizer step (all of them exist then); the rest (the
+#: block-backward workspace, communication buffers) are the stage's analytic bytes.
+_PIPELINE_RATIO_PHASE = {"activations": "forward", "attention": "forward", "logits": "forward",
+                         "params": "optimizer", "grads": "optimizer", "optimizer": "optimizer",
+                         "master": "optimizer", "other": "optimizer"}
+
+
+def _per_phase(traced: Mapping[str, Mapping[str, int]], reference: Mapping[str, Mapping[str, int]],
+               target: Mapping[str, int], phase: str) -> dict[str, float]:
+    """``traced * target / reference`` per component of ``phase`` (a component the reference lacks: added)."""
+    out: dict[str, float] = {}
+    for comp in COMPONENTS:
+        value, den, num = traced[phase][comp], reference[phase].get(comp, 0), target.get(comp, 0)
+        out[comp] = round(value * num / den) if den else value + num
+    return out
+
+
+def _pipeline_stage_scaled(traced: Mapping[str, Mapping[str, int]], reference: Mapping[str, Mapping[str, int]],
+                           target: Mapping[str, int], phase: str) -> dict[str, float]:
+    """One phase of a pipeline stage (``target``: its analytic components at that phase's peak) scaled by the
+    trace. The forward and the optimizer step peak at the same moment in the trace, its analytic reference
+    and a stage (the forward's end, the step), so they scale per phase (:func:`_per_phase`). The backward
+    does not: the trace is one rank's whole step, whose backward peaks as the loss's backward starts, the
+    analytic reference's at a block's backward beside every gradient, and a 1F1B stage's at a backward that
+    holds several micro-batches; a ratio of those compares different moments (at pp=4 a stage's in-flight
+    activations were scaled by the single rank's loss-time / end-of-backward activations, x4, and the head's
+    logits were added to stages without a head: the traced estimate was 32-125 % over every stage of a
+    Hugging Face Llama, 225-360 % interleaved). Each backward component is scaled instead by its ratio at
+    the phase where the trace and the analytic terms hold the same tensors (:data:`_PIPELINE_RATIO_PHASE`);
+    a component without one keeps the stage's analytic bytes."""
+    if phase != "backward":
+        return _per_phase(traced, reference, target, phase)
+    out: dict[str, float] = {}
+    for comp in COMPONENTS:
+        num = target.get(comp, 0)
+        at = _PIPELINE_RATIO_PHASE.get(comp)
+        den = reference[at].get(comp, 0) if at is not None else 0
+        out[comp] = round(num * traced[at][comp] / den) if at is not None and den else num
+    return out
+
+
 def _add_int8_kept_inputs(by_phase: dict[str, dict[str, int]], model: ModelSpec, target: MemoryEstimate) -> None:
     """A LoRA spec is traced with frozen linears that keep no input (``model/lora.py``); bitsandbytes' int8
     linears keep theirs (``MatMul8bitLt``: ``ctx.tensors = (CAt, subA, A)``), so the inputs no adapter
@@ -547,13 +590,11 @@ def traced_estimate(
         target = stage_estimate(base, train, plan, stage, r, None)
         by_phase: dict[str, dict[str, int]] = {}
         for phase in PHASES:
-            values = traced[phase]
-            if reference is not None:
-                den_phase, num_phase = reference[phase], target.by_phase[phase]
-                values = {}
-                for comp in COMPONENTS:
-                    value, den, num = traced[phase][comp], den_phase.get(comp, 0), num_phase.get(comp, 0)
-                    values[comp] = round(value * num / den) if den else value + num
+            values: Mapping[str, float] = traced[phase]
+            if reference is not None and plan.pp > 1:
+                values = _pipeline_stage_scaled(traced, reference, target.by_phase[phase], phase)
+            elif reference is not None:
+                values = _per_phase(traced, reference, target.by_phase[phase], phase)
             by_phase[phase] = {comp: max(0, int(v)) for comp, v in values.items()}
         _add_int8_kept_inputs(by_phase, model, target)
         peak = max(PHASES, key=lambda p: sum(by_phase[p].values()))

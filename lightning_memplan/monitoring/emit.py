@@ -71,6 +71,8 @@ def step_metrics(record: StepRecord, units: str) -> dict[str, float]:
     for phase in PHASES:
         _put(m, f"{p}/{phase}/estimated_peak", (record.estimated_phase_peaks or {}).get(phase), units)
         _put(m, f"{p}/{phase}/measured_peak", (record.measured_phase_peaks or {}).get(phase), units)
+    if record.released_late:  # the part of the measured peak gloo's thread released late (varies run to run)
+        _put(m, f"{p}/released_late", record.released_late, units)
     if record.tracked:
         for comp in COMPONENTS:
             _put(m, f"{p}/{comp}/estimated", (record.estimated_components or {}).get(comp), units)

@@ -40,7 +40,8 @@ def build_step_record(
     no allocator counts bytes, the tracker's total is the measured peak. Headroom is the capacity
     (``memory_budget`` or the device's memory) less what the allocator reserved (or the peak) and,
     against the device, less what other processes and the context hold. ``measurement`` names how the
-    peak was taken (:attr:`StepRecord.measurement`)."""
+    peak was taken (:attr:`StepRecord.measurement`). The tracker's ``released_late`` (bytes of its peak that
+    gloo's worker thread freed late) is carried as :attr:`StepRecord.released_late`."""
     shape = current.get("shape") or (None, None)
     est: MemoryEstimate | None = current.get("estimate")
     measured_peak = reading.measured_peak if reading is not None else None
@@ -81,6 +82,7 @@ def build_step_record(
         timeline=tracker_report.timeline if tracker_report is not None else None,
         measurement=measurement,
         phase=str(current.get("phase", "train")),
+        released_late=int(getattr(tracker_report, "released_late", 0) or 0),
     )
 
 

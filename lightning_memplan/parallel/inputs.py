@@ -12,7 +12,7 @@ stream the real fit loop will see.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -94,7 +94,7 @@ def peek_loader(make_loader: Any) -> Any:
 #: TrainSpec fields that describe the run itself; each one left at its TrainSpec default in ``train=``
 #: is read from the Trainer and the LightningModule instead (the fields the user set win).
 RUN_FIELDS = ("precision", "grad_accumulation", "device", "optimizer", "optimizer_impl", "loss", "loss_chunk_size",
-              "norm_impl")
+              "norm_impl", "base_weights", "quantized_head", "float8", "param_bytes")
 
 
 def batch_reader(trainer: Any, lightning_module: Any) -> Callable[[], Any]:
@@ -119,8 +119,10 @@ def train_spec_for(
 
     The run's own settings come from the Trainer: precision (``trainer.precision``), accumulation
     (``accumulate_grad_batches``), the device kind, the optimizer of ``configure_optimizers``
-    (:func:`optimizer_of`; AdamW when it cannot be read before setup) and the loss mode
-    (``LinearCrossEntropy`` found or not). ``base`` (the strategy's ``train=``) overrides: its batch
+    (:func:`optimizer_of`; AdamW when it cannot be read before setup), the loss mode
+    (``LinearCrossEntropy`` found or not) and quantized base weights / float8 linears from the precision
+    plugin and the module (:func:`~lightning_memplan.live.low_precision.low_precision_fields`, what the
+    callback reads too). ``base`` (the strategy's ``train=``) overrides: its batch
     shape always, and every :data:`RUN_FIELDS` field whose value differs from the TrainSpec default
     (a field left at its default is read from the run); a precision that contradicts the Trainer's is
     warned about. Without ``base`` the shape is read from ``example_input_array`` or the first batch
@@ -133,18 +135,21 @@ def train_spec_for(
     read = read_batch if read_batch is not None else batch_reader(trainer, lightning_module)
     shape = (base.micro_batch, base.seq_len) if base is not None else _batch_shape_of(read())
     from lightning_memplan.live import kernel_device
+    from lightning_memplan.live.low_precision import low_precision_fields
 
     device = kernel_device(trainer)
     optimizer, impl = optimizer_of(lightning_module, device)
+    precision = str(trainer.precision)
     return compose_train_spec(
         shape=shape,
         module=lightning_module,
-        precision=str(trainer.precision),
+        precision=precision,
         grad_accumulation=int(trainer.accumulate_grad_batches),
         device=device,
         optimizer=(optimizer, impl),
         base=base,
         runner="the Trainer",
+        low=low_precision_fields(getattr(trainer, "precision_plugin", None), lightning_module, precision),
     )
 
 
@@ -158,10 +163,13 @@ def compose_train_spec(
     optimizer: tuple[str, str],
     base: TrainSpec | None,
     runner: str,
+    low: Mapping[str, Any] | None = None,
 ) -> TrainSpec:
     """The TrainSpec of a run from what its front door read (shared by the Trainer and Fabric).
 
-    ``shape``: ``(micro_batch, seq_len)``; ``optimizer``: ``(optimizer, optimizer_impl)``; the loss mode
+    ``shape``: ``(micro_batch, seq_len)``; ``optimizer``: ``(optimizer, optimizer_impl)``; ``low``: the
+    quantized-weight / float8 fields of the run (``low_precision_fields``: ``base_weights``,
+    ``quantized_head``, ``float8``, ``param_bytes`` and the precision a quantization plugin implies); the loss mode
     (:func:`lce_loss_mode`) and the RMSNorm implementation
     (:func:`~lightning_memplan.model.introspect.norm_impl_of`) come from ``module``. ``base`` (the strategy's ``train=``) overrides every
     :data:`RUN_FIELDS` field it sets to a non-default value; a precision that contradicts the run's is
@@ -169,6 +177,8 @@ def compose_train_spec(
     """
     b, s = shape
     loss, chunk = lce_loss_mode(module)
+    low = dict(low or {})
+    precision = low.pop("precision", precision)
     run = TrainSpec(
         micro_batch=b,
         seq_len=s,
@@ -180,6 +190,7 @@ def compose_train_spec(
         loss=loss,
         loss_chunk_size=chunk,
         norm_impl=norm_impl_of(module),
+        **low,
     )
     if base is None:
         return run

@@ -11,7 +11,12 @@ search is narrowed (``Allow``) to what memplan_auto applies:
   the micro-batch must divide B;
 * the loss mode can change only when the model computes its loss with ``LinearCrossEntropy``, which
   then runs chunked or vocab-parallel;
-* dimensions the module cannot be split along (``exclude``) are pinned to 1.
+* dimensions the module cannot be split along (``exclude``) are pinned to 1;
+* quantized base weights and float8 linears (``TrainSpec.base_weights`` / ``float8``, read from the
+  precision plugin and the module): tensor parallelism is not searched (bitsandbytes' packed weights and
+  their constants are not DTensors; torchao's float8 tensor-parallel styles are not applied), nor FSDP
+  sharding of int8 weights (their row scales live on the parameter); :func:`low_precision_limits` says
+  why, and the decision's notes carry it into the explanation.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from typing import Any
 
 from lightning_memplan.model.specs import ModelSpec, TrainSpec
 
-__all__ = ["ESTIMATE_MARGIN", "expandable_segments_enabled", "hardware_for_run", "narrow_allow", "planning_budget",
-           "ranked_candidates", "run_planner"]
+__all__ = ["ESTIMATE_MARGIN", "expandable_segments_enabled", "hardware_for_run", "low_precision_limits", "narrow_allow",
+           "planning_budget", "ranked_candidates", "run_planner"]
 
 
 def hardware_for_run(hardware: Any, devices: int, num_nodes: int) -> Any:
@@ -56,10 +61,30 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+def low_precision_limits(train: TrainSpec) -> dict[str, str]:
+    """``{dimension: why}`` for what memplan_auto cannot apply with ``train``'s quantized base weights or
+    float8 linears: ``"tp"`` (tp pinned to 1) and, for int8 weights, ``"zero"`` (FSDP sharding, zero 2 and
+    3); ``{}`` without either. The rules of the estimate (``model/low_precision.check_plan``) as limits of
+    the search."""
+    out: dict[str, str] = {}
+    if train.base_weights is not None:
+        out["tp"] = (f"tensor parallelism not searched: base_weights={train.base_weights!r} are bitsandbytes' packed "
+                     "weights with per-block constants, which are not DTensors and cannot be split by rows or "
+                     "columns (DDP replicates them, FSDP2 shards them whole)")
+        if train.base_weights == "int8":
+            out["zero"] = ("FSDP sharding (zero=2/3) not searched: base_weights='int8' keeps its row scales (SCB) on "
+                           "bitsandbytes' Int8Params, which FSDP drops when it shards the parameter")
+    elif train.float8 is not None:
+        out["tp"] = (f"tensor parallelism not searched: float8={train.float8!r} linears under tensor parallelism "
+                     "need torchao's float8 parallel styles, which memplan_auto does not apply")
+    return out
+
+
 def narrow_allow(
     allow: Any, train: TrainSpec, exclude: set[str], *, has_lce: bool, pipeline: bool, world: int | None = None
 ) -> Any:
-    """The user's ``allow`` intersected with what the strategy can apply (see the module docstring).
+    """The user's ``allow`` intersected with what the strategy can apply (see the module docstring;
+    :func:`low_precision_limits` for quantized and float8 weights).
 
     ``exclude`` names whole dimensions (``"tp"``: tp pinned to 1) or single sizes (``"tp=4"``, from
     :func:`~lightning_memplan.parallel.decision.module_blockers`; dropped from the divisors of
@@ -77,8 +102,11 @@ def narrow_allow(
             )
         return out
 
+    low = low_precision_limits(train)
+    exclude = exclude | ({"tp"} if "tp" in low else set())
     sp_values = (False,) if {"sp", "tp"} & exclude else (False, True)
-    changes: dict[str, Any] = {"cp": keep("cp", (1,)), "sp": keep("sp", sp_values), "zero": keep("zero", (0, 2, 3))}
+    zero = (0,) if "zero" in low else (0, 2, 3)
+    changes: dict[str, Any] = {"cp": keep("cp", (1,)), "sp": keep("sp", sp_values), "zero": keep("zero", zero)}
     for dim in ("tp", "pp"):
         if dim in exclude:
             changes[dim] = keep(dim, (1,))
@@ -216,15 +244,15 @@ def run_planner(
                     *exc.args[1:],
                 )
             raise
-        return _with_margin_note(decision, given_budget, memory_budget)
+        return _with_notes(decision, given_budget, memory_budget, train)
     best = min(usable, key=rank_key)
     if best.plan == decision.plan and best.train == decision.train:
-        return _with_margin_note(decision, given_budget, memory_budget)
+        return _with_notes(decision, given_budget, memory_budget, train)
     note = (
         f"memplan_auto chose {best.describe()} over the planner's first {decision.chosen.describe()}: "
         "ranked per token (the dataloader fixes the per-rank batch) among plans it can apply"
     )
-    return _with_margin_note(dataclasses.replace(
+    return _with_notes(dataclasses.replace(
         decision,
         plan=best.plan,
         train=best.train,
@@ -232,10 +260,15 @@ def run_planner(
         step=best.step,
         budget=best.budget,
         notes=(*decision.notes, note),
-    ), given_budget, memory_budget)
+    ), given_budget, memory_budget, train)
 
 
-def _with_margin_note(decision: Any, given: int | None, planned: int | None) -> Any:
+def _with_notes(decision: Any, given: int | None, planned: int | None, train: TrainSpec | None = None) -> Any:
+    """``decision`` with the notes of what the search left out for ``train``'s low precision
+    (:func:`low_precision_limits`) and of the estimate margin (when a budget was given)."""
+    limits = tuple(low_precision_limits(train).values()) if train is not None else ()
+    if limits:
+        decision = dataclasses.replace(decision, notes=(*decision.notes, *limits))
     if given is None or planned is None:
         return decision
     from lightning_memplan.model.result import readable_bytes

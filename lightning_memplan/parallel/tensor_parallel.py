@@ -102,6 +102,9 @@ def tensor_parallel_blocker(layout: TransformerLayout | None, module: nn.Module,
     """
     if tp == 1:
         return None
+    quantized = _quantized_blocks(layout, module)
+    if quantized is not None:
+        return quantized
     if layout is None or layout.tp_blocker is not None:
         owner = layout.root if layout is not None else module
         if module_tp_plan(owner) is not None or module_tp_plan(module) is not None:
@@ -129,6 +132,20 @@ def tensor_parallel_blocker(layout: TransformerLayout | None, module: nn.Module,
         if width % tp:
             return f"tp={tp} does not divide the width {width} of {path}"
     return None
+
+
+def _quantized_blocks(layout: TransformerLayout | None, module: nn.Module) -> str | None:
+    """Why quantized weights block tensor parallelism (``None`` without them): bitsandbytes' packed 4-bit
+    and int8 weights, with their per-block constants, are not DTensors, so no row or column split applies
+    (the blocks' format, :func:`~lightning_memplan.live.low_precision.base_weights_of`)."""
+    from lightning_memplan.live.low_precision import base_weights_of
+
+    blocks = layout.block_list[:1] if layout is not None and layout.block_list else [module]
+    fmt = base_weights_of(nn.ModuleList(blocks))
+    if fmt is None:
+        return None
+    return (f"the blocks' linears hold {fmt} quantized weights (bitsandbytes), which are not DTensors: tensor "
+            "parallelism cannot split them; data parallelism (DDP or FSDP2) can")
 
 
 def _style(value: Any) -> Any:

@@ -28,6 +28,7 @@ from lightning_memplan.report.render import (
     _rank_row,
     component_ranks,
     format_bytes,
+    late_release_lines,
     phase_rows,
     shown_note,
     table_ranks,
@@ -480,6 +481,7 @@ def _tables_section(report: MemoryReport, units: str) -> str:
         for r in component_ranks(epoch):
             headers += [f"rank {r.rank} est.", f"rank {r.rank} meas."]
         out.append(_table(headers, _component_rows(epoch, units), caption="Components at the peak"))
+        out += [f'<p class="note">{escape(line)}</p>' for line in late_release_lines(epoch)]
         if epoch.phases:
             out.append(_table(_PHASE_HEADERS, phase_rows(epoch, units), caption=PHASES_CAPTION))
         if epoch.checkpoints:

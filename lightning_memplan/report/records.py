@@ -42,7 +42,9 @@ __all__ = [
 #: Bumped when a field changes meaning or is added; ``from_dict`` refuses newer formats and reads every
 #: older one (version 1 had no step timelines, per-phase estimate breakdowns nor per-step series; version 2
 #: had no ``run`` per epoch: each ``trainer.fit`` of one callback is a run of its own since version 3; version 3
-#: had no evaluation phases: ``EpochReport.phases`` and ``StepRecord.phase`` since version 4).
+#: had no evaluation phases: ``EpochReport.phases`` and ``StepRecord.phase`` since version 4). A field written
+#: only when it differs from its default (``estimated_host``, ``released_late``) needs no new version: a report
+#: without it reads as before.
 REPORT_FORMAT_VERSION = 4
 #: Phases of a run a step record can belong to: the training step, then Lightning's evaluation loops
 #: (:data:`lightning_memplan.model.eval_estimate.EVAL_PHASES`).
@@ -171,6 +173,7 @@ _FIELD_READERS: dict[str, Callable[[str, Any], Any]] = {
     "backend": _text,
     **dict.fromkeys(("estimated_peak_phase", "measurement"), lambda k, v: _text(k, v, optional=True)),
     "phase": _run_phase,
+    "released_late": _required,  # absent in older reports: 0
 }
 #: Fields whose reader accepts any int in [0, 2**63) as it is (the common case, checked without a call).
 _PLAIN_COUNTS = frozenset(k for k, f in _FIELD_READERS.items() if f is _required or f is _count)
@@ -276,6 +279,13 @@ def _plain(name: str, value: Any) -> Any:
     return value
 
 
+def _drop_zero_late(data: dict[str, Any]) -> None:
+    """Leave ``released_late`` out of a record's dict when it is 0 (every record of a run without late
+    releases keeps the keys it always had, and older readers read it)."""
+    if not data.get("released_late"):
+        data.pop("released_late", None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """Estimate and measurement of one training step on one rank.
@@ -316,6 +326,10 @@ class StepRecord:
             format version 4), ``"val"``, ``"test"`` or ``"predict"`` (a no-grad evaluation step: its
             estimate is :func:`~lightning_memplan.model.eval_estimate.estimate_eval_memory`, its ``step``
             counts that loop's batches).
+        released_late: bytes of ``measured_peak`` that were a finished collective's buffers another thread
+            (gloo's worker) released after the step had let them go
+            (:attr:`~lightning_memplan.tracking.report.TrackerReport.released_late`): the part of the peak
+            that varies between identical runs; 0 when none was (and in reports written before it existed).
     """
 
     step: int
@@ -341,6 +355,7 @@ class StepRecord:
     measurement: str | None = None
     estimated_host: int | None = None
     phase: str = "train"
+    released_late: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -354,6 +369,7 @@ class StepRecord:
             del data["estimated_host"]
         if data["phase"] == "train":  # training records keep the keys they always had
             del data["phase"]
+        _drop_zero_late(data)
         return data
 
     @classmethod
@@ -389,6 +405,8 @@ class RankSummary:
             estimate is the steady state (optimizer states exist).
         series: the per-step estimated and measured peak, reserved and sequence length over the epoch
             (:class:`StepSeries`, bounded); ``None`` in reports of format version 1.
+        released_late: :attr:`StepRecord.released_late` of the step that measured :attr:`measured_peak`:
+            how much of that peak gloo's worker thread released late (0: none).
     """
 
     rank: int
@@ -411,6 +429,7 @@ class RankSummary:
     measured_to_estimated: float | None = None
     series: StepSeries | None = None
     estimated_host: int | None = None
+    released_late: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -424,6 +443,7 @@ class RankSummary:
         data["series"] = self.series.to_dict() if self.series is not None else None
         if data["estimated_host"] is None:
             del data["estimated_host"]
+        _drop_zero_late(data)
         return data
 
     @classmethod
@@ -541,6 +561,7 @@ class RankAccumulator:
             measured_to_estimated=self.worst_steady.ratio if self.worst_steady else None,
             series=self.series.series() if self.series.rows else None,
             estimated_host=self.worst_est.estimated_host if self.worst_est else None,
+            released_late=self.worst_meas.released_late if self.worst_meas else 0,
         )
 
     def to_dict(self) -> dict[str, Any]:

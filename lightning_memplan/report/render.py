@@ -35,6 +35,7 @@ __all__ = [
     "check_units",
     "epoch_markdown",
     "format_bytes",
+    "late_release_lines",
     "phase_rows",
     "render_markdown",
     "render_rich",
@@ -223,6 +224,16 @@ def margin_line(epoch: EpochReport, units: str) -> str:
             f"{overhead / worst.measured_peak:.1%} of its allocated peak)")
 
 
+def late_release_lines(epoch: EpochReport) -> list[str]:
+    """One line per rank (of the rank table) whose measured peak holds buffers released late:
+    ``"rank 1: 262,144 B of the measured peak were collective buffers gloo's thread released late"``
+    (:attr:`~lightning_memplan.report.records.RankSummary.released_late`, the part of a peak that varies
+    between identical runs); ``[]`` when no rank has any."""
+    return [f"rank {r.rank}: {r.released_late:,d} B of the measured peak were collective buffers gloo's thread "
+            "released late (freed after the step let them go; this part varies between identical runs)"
+            for r in table_ranks(epoch) if r.released_late]
+
+
 def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = "GiB") -> Any:
     """A ``rich`` renderable (a group of two tables) for one epoch (the latest by default)."""
     from rich.console import Group
@@ -272,6 +283,7 @@ def render_rich(report: MemoryReport, *, epoch: int | None = None, units: str = 
     margin = margin_line(chosen, units)
     if margin:
         parts.append(Text(margin))
+    parts += [Text(line) for line in late_release_lines(chosen)]
     for warning in chosen.warnings:  # Text is not markup: only the terminal's controls need escaping
         parts.append(Text("warning: " + terminal_text(warning), style="yellow"))
     return Group(*parts)
@@ -329,6 +341,9 @@ def epoch_markdown(epoch: EpochReport, units: str = "GiB") -> str:
     margin = margin_line(epoch, units)
     if margin:  # what MemoryPlanCallback.reserved_margin hands to MemoryPlanBatchSizeFinder(reserved_margin=)
         out += [f"CUDA caching allocator, {margin}", ""]
+    late = late_release_lines(epoch)
+    if late:
+        out += [*(f"- {line}" for line in late), ""]
     for warning in epoch.warnings:
         out.append(f"- **warning:** {markdown_text(warning)}")
     if epoch.warnings:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memplan.tracking.fake_params import FAKED_PARAMETER_CLASSES, meta_stand_in
+
 __all__ = ["meta_copy"]
 
 #: Attributes of a LightningModule that point at the run (Trainer, Fabric, the device mesh), never copied.
@@ -27,7 +29,9 @@ _RUN_ATTRIBUTES = ("_trainer", "_fabric", "_fabric_optimizers", "_device_mesh")
 def meta_copy(module: nn.Module) -> nn.Module:
     """``copy.deepcopy(module)`` with every parameter and buffer replaced by a meta tensor of the same
     shape, dtype and ``requires_grad`` (a parameter shared by two submodules stays shared); the run
-    attributes of a LightningModule (:data:`_RUN_ATTRIBUTES`) are ``None`` in the copy.
+    attributes of a LightningModule (:data:`_RUN_ATTRIBUTES`) are ``None`` in the copy. A bitsandbytes
+    ``Params4bit`` / ``Int8Params`` becomes a plain meta parameter carrying the attributes its layer reads,
+    their tensors on the meta device too (:func:`~lightning_memplan.tracking.fake_params.meta_stand_in`).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -40,6 +44,9 @@ def meta_copy(module: nn.Module) -> nn.Module:
         if value is not None:
             memo[id(value)] = None
     for param in module.parameters():
+        if type(param).__name__ in FAKED_PARAMETER_CLASSES:  # bitsandbytes' packed weights and their constants
+            meta_stand_in(param, memo)
+            continue
         memo[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
     for buf in module.buffers():
         memo[id(buf)] = buf.detach().to("meta")

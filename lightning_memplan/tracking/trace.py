@@ -30,7 +30,7 @@ from lightning_memplan.tracking.fake_fidelity import (
     real_kernel_sizes,
     real_step_branches,
 )
-from lightning_memplan.tracking.fake_params import fake_parameter_memo
+from lightning_memplan.tracking.fake_params import fake_parameter_memo, holds_quantized_parameters
 from lightning_memplan.tracking.isolation import preserved_run_state
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
@@ -553,6 +553,7 @@ def calibrate(
         traced_shapes=tuple(shapes),
         precision=ref.precision,
         n_params=ref.n_params,
+        quantized=holds_quantized_parameters(module),
     )
     if exact_at is not None and tuple(exact_at) in shapes:
         _check_exact(calibration, tuple(exact_at), measured[shapes.index(tuple(exact_at))])  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_memplan.tracking.batch import first_tensor
 from lightning_memplan.tracking.fake_fidelity import fake_batch_tensor, mask_padding
+from lightning_memplan.tracking.fake_params import carry_quantized_attributes, is_stand_in
 
 __all__ = ["TraceBatches", "batch_source", "clone_batch", "copy_module", "map_tensors", "move_module", "token_batch",
            "vocab_of"]
@@ -61,26 +62,40 @@ def copy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Mod
 
 
 def move_module(module: nn.Module, device: torch.device) -> nn.Module:
-    """The (private) module with its parameters and buffers on ``device``; fake ones re-created there."""
+    """The (private) module with its parameters and buffers on ``device``; fake ones (and bitsandbytes'
+    stand-ins, ``tracking/fake_params.py``) re-created there."""
     tensors = [*module.parameters(), *module.buffers()]
     if all(t.device == device for t in tensors):
         return module
-    try:
-        return module.to(device)
-    except RuntimeError:
-        # Fake parameters carry weak references (the fake-tensor memo), so ``Module._apply`` cannot swap
-        # them in place; re-create them on the device instead (tied parameters stay tied).
-        moved: dict[int, nn.Parameter] = {}
-        for mod in module.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None:
-                    if id(p) not in moved:
-                        moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                    mod._parameters[name] = moved[id(p)]
-            for name, buf in list(mod._buffers.items()):
-                if buf is not None:
-                    mod._buffers[name] = buf.to(device)
-        return module
+    if not any(is_stand_in(p) for p in module.parameters()):  # their attributes would not follow Module._apply
+        try:
+            return module.to(device)
+        except RuntimeError:
+            pass
+    # Fake parameters carry weak references (the fake-tensor memo), so ``Module._apply`` cannot swap
+    # them in place; re-create them on the device instead (tied parameters stay tied).
+    return _recreated_on(module, device)
+
+
+def _recreated_on(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` with every parameter re-created on ``device`` (a bitsandbytes stand-in with its attributes,
+    a ``Linear8bitLt``'s ``state.CB`` following its weight) and every buffer moved."""
+    moved: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                carry_quantized_attributes(p, moved[id(p)], device)  # bitsandbytes' stand-ins
+            mod._parameters[name] = moved[id(p)]
+            state: Any = getattr(mod, "state", None)  # Linear8bitLt's MatmulLtState: CB is its weight
+            if getattr(state, "CB", None) is p:
+                state.CB = moved[id(p)]
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None:
+                mod._buffers[name] = buf.to(device)
+    return module
 
 
 @dataclass(frozen=True)

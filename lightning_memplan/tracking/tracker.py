@@ -168,12 +168,14 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
-def quantization_constants(param: torch.Tensor) -> list[torch.Tensor]:
+def quantization_constants(param: torch.Tensor | nn.Module) -> list[torch.Tensor]:
     """The tensors a quantized parameter keeps beside its storage, which ``module.parameters()`` does not
     reach: a bitsandbytes ``Params4bit``'s ``quant_state`` (``absmax``, ``code``, ``offset`` and, under
     double quantisation, ``state2.absmax`` / ``state2.code``) and an ``Int8Params``' fp32 row scales
     ``SCB`` (bitsandbytes 0.50.2 ``bitsandbytes/functional.py`` ``QuantState``, ``nn/modules.py``).
-    Read by attribute, so bitsandbytes is never imported here; ``[]`` for any other parameter."""
+    Read by attribute, so bitsandbytes is never imported here; ``[]`` for any other parameter. A
+    ``Linear4bit`` layer passed instead gives its own ``quant_state`` (the same object its weight holds;
+    under FSDP2 the sharded weight is a new parameter without it)."""
     found: list[torch.Tensor] = []
     state = getattr(param, "quant_state", None)
     for holder in (state, getattr(state, "state2", None)):
@@ -465,6 +467,10 @@ class TensorTracker(TorchDispatchMode):
                 self._classify_existing(constant, "params")
             if p.grad is not None:
                 self._classify_existing(p.grad, "grads")
+        for sub in module.modules():  # a layer whose weight FSDP2 replaced keeps the QuantState itself
+            if getattr(getattr(sub, "weight", None), "quant_state", None) is None:
+                for constant in quantization_constants(sub):
+                    self._classify_existing(constant, "params")
         for b in module.buffers():
             self._classify_existing(b, "other")
         self._register_fsdp2_buffers(module)

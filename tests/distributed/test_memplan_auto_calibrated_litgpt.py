@@ -11,7 +11,9 @@ Measured here (b=4 per rank, s=64, fp32, AdamW; the analytic / calibrated / meas
 selective_op 3,150,080 / 3,150,080 / 3,182,032 B; 4 MiB: dp=2 + selective_op 3,840,768 / 3,840,768 /
 3,642,192 B; 1.5 MiB: refused.
 
-The repeat test: forced tp=2 five times. Identical runs measured different peaks on rank 1 before (issue 33:
+The repeat test: forced tp=2 five times, measured by ``MemoryPlanCallback`` (the memory report names the
+late-released part: ``StepRecord.released_late``, the line "N B of the measured peak were collective buffers
+gloo's thread released late"). Identical runs measured different peaks on rank 1 before (issue 33:
 4,950,060 B and 5,736,492 B): gloo's worker thread holds a finished collective's buffers (its ``Work``) after
 ``wait()`` returned until the scheduler lets it take the GIL to drop them, so on a loaded machine a step's
 peak can include, e.g., the all-gathered logits the step had already let go (+262,144 B, one
@@ -19,7 +21,9 @@ peak can include, e.g., the all-gathered logits the step had already let go (+26
 and reports them (``TrackerReport.released_late``: the peak minus the step's peak with each such storage
 counted only up to its last use by the step). Measured in five runs here: every step without a late release
 3,264,580 B on both ranks (the calibrated estimate 3,306,180 B, +1.3 %); one step of twenty on rank 0
-measured 3,526,724 B with 378,100 B named as released late.
+measured 3,526,724 B with 378,100 B named as released late. Through the memory report (w33b), two runs of five
+on the loaded 2-core machine: 18 of 20 steady steps of rank 0 and 20 of 20 of rank 1 at 3,264,580 B, two of
+rank 0 at 3,541,840 B and 3,526,732 B with 393,216 B and 378,108 B named; the other run all 3,264,580 B.
 """
 
 from __future__ import annotations
@@ -90,34 +94,61 @@ def test_litgpt_fits_only_what_its_calibrated_estimate_fits():
 
 
 def repeat_worker(rank: int, world: int) -> dict:
+    """One forced tp=2 run measured by ``MemoryPlanCallback`` on every step; rank 0 returns the gathered
+    memory report (every rank's tracked steps) and its Markdown and HTML renderings."""
+    from lightning_memplan.callbacks import MemoryPlanCallback
     from lightning_memplan.model.specs import ParallelPlan
+    from lightning_memplan.report.html import render_html
+    from lightning_memplan.report.render import render_markdown
     from lightning_memplan.strategies import MemplanAutoStrategy
 
     strategy = MemplanAutoStrategy(plan=ParallelPlan(tp=world))
-    meter = SteadyStepMeter(SEQ, VOCAB)
-    make_trainer(strategy, steps=STEPS + 1, callbacks=[meter]).fit(LitGPTLM(), _loader(world))
-    return {"estimate": strategy.decision.estimate.total, "source": strategy.decision.estimate.source,
-            "steps": [(r.total, r.released_late) for r in meter.reports]}
+    callback = MemoryPlanCallback(print_report=False, write_files=False, measure_every_n_steps=1, units="B")
+    make_trainer(strategy, steps=STEPS + 1, callbacks=[callback]).fit(LitGPTLM(), _loader(world))
+    report = callback.report
+    return {"strategy": strategy.decision.estimate.total, "report": report.to_dict(),
+            "markdown": render_markdown(report, units="B") if rank == 0 else "",
+            "html": render_html(report, units="B") if rank == 0 else ""}
+
+
+LATE = "B of the measured peak were collective buffers gloo's thread released late"
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_identical_tp_runs_measure_the_same_peak_or_name_what_varies():
-    """Every steady step of every run without a late release measures the same peak; a step with one
-    measures more, and all of the difference is the bytes the tracker names as released late
-    (``total - released_late <= peak <= total``: the late-release view counts each such storage only up to
-    its last use by the step, never longer than the step held it, so it can only over-name)."""
-    runs = [run_distributed(repeat_worker, 2, timeout_s=300) for _ in range(REPEATS)]
+    """Five identical forced tp=2 runs, measured by ``MemoryPlanCallback`` (the memory report itself):
+    every steady step without a late release measures the same peak on every rank in every run, within 5 %
+    of the report's estimate; a step with one measures more, all of the difference is the bytes the report
+    names as released late (``measured - released_late <= peak < measured``: the late-release view counts
+    each such storage only up to its last use by the step, so it can only over-name), and the rendered
+    report says so for every rank whose measured peak holds some."""
+    from lightning_memplan.report.escape import html_text
+    from lightning_memplan.report.records import MemoryReport
+
+    runs = [run_distributed(repeat_worker, 2, timeout_s=300)[0] for _ in range(REPEATS)]
+    reports = [MemoryReport.from_dict(run["report"]) for run in runs]
     for rank in range(2):
-        steps = [step for run in runs for step in run[rank]["steps"]]
+        summaries = [next(r for r in rep.epochs[-1].ranks if r.rank == rank) for rep in reports]
+        steps = [(t.measured_peak, t.released_late) for s in summaries for t in s.tracked if not t.warmup]
         quiet = {total for total, late in steps if not late}
         late = [(total, late) for total, late in steps if late]
+        estimates = {t.estimated_peak for s in summaries for t in s.tracked}
         print(f"rank {rank}: peak without late releases {sorted(quiet)} in {len(steps) - len(late)} of {len(steps)} "
-              f"steps; steps with late releases (peak, released late): {late}")
-        assert len(quiet) == 1, (rank, steps)  # identical runs, identical peaks
+              f"steady steps; with late releases (peak, released late): {late}; report estimate {sorted(estimates)}; "
+              f"strategy estimate {runs[0]['strategy']:,} B")
+        assert len(steps) >= REPEATS * (STEPS - 1) and len(quiet) == 1, (rank, steps)  # identical runs, identical peaks
         (peak,) = quiet
         assert all(total - released <= peak < total for total, released in late), (rank, peak, late)
-        estimate = runs[0][rank]["estimate"]
-        assert all(run[rank]["estimate"] == estimate and run[rank]["source"] == "calibrated" for run in runs)
-        assert abs(peak - estimate) <= RTOL * peak, (rank, peak, estimate)
+        assert len(estimates) == 1 and abs(peak - estimates.pop()) <= RTOL * peak, (rank, peak, estimates)
+        for run, summary in zip(runs, summaries, strict=True):
+            named = f"rank {rank}: {summary.released_late:,d} {LATE}"
+            assert (named in run["markdown"]) == bool(summary.released_late), (rank, summary.released_late)
+            assert (html_text(LATE) in run["html"]) == any(s.released_late for s in run_summaries(run))
+
+
+def run_summaries(run: dict) -> list:
+    from lightning_memplan.report.records import MemoryReport
+
+    return list(MemoryReport.from_dict(run["report"]).epochs[-1].ranks)

@@ -317,10 +317,13 @@ def test_pipeline_gradients_meet_a_full_inflight_set_only_in_steady_1f1b():
     assert m2.by_phase["forward"]["grads"] == 0
     assert m4.by_phase["forward"]["grads"] == m4.by_phase["optimizer"]["grads"] > 0
     layer = terms.layer_activation_bytes(model, kernels_of(train), 1, 32)
-    # end of the first backward: all of the stage's grads, the other micro-batch's 4 layers, one layer
+    # The first backward's first block runs before its own gradients exist (3 of the stage's 4 blocks'
+    # then: model/assemble._block_backward), so the peak is the second backward's block: every gradient,
+    # the other micro-batch's 4 layers, and a SwiGLU MLP backward's three [b s, f] fp32 tensors
     end = m2.by_phase["backward"]
     assert end["grads"] == m2.by_phase["optimizer"]["grads"]
-    assert end["activations"] == 4 * layer + layer
+    assert end["activations"] == 4 * layer
+    assert end["workspace"] == 3 * 32 * model.ffn * 4
 
 
 def test_auto_chunk_break_even_can_lower_the_peak_when_the_batch_grows():
@@ -355,9 +358,15 @@ def test_fsdp2_replication_counts_the_unsharded_unit_copies_by_hand():
     assert ddp.by_phase["optimizer"]["comm"] == terms.ddp_bucket_bytes(model.num_params * 4) > 0
     assert fsdp2.by_phase["optimizer"]["comm"] == 0
     # the root unit only: a shard group of size 1 keeps no block's all-gather output for the next unit
-    # (FSDPParamGroup.wait_for_unshard sets all_gather_state only when world_size > 1)
+    # (FSDPParamGroup.wait_for_unshard sets all_gather_state only when world_size > 1), nor does its
+    # backward prefetch allocate one (unshard's world-size-1 branch copies at wait_for_unshard): the root, the
+    # block in its backward and its gradient; the backward's peak here is its end, where the root unit's
+    # unsharded gradients and their reduce copy-in are alive (terms.fsdp_root_post_backward_bytes)
     assert fsdp2.by_phase["forward"]["comm"] == root * 4
-    assert fsdp2.by_phase["backward"]["comm"] == (root + 2 * block) * 4 + block * 4  # + prefetch + a grad
+    block_backward = (root + block) * 4 + block * 4
+    root_reduce = terms.fsdp_root_post_backward_bytes(root, 4, 4)
+    assert root_reduce == 2 * root * 4 > block_backward
+    assert fsdp2.by_phase["backward"]["comm"] == root_reduce
     assert fsdp2.params == ddp.params == single.params  # replication: nothing is sharded
 
 
@@ -387,5 +396,8 @@ def test_reshard_after_forward_int_lies_between_zero3_and_zero2_by_hand():
         assert est.params == z3.params and est.grads == z3.grads  # the shards themselves do not change
     assert z3.total < raf4.total < raf2.total < z2.total
     batch = 2 * 8 * 2 * 32  # the batch's int64 token ids and targets, alive through the step (issue 26)
-    assert (z3.total, raf2.total, z2.total) == (2_970_624 + batch, 2_970_624 + batch + 399_872, 3_770_368 + batch)
+    # ZeRO-3 peaks as the loss's backward starts: beside what the loss holds, the last block's all-gather
+    # output the root unit's pre-backward hook prefetched (one unit, 199,936 B; FSDPParamGroup._backward_prefetch)
+    assert (z3.total, raf2.total, z2.total) == (2_862_656 + batch + unit, 2_862_656 + batch + 399_872 + unit,
+                                                3_770_368 + batch)
     assert ParallelPlan(dp=8, zero=3, reshard_after_forward=2).describe() == "dp=8 zero=3 raf=2"
