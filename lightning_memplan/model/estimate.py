@@ -39,6 +39,7 @@ from lightning_memplan.model import (
     pipeline_timeline,
     terms,
 )
+from lightning_memplan.model import frozen as frozen_parts
 from lightning_memplan.model.result import COMPONENTS, DYNAMIC_COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.runnable import pipeline_schedule_blocker
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
@@ -346,6 +347,9 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
         rebuild = checkpointing.selective_op_rebuild_bytes(model, train, b, s, t=t, sp=sp)
     else:
         saved_layer, rebuild = full_layer, 0
+    # [frozen hook 1] blocks no gradient reaches (a frozen backbone's prefix) save nothing (model/frozen.py)
+    saving = frozen_parts.saving_layers(model, layout.n_layers, first_stage=layout.has_embedding, pp=plan.pp)
+    rebuild = rebuild if saving else 0
     head_acts = 0
     if layout.has_head:  # the final norm (a 1/t sequence slice under SP) and the lm_head's (gathered) input
         head_acts = terms.norm_saved_bytes(model, train, tokens, split=t if sp else 1) + tokens * model.hidden * pb.compute
@@ -373,7 +377,7 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     copies = 0 if fsdp_mixed else terms.autocast_copy_bytes(max(matmul, 0), train)
     # grad of the probabilities and of the scores for one layer [PT softmax_backward] (0 unless eager
     # attention without recompute)
-    eager_bwd_ws = terms.eager_softmax_backward_bytes(model, train, b, s, t=t)
+    eager_bwd_ws = terms.eager_softmax_backward_bytes(model, train, b, s, t=t) if saving else 0
     # The last block's softmax backward is its own point (_dynamic), except under activation offloading,
     # where backward_layer holds the unpacked block and the temporaries beside it.
     softmax_point = bool(eager_bwd_ws) and layout.n_layers > 0 and not train.offload_activations
@@ -415,13 +419,13 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
                             + terms.eager_softmax_backward_grad_bytes(model, plain, b, s, t=t, sp=sp))
     return _PerMicroBatch(
         batch_in=terms.batch_input_bytes(_batch_tokens(train, plan)),
-        positions=terms.position_ids_bytes(model, s) if layout.has_embedding else 0,
+        positions=terms.position_ids_bytes(model, s) if layout.has_embedding and not model.frozen_embedding else 0,
         # activation offloading (save_on_cpu around every block): the blocks' saves live on the host (their
         # bytes: _apply_offloads); one block's working set is a point of its own (_offloaded_block_points)
-        block_acts=(0 if train.offload_activations else layout.n_layers) * saved_layer,
+        block_acts=(0 if train.offload_activations else saving) * saved_layer,
         head_acts=head_acts,
         saved_layer=saved_layer,
-        per_mb_attn=(0 if train.offload_activations else layout.n_layers) * attn_layer,
+        per_mb_attn=(0 if train.offload_activations else saving) * attn_layer,
         logits=(lg["forward"], lg["held"], lg["backward"]),
         copies=copies,
         rebuild=rebuild,
@@ -774,7 +778,7 @@ def _estimate_stage(
     head_grads = 0
     if layout.has_head:
         head_params = terms.norm_param_count(model) + math.ceil(model.vocab_size * model.hidden / plan.tp)
-        head_grads = round(head_params * model.trainable_fraction) * pb.grad if frozen else head_params * pb.grad
+        head_grads = frozen_parts.grad_params(model, head_params, "head") * pb.grad  # [frozen hook 2]
         if plan.zero >= 2:
             head_grads = math.ceil(head_grads / shard) if not pipelined_fsdp else head_grads
     # At the last block's eager softmax backward (dynamic "backward_softmax") the gradients of that block's
@@ -788,7 +792,7 @@ def _estimate_stage(
         after = math.ceil(after_matmul / plan.tp) + math.ceil(max(after_other - norm, 0) / plan.tp) + norm
         if model.n_params is not None:  # rescaled as _local_params_of rescales the stage's parameters
             after = round(after * model.n_params / terms.param_count(model))
-        softmax_grads = (round(after * model.trainable_fraction) if frozen else after) * pb.grad
+        softmax_grads = frozen_parts.grad_params(model, after, "last_block") * pb.grad  # [frozen hook 2]
     # At the first block's rebuilt backward (dynamic "backward_first", pp = 1) the embedding's gradient
     # does not exist yet (its backward comes last); a tied embedding's is the head's, already there.
     first_missing = 0
@@ -796,7 +800,7 @@ def _estimate_stage(
         emb = math.ceil(terms.embedding_param_count(model) / plan.tp)
         if model.n_params is not None:  # rescaled as _local_params_of rescales the stage's parameters
             emb = round(emb * model.n_params / terms.param_count(model))
-        first_missing = (round(emb * model.trainable_fraction) if frozen else emb) * pb.grad
+        first_missing = frozen_parts.grad_params(model, emb, "embedding") * pb.grad  # [frozen hook 2]
         if plan.zero >= 2 and not pipelined_fsdp:
             first_missing = math.ceil(first_missing / shard)
     static = {"params": params, "optimizer": optimizer, "master": master}
