@@ -223,6 +223,7 @@ class MemoryPlanCallback(Callback):
             rank=int(trainer.global_rank),
             automatic_optimization=bool(pl_module.automatic_optimization),
             owner="MemoryPlanCallback",
+            holders=tuple(trainer.callbacks),  # Lightning's SWA / EMA callbacks keep their averaged copy
         )
 
     # ------------------------------------------------------------------------------------ set-up

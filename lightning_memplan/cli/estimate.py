@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning_memplan.model import ParallelPlan, estimate_memory
     from lightning_memplan.model.offload import HOST_PARTS, host_need_bytes
-    from lightning_memplan.model.result import COMPONENTS, PHASES
+    from lightning_memplan.model.result import PHASES, shown_components
 
     model = model_from_args(args)
     train = train_from_args(args, **offload_fields(args.framework, args.offload))
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("component")
     for e in estimates:
         table.add_column(f"stage {e.stage} (rank {e.rank})" if plan.pp > 1 else f"rank {e.rank}", justify="right")
-    for comp in COMPONENTS:
+    for comp in shown_components(*(e.components() for e in estimates)):
         table.add_row(comp, *(format_bytes(getattr(e, comp), args.units) for e in estimates))
     table.add_section()
     table.add_row("[bold]peak[/bold]", *(f"[bold]{format_bytes(e.total, args.units)}[/bold]" for e in estimates))

@@ -26,6 +26,7 @@ from lightning_memplan.live import (
     InferenceError,
     batch_shape,
     ddp_bucket_bytes,
+    find_layout,
     fsdp1_notes,
     infer_model_spec,
     infer_plan,
@@ -42,6 +43,7 @@ from lightning_memplan.monitoring.advice import (
     headroom_message,
     mismatch_message,
 )
+from lightning_memplan.monitoring.averaged import averaged_copies, copy_bytes
 from lightning_memplan.monitoring.calibration import describe_run, run_calibration
 from lightning_memplan.monitoring.eval_steps import EvalState
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
@@ -61,6 +63,7 @@ from lightning_memplan.tracking.compiled import (
     compiled_parts,
     dynamo_frames,
 )
+from lightning_memplan.tracking.recompute import RecomputeObserver, RecomputeSeen, written_checkpointing
 
 __all__ = ["MemorySession", "RunContext"]
 
@@ -68,6 +71,12 @@ __all__ = ["MemorySession", "RunContext"]
 _ESTIMATE_CACHE_SIZE = 256
 #: Nesting levels of a batch searched for its tensors (a dict of lists of tensors is two).
 _BATCH_DEPTH = 4
+
+
+def _block_types(module: torch.nn.Module) -> set[type]:
+    """The classes of ``module``'s repeated transformer blocks (``live.find_layout``); empty without any."""
+    layout = find_layout(module)
+    return {type(b) for b in layout.block_list} if layout is not None else set()
 
 
 def _batch_tensors(batch: Any, depth: int = _BATCH_DEPTH) -> list[torch.Tensor]:
@@ -106,6 +115,9 @@ class RunContext:
     grads_alive_in_forward: bool = True
     #: Name used in warnings and in the argument hints of notes.
     owner: str = "MemoryPlanCallback"
+    #: What may hold weight-averaging copies beside the module (the Trainer's callbacks; the models given to
+    #: ``MemoryMonitor(averaged_models=...)``): the ``averaged`` component (monitoring/averaged.py).
+    holders: tuple[Any, ...] = ()
 
     @property
     def lightning_module(self) -> torch.nn.Module:
@@ -137,6 +149,10 @@ class _FitState:
     epoch_warnings: list[str] = field(default_factory=list)
     epoch_warning_steps: list[int] = field(default_factory=list)  # the step each warning was raised at
     evals: EvalState = field(default_factory=EvalState)  # validation / test / predict steps (eval_steps.py)
+    copies: list[Any] = field(default_factory=list)  # weight-averaging copies found (monitoring/averaged.py)
+    averaged: int = 0  # their bytes on the training device when last looked
+    copies_epoch: int | None = None  # the epoch they were last looked for in
+    with_copies: tuple[Any, int, Any] | None = None  # (estimate, averaged, estimate with them): the last one
 
 
 class MemorySession:
@@ -240,9 +256,13 @@ class MemorySession:
         source = "none"
         if spec is not None and fit.train is not None:
             source = "analytic"
+            seen = RecomputeSeen()
             if opts.calibrate:
-                fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
+                with RecomputeObserver(_block_types(run.module)) as observer:
+                    fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
+                seen = observer.seen
                 source = "calibrated" if fit.calibration is not None else "analytic"
+            self._follow_recompute(run, seen)
             if fit.calibration is None and spec.calibration_source is not None:
                 # traced coefficients that came with the spec (a Hugging Face config's real class): the
                 # estimate says whether they covered this run ("hf_trace") or it fell back to the terms
@@ -266,8 +286,59 @@ class MemorySession:
             run_info["expandable_segments"] = expandable_segments_enabled()
         self.report = replace(self.report, run=run_info)
 
+    def _follow_recompute(self, run: RunContext, seen: RecomputeSeen) -> None:
+        """Activation checkpointing written inside ``forward`` (tracking/recompute.py): when the calibration
+        trace saw every block run again in the backward, the TrainSpec says ``recompute="full"`` (unless a
+        ``train_spec=`` was given or the run already has a recompute or offload); partial checkpointing is a
+        note; with no trace observed, a ``torch.utils.checkpoint`` call in the code is a note."""
+        fit = self.fit
+        train = fit.train
+        if train is None or self.options.train_spec is not None or train.recompute != "none":
+            return
+        if seen.recompute == "full" and not train.offload_activations:
+            fit.train = train.replace(recompute="full")
+            return
+        text = seen.describe()
+        if text is None and not seen.blocks:
+            where = written_checkpointing(run.module)
+            if where:
+                text = (f"torch.utils.checkpoint is called in {', '.join(where[:4])}, and no calibration trace ran to "
+                        "see which blocks it recomputes: the estimate assumes none (an upper bound of the backward); "
+                        f"keep calibrate=True, or pass {self.owner}(train_spec=TrainSpec(..., recompute='full')) when "
+                        "every block is checkpointed")
+        if text is not None:
+            self.note(text)
+
     # ------------------------------------------------------------------------------------ estimates
     def estimate(self, b: int, s: int) -> MemoryEstimate | None:
+        """The estimate of a ``(b, s)`` step, with the weight-averaging copies alive now (:meth:`find_copies`)."""
+        return self._with_copies(self._estimate(b, s))
+
+    def _with_copies(self, est: MemoryEstimate | None) -> MemoryEstimate | None:
+        fit = self.fit
+        if est is None or not fit.averaged:
+            return est
+        last = fit.with_copies
+        if last is not None and last[0] is est and last[1] == fit.averaged:
+            return last[2]  # type: ignore[no-any-return]
+        out = est.with_averaged(fit.averaged)
+        fit.with_copies = (est, fit.averaged, out)
+        return out
+
+    def find_copies(self, run: RunContext) -> None:
+        """Look for the run's weight-averaging copies and their bytes on the training device (the ``averaged``
+        component; monitoring/averaged.py). Called at the first step of each epoch and on tracked steps: SWA
+        moves its copy to the device at an epoch start; a copy appears at set-up otherwise."""
+        fit = self.fit
+        try:
+            fit.copies = averaged_copies(run.module, run.holders)
+            fit.averaged = copy_bytes(fit.copies, run.module, self.backend) if fit.copies else 0
+        except Exception as exc:  # noqa: BLE001 - monitoring never ends the run
+            fit.copies, fit.averaged = [], 0
+            self.warn_once("averaged", f"could not read the weight-averaging copies ({type(exc).__name__}: {exc}); "
+                                       "they are left out of the estimate and the measurement")
+
+    def _estimate(self, b: int, s: int) -> MemoryEstimate | None:
         fit = self.fit
         key = (b, s)
         if key in fit.estimates:
@@ -315,6 +386,9 @@ class MemorySession:
         )
         if tracked and fit.stepped:
             fit.steady_tracked = True
+        if tracked or fit.copies_epoch != epoch:
+            fit.copies_epoch = epoch
+            self.find_copies(run)
         fit.current = {
             "step": step,
             "epoch": epoch,
@@ -358,8 +432,9 @@ class MemorySession:
         if shape is not None and fit.spec is not None and fit.train is not None and fit.plan is not None:
             try:
                 b = stage_micro_batch(fit.plan, shape[0])
-                est = fit.evals.estimate(fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module,
-                                         run.optimizers, self.options.generate_tokens)
+                est = self._with_copies(fit.evals.estimate(
+                    fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module, run.optimizers,
+                    self.options.generate_tokens))
             except (ValueError, TypeError) as exc:
                 self.note(f"the memory model cannot estimate the {phase} batch {shape[0]} x {shape[1]}: {exc}")
         tracked = fit.evals.should_track(phase, fit.tracking_enabled, self.options.measure_every_n_steps)
@@ -443,6 +518,8 @@ class MemorySession:
         # the step's batch is live while it runs, as the estimate (model/terms.batch_input_bytes), the traced
         # calibration (tracking/trace.py) and the compiled step's AllocationMeter count it
         tracker.track(_batch_tensors(batch), "other")
+        for copy in self.fit.copies:  # weight-averaging copies beside the module (its AveragedModel parts: itself)
+            tracker.track_copy(copy)
         tracker.hold(ddp_bucket_bytes(run.strategy), "comm")  # DDP's buckets: no Python tensor holds them
         tracker.start()
         tracker.set_phase("forward")
