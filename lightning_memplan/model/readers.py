@@ -511,10 +511,10 @@ def module_fields(module: Any) -> ModuleReading:
         # the config (it checks the parameter count again). Otherwise the live module is what runs.
         bare = not frozen and recompute_of(module) == "none" and _is_config_class(module, cfg)
         layers = _first(_as_dict(cfg), _LAYERS)
-        fields = _with_frozen({"n_params": max(n_params, 1), "n_layers": layers if isinstance(layers, int) else 0},
-                              frozen)
-        del fields["n_layers"]  # the config's own count, read again by from_hf_config
-        return ModuleReading(config=cfg, fields=fields, config_describes_run=bare)
+        overrides = _with_frozen({"n_params": max(n_params, 1), "n_layers": layers if isinstance(layers, int) else 0},
+                                 frozen)
+        del overrides["n_layers"]  # the config's own count, read again by from_hf_config
+        return ModuleReading(config=cfg, fields=overrides, config_describes_run=bare)
     litgpt = litgpt_fields(module)  # litgpt keeps its architecture in a dataclass Config
     if litgpt is not None:
         return ModuleReading(config=None, fields=_with_frozen({**litgpt, "n_params": max(n_params, 1)}, frozen))

@@ -29,7 +29,8 @@ __all__ = ["describe_run", "run_calibration"]
 
 
 def run_calibration(
-    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
+    *, fake: bool = True,
 ) -> Calibration | None:
     """Fit the batch-dependent terms from traced fake-tensor steps of ``run.module`` with the real
     optimizer class and the real batch's structure; ``None`` and a ``note`` saying why when tracing
@@ -38,7 +39,9 @@ def run_calibration(
 
     A module that ``memplan_auto`` sharded (FSDP2, tensor parallelism) is traced through the copy the
     strategy kept from just before (``plain_module``, on the meta device, with the plan's activation
-    checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan."""
+    checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan.
+    ``fake=False`` traces real CPU steps of private copies instead (what the session asks for a model small
+    enough that a real step costs less than a fake one)."""
     from lightning_memplan.tracking.trace import calibrate
 
     module = run.module
@@ -58,7 +61,7 @@ def run_calibration(
     optimizer: Any = train.optimizer
     if run.optimizers:
         optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {} if fake else {"fake": False}  # real CPU steps: a small model (session.py)
     if run.loss_fn is not None:
         extra["loss_fn"] = run.loss_fn
     if not train.grads_alive_in_forward:

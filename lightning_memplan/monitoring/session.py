@@ -14,8 +14,10 @@ Trainer's names.
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,6 +51,7 @@ from lightning_memplan.monitoring.eval_steps import EvalState
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.step_record import build_incident, build_step_record
+from lightning_memplan.monitoring.writer import ReportWriter
 from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.records import (
     EpochReport,
@@ -71,6 +74,51 @@ __all__ = ["MemorySession", "RunContext"]
 _ESTIMATE_CACHE_SIZE = 256
 #: Nesting levels of a batch searched for its tensors (a dict of lists of tensors is two).
 _BATCH_DEPTH = 4
+
+
+#: A real calibration step (on the CPU, of a private copy) instead of a fake-tensor one when the step at the
+#: largest traced shape holds at most this many bytes ...
+_REAL_TRACE_MAX_BYTES = 256 * 2**20
+#: ... and costs at most this many FLOPs (6 N T, Kaplan et al. 2020, arXiv 2001.08361, Table 1: forward and
+#: backward of N parameters over T tokens). A fake step costs its operator count in Python dispatch whatever the
+#: sizes (0.15-0.5 s a step for a small GPT on a loaded 2-core CPU); a real step of a 1.3M-parameter GPT over
+#: 1024 tokens (8e9 FLOPs) cost 2.3x less than the fake one there, one of 0.17M over 256 tokens 6x less.
+_REAL_TRACE_MAX_FLOPS = 10**10
+
+
+def _real_trace_is_cheaper(spec: ModelSpec, train: TrainSpec) -> bool:
+    """Whether the calibration's steps should run on real CPU tensors: a step at the largest traced shape
+    (``2b x s``) small in bytes and FLOPs (constants above); the fake trace otherwise."""
+    from lightning_memplan.model.estimate import estimate_memory
+
+    big = train.replace(micro_batch=2 * train.micro_batch)
+    if 6 * spec.num_params * big.micro_batch * big.seq_len > _REAL_TRACE_MAX_FLOPS:
+        return False
+    try:
+        return estimate_memory(spec, big, ParallelPlan()).total <= _REAL_TRACE_MAX_BYTES
+    except (ValueError, TypeError):
+        return False
+
+
+@contextlib.contextmanager
+def _random_states_kept() -> Iterator[None]:
+    """The global CPU, Python and NumPy random states put back after the block (a real calibration step draws
+    its batch and dropout masks from them; the user's next draws must be the ones they would have been)."""
+    state, py = torch.get_rng_state(), random.getstate()
+    numpy: Any = None
+    try:
+        import numpy
+
+        np_state: Any = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch's wheels
+        np_state = None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+        random.setstate(py)
+        if numpy is not None:
+            numpy.random.set_state(np_state)
 
 
 def _block_types(module: torch.nn.Module) -> set[type]:
@@ -174,6 +222,9 @@ class MemorySession:
         self.fit = _FitState()
         # Every rank's records of the checkpoint saves of the epoch under way (monitoring/checkpoint.py).
         self.pending_checkpoints: list[Any] = []
+        # The report files: JSON and Markdown at once, the pictures on a thread (monitoring/writer.py).
+        self.writer = ReportWriter(self._write_folder)
+        self._png: bool | None = None  # whether matplotlib imports (asked once, on this thread)
 
     # ------------------------------------------------------------------------------------ set-up
     def begin_fit(self, device: torch.device, rank: int) -> None:
@@ -183,6 +234,8 @@ class MemorySession:
         self.fit = _FitState()
         self.report = self.report.new_run()
         self.rank = int(rank)
+        self.writer.wait()
+        self.writer = ReportWriter(self._write_folder)  # the run's clock starts now
         self.fit.probe = make_probe(device)
         kind = self.fit.probe.kind
         track = self.options.track_tensors
@@ -258,8 +311,9 @@ class MemorySession:
             source = "analytic"
             seen = RecomputeSeen()
             if opts.calibrate:
-                with RecomputeObserver(_block_types(run.module)) as observer:
-                    fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
+                real = self.backend == "cpu" and _real_trace_is_cheaper(spec, fit.train)
+                with RecomputeObserver(_block_types(run.module)) as observer, _random_states_kept():
+                    fit.calibration = run_calibration(run, fit.train, spec, batch, self.note, fake=not real)
                 seen = observer.seen
                 source = "calibrated" if fit.calibration is not None else "analytic"
             self._follow_recompute(run, seen)
@@ -715,20 +769,42 @@ class MemorySession:
             return False
         return True
 
-    def write(self, directories: list[str]) -> Any:
-        """Write the report to each folder (rank 0); the first folder's
-        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written. A file
-        that cannot be written is a warning naming it and its error; the run goes on."""
+    def _write_folder(self, report: MemoryReport, directory: str, pictures: bool) -> Any:
+        """One folder's files of ``report`` (the HTML and PNG with ``pictures``): what the writer calls."""
         from lightning_memplan.report.io import write_report
 
+        png = bool(pictures and self._png)
+        return write_report(report, directory, units=self.options.units, png=png, html=pictures, errors="warn")[1]
+
+    def _writing(self, directories: list[str]) -> bool:
         if not self.options.write_files or not directories:
+            return False
+        if self._png is None:
+            self._png = self.png_possible()
+        return True
+
+    def write(self, directories: list[str]) -> Any:
+        """Write the report to each folder (rank 0), every file now; the first folder's
+        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written. A file
+        that cannot be written is a warning naming it and its error; the run goes on."""
+        if not self._writing(directories):
             return None
-        png = self.png_possible()
-        first = None
-        for directory in directories:
-            _, written = write_report(self.report, directory, units=self.options.units, png=png, errors="warn")
-            first = first or written
-        return first
+        return self.writer.write_now(self.report, directories, pictures=True)
+
+    def write_epoch(self, directories: list[str]) -> Any:
+        """At an epoch end or after a checkpoint save (rank 0): the JSON and Markdown now, the HTML and PNG on
+        the writer's thread when that is cheap (monitoring/writer.py); the first folder's JSON/Markdown files."""
+        if not self._writing(directories):
+            return None
+        return self.writer.epoch_end(self.report, directories)
+
+    def finish_writes(self, directories: list[str]) -> Any:
+        """At the end of the fit (rank 0): wait for the writer and draw the final pictures if they are not
+        on disk yet; the first folder's files, or ``None`` when nothing new was written."""
+        if not self._writing(directories):
+            self.writer.wait()
+            return None
+        return self.writer.finish(self.report, directories)
 
     def print_epoch(self, epoch: int) -> None:
         if self.options.print_report:
@@ -764,6 +840,7 @@ class MemorySession:
         """The report with the incident, into ``directory`` (``memory_report.rank<N>.*`` off rank 0)."""
         from lightning_memplan.report.io import write_report
 
+        self.writer.wait()  # the thread's drawing first: the incident's files are the last written
         if self.options.write_files and directory:
             write_report(
                 self.report, directory, units=self.options.units,

@@ -730,7 +730,7 @@ class MemoryReport:
         """Every rank's and tracked step's component breakdowns (what says whether an optional component,
         a weight-averaging copy, is in the report)."""
         ranks = [r for e in self.epochs for r in (*e.ranks, *(x for rs in e.phases.values() for x in rs))]
-        steps = [*ranks, *(t for r in ranks for t in r.tracked)]
+        steps: list[Any] = [*ranks, *(t for r in ranks for t in r.tracked)]
         return [m for r in steps for m in (r.estimated_components, r.measured_components)]
 
     def to_dict(self) -> dict[str, Any]:
