@@ -348,7 +348,7 @@ def _per_micro_batch(model: ModelSpec, train: TrainSpec, plan: ParallelPlan, lay
     else:
         saved_layer, rebuild = full_layer, 0
     # [frozen hook 1] blocks no gradient reaches (a frozen backbone's prefix) save nothing (model/frozen.py)
-    saving = frozen_parts.saving_layers(model, layout.n_layers, first_stage=layout.has_embedding, pp=plan.pp)
+    saving = frozen_parts.saving_layers(model, layout.n_layers, first_stage=layout.has_embedding)
     rebuild = rebuild if saving else 0
     head_acts = 0
     if layout.has_head:  # the final norm (a 1/t sequence slice under SP) and the lm_head's (gathered) input

@@ -19,8 +19,8 @@ The layout is three :class:`~lightning_memplan.model.specs.ModelSpec` fields, re
 :func:`frozen_fields`: ``frozen_layers`` (leading blocks whose parameters are all frozen),
 ``frozen_embedding`` and ``frozen_head``. Their defaults (0, False, False) mean nothing frozen, and then
 every function here returns what the estimate used before, so spec-built estimates do not move.
-Within a pipeline (p > 1) the saved-activation rule applies to the stage that holds the frozen prefix only
-when it is the first stage's whole share; other stages save as usual.
+Within a pipeline (p > 1) only the first stage drops the prefix's blocks; a later stage the prefix reaches
+into is counted as saving in all its blocks (an upper bound).
 """
 
 from __future__ import annotations
@@ -53,15 +53,13 @@ def no_grad_prefix(model: ModelSpec) -> int:
     return model.frozen_layers if model.frozen_embedding else 0
 
 
-def saving_layers(model: ModelSpec, n_layers: int, *, first_stage: bool, pp: int) -> int:
+def saving_layers(model: ModelSpec, n_layers: int, *, first_stage: bool) -> int:
     """How many of a stage's ``n_layers`` blocks save activations for backward: all but the
-    :func:`no_grad_prefix` on a single stage (p = 1); under a pipeline only the first stage loses the prefix,
-    when its share is within it (see the module docstring)."""
+    :func:`no_grad_prefix` on the first (or only) stage; a later pipeline stage saves in all its
+    blocks (an upper bound when the prefix reaches into it; see the module docstring)."""
     prefix = no_grad_prefix(model)
-    if not prefix or not first_stage:
+    if not prefix or not first_stage:  # later pipeline stages: their share of the prefix counted as saving
         return n_layers
-    if pp > 1 and prefix > n_layers:
-        return 0
     return max(0, n_layers - prefix)
 
 

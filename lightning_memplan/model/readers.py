@@ -560,7 +560,10 @@ def recompute_of(module: Any) -> str:
     the model, ``gradient_checkpointing=True`` on its layer stack), ``checkpoint_wrapper`` from
     ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (a ``CheckpointWrapper`` module) and
     the composable ``torch.distributed._composable.checkpoint(block)``. A ``torch.utils.checkpoint`` call
-    written inside a ``forward`` is not visible from the module tree; a traced calibration measures it.
+    written inside a ``forward`` is not visible from the module tree: the calibration trace sees it (blocks
+    run again in the backward, ``lightning_memplan.tracking.recompute``) and the session then sets
+    ``recompute="full"`` when every block is checkpointed, or notes a partial recompute; without a trace
+    the code is scanned for the call (a note, the estimate assumes no recompute).
     """
     import torch.nn as nn
 

@@ -311,7 +311,9 @@ class MemorySession:
             source = "analytic"
             seen = RecomputeSeen()
             if opts.calibrate:
-                real = self.backend == "cpu" and _real_trace_is_cheaper(spec, fit.train)
+                # a module memplan_auto sharded is traced through its meta copy: fake tensors only
+                plain = getattr(run.strategy, "plain_module", None) is None
+                real = self.backend == "cpu" and plain and _real_trace_is_cheaper(spec, fit.train)
                 with RecomputeObserver(_block_types(run.module)) as observer, _random_states_kept():
                     fit.calibration = run_calibration(run, fit.train, spec, batch, self.note, fake=not real)
                 seen = observer.seen

@@ -32,7 +32,8 @@ def test_the_layout_is_read_from_requires_grad():
     spec = ModelSpec.from_module(_gpt(3))
     assert (spec.frozen_layers, spec.frozen_embedding, spec.frozen_head) == (3, True, False)
     assert spec.n_trainable_params == sum(p.numel() for p in _gpt(3).parameters() if p.requires_grad)
-    assert no_grad_prefix(spec) == 3 and saving_layers(spec, 4, first_stage=True, pp=1) == 1
+    assert no_grad_prefix(spec) == 3 and saving_layers(spec, 4, first_stage=True) == 1
+    assert saving_layers(spec, 2, first_stage=False) == 2  # a later pipeline stage: counted as saving
     trainable_embedding = ModelSpec.from_module(_gpt(2, embedding=False))
     # blocks after a trainable embedding pass its gradient back: they save (an upper bound), nothing is skipped
     assert trainable_embedding.frozen_layers == 2 and no_grad_prefix(trainable_embedding) == 0
