@@ -45,10 +45,12 @@ class MemoryPlanCallback(Callback):
     live tensor bytes per component (a tensor tracker) on the first step and every
     ``measure_every_n_steps`` (and on the first step after the first optimizer step, the first one
     the steady-state estimate describes); on MPS sampled allocator counters. After each epoch it gathers every rank's
-    figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically),
-    ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
-    ``default_root_dir``, named in one log line; another fit's report already there is kept, this fit's
-    epochs are added as a new run), prints a rich table on rank 0 and logs to every logger.
+    figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically) and
+    ``memory_report.md`` to ``trainer.log_dir`` (or ``default_root_dir``, named in one log line; another fit's
+    report already there is kept, this fit's epochs are added as a new run), prints a rich table on rank 0 and
+    logs to every logger; ``memory_report.html`` and ``memory_report.png`` (with matplotlib) are drawn on a
+    background thread when that is cheap and always at the end of the fit, before ``trainer.fit`` returns
+    (:mod:`~lightning_memplan.monitoring.writer`).
 
     **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` optimizer steps
     and on every tracked step, at the step ``self.log`` uses, one value per optimizer step; bytes are exact
@@ -105,7 +107,8 @@ class MemoryPlanCallback(Callback):
         memory_budget: capacity in bytes for headroom and forecasts instead of the device's memory
             (on CPU the default is the machine's RAM).
         track_tensors: ``None`` tracks tensors on CPU and MPS only; ``True`` also on CUDA; ``False`` never.
-        write_files: write the report files after each epoch and on an exception.
+        write_files: write the report files (JSON and Markdown after each epoch, every file by the end of the
+            fit) and on an exception.
         print_report: print the rich table on rank 0 after each epoch.
         generate_tokens: the ``max_new_tokens`` of a greedy Hugging Face ``generate`` your validation, test
             or predict step runs on its batch (the batch is the prompt); its ``DynamicCache`` of

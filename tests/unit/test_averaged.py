@@ -145,3 +145,34 @@ def test_report_files_name_averaged_only_when_a_rank_held_it(tmp_path):
     assert json.loads(report_text(copied))["components"] == list(COMPONENTS)
     assert "averaged" not in render_markdown(plain, units="B") and "| averaged |" in render_markdown(copied, units="B")
     assert MemoryReport.from_dict(json.loads(report_text(copied))).epochs[0].ranks[0].measured_components["averaged"] == 64
+
+
+def test_a_fabric_loop_names_its_copy_with_averaged_models(tmp_path):
+    from lightning.fabric import Fabric
+
+    from lightning_memplan.fabric import MemoryMonitor
+    from lightning_memplan.testing.zoo import GPT, gpt2_style
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = GPT(gpt2_style(vocab_size=128, n_layers=1, hidden=32, n_heads=2, max_positions=32))
+    ema = AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m.logits(m(batch)).flatten(0, 1), batch.flatten())
+
+    monitor = MemoryMonitor(fabric, model, optimizer, loss_fn=loss_fn, averaged_models=[ema], print_report=False,
+                            dirpath=tmp_path, measure_every_n_steps=1)
+    for step in range(3):
+        batch = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+        with monitor.step(batch):
+            fabric.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+    steady = [t for t in monitor.end_epoch().ranks[0].tracked if not t.warmup][0]
+    assert steady.measured_components["averaged"] == steady.estimated_components["averaged"] == _nbytes(ema)
+    assert steady.measured_components["params"] == sum(p.numel() * 4 for p in model.parameters())  # not the copy
+    with pytest.raises(TypeError, match="averaged_models"):
+        MemoryMonitor(fabric, model, optimizer, averaged_models="ema")
