@@ -17,6 +17,7 @@ clipping with accumulation. Run as a script for the table of the matrix
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -177,6 +178,7 @@ KINDS: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], DataLoader]
 }
 
 
+@functools.cache  # each kind is fitted (twice) once per test session
 def run_kind(kind: str) -> KindResult:
     make_module, make_loader, kwargs = KINDS[kind]
     return fit_twice(make_module, make_loader, steps=STEPS, **kwargs)
