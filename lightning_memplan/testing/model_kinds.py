@@ -245,6 +245,30 @@ def _batch_tensors(batch: Any, depth: int = 4) -> list[torch.Tensor]:
     return [t for v in values for t in _batch_tensors(v, depth - 1)]
 
 
+def _total_tracker() -> Any:
+    """PyTorch's ``MemTracker`` counting every live storage of the step (its ``Total``) without its
+    per-module snapshots: those hooks refuse a module called twice in one step (a UNet's shared block, a
+    dual encoder) and a parameter that needs no gradient (a frozen position table), where the totals are
+    still well defined. The parameters, buffers, gradients and optimizer states are tracked up front
+    (``track_external``); everything else is allocated through the dispatcher, where it is counted."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            return None
+
+        def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+            return None
+
+        def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+            return None
+
+        def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+            return None
+
+    return TotalMemTracker()
+
+
 class MemTrackerProbe(Callback):
     """PyTorch's ``MemTracker`` around training step ``step`` (its batch, the module's parameters,
     buffers and gradients, and the optimizer states tracked from before the step): the independent
@@ -258,9 +282,7 @@ class MemTrackerProbe(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx != self.step:
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = _total_tracker()
         optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         tracker.track_external(pl_module, *optimizers, *_batch_tensors(batch))
         tracker.__enter__()
