@@ -4,9 +4,10 @@ Each kind is fitted twice with a real ``Trainer.fit`` on the CPU (:func:`~lightn
 model_kinds.fit_twice`), with ``MemoryPlanCallback()`` at its defaults and without it: the losses, the
 weights and the random states are bitwise equal, no callback hook moves the run state, and the estimate of
 the first steady-state tracked step is within 5 % of the measurement, or the report says why it cannot be
-(a note). The measurement is checked against PyTorch's ``MemTracker`` where the reference can see what the
-step holds (a weight-averaging copy a callback keeps is outside what ``MemTracker`` tracks: there the
-copy's own ``state_dict`` bytes are the reference for the ``averaged`` component).
+(a note). The measurement is checked against PyTorch's ``MemTracker`` (its totals, the harness's
+``MemTrackerProbe``) on every kind; a weight-averaging copy a callback keeps is outside what ``MemTracker``
+tracks, so there the copy's own ``state_dict`` bytes are the reference for the ``averaged`` component and the
+measurement less the copy is ``MemTracker``'s peak.
 
 Kinds: a frozen backbone without peft, Lightning's ``StochasticWeightAveraging`` and
 ``EMAWeightAveraging``, an ``AveragedModel`` kept on the module, hand-written ``torch.utils.checkpoint``
