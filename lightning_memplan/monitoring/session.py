@@ -14,10 +14,8 @@ Trainer's names.
 
 from __future__ import annotations
 
-import contextlib
-import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +26,6 @@ from lightning_memplan.live import (
     InferenceError,
     batch_shape,
     ddp_bucket_bytes,
-    find_layout,
     fsdp1_notes,
     infer_model_spec,
     infer_plan,
@@ -48,6 +45,12 @@ from lightning_memplan.monitoring.advice import (
 from lightning_memplan.monitoring.averaged import averaged_copies, copy_bytes
 from lightning_memplan.monitoring.calibration import describe_run, run_calibration
 from lightning_memplan.monitoring.eval_steps import EvalState
+from lightning_memplan.monitoring.first_batch import (
+    block_types,
+    random_states_kept,
+    real_trace_is_cheaper,
+    recompute_seen,
+)
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.step_record import build_incident, build_step_record
@@ -66,7 +69,7 @@ from lightning_memplan.tracking.compiled import (
     compiled_parts,
     dynamo_frames,
 )
-from lightning_memplan.tracking.recompute import RecomputeObserver, RecomputeSeen, written_checkpointing
+from lightning_memplan.tracking.recompute import RecomputeObserver, RecomputeSeen
 
 __all__ = ["MemorySession", "RunContext"]
 
@@ -74,57 +77,6 @@ __all__ = ["MemorySession", "RunContext"]
 _ESTIMATE_CACHE_SIZE = 256
 #: Nesting levels of a batch searched for its tensors (a dict of lists of tensors is two).
 _BATCH_DEPTH = 4
-
-
-#: A real calibration step (on the CPU, of a private copy) instead of a fake-tensor one when the step at the
-#: largest traced shape holds at most this many bytes ...
-_REAL_TRACE_MAX_BYTES = 256 * 2**20
-#: ... and costs at most this many FLOPs (6 N T, Kaplan et al. 2020, arXiv 2001.08361, Table 1: forward and
-#: backward of N parameters over T tokens). A fake step costs its operator count in Python dispatch whatever the
-#: sizes (0.15-0.5 s a step for a small GPT on a loaded 2-core CPU); a real step of a 1.3M-parameter GPT over
-#: 1024 tokens (8e9 FLOPs) cost 2.3x less than the fake one there, one of 0.17M over 256 tokens 6x less.
-_REAL_TRACE_MAX_FLOPS = 10**10
-
-
-def _real_trace_is_cheaper(spec: ModelSpec, train: TrainSpec) -> bool:
-    """Whether the calibration's steps should run on real CPU tensors: a step at the largest traced shape
-    (``2b x s``) small in bytes and FLOPs (constants above); the fake trace otherwise."""
-    from lightning_memplan.model.estimate import estimate_memory
-
-    big = train.replace(micro_batch=2 * train.micro_batch)
-    if 6 * spec.num_params * big.micro_batch * big.seq_len > _REAL_TRACE_MAX_FLOPS:
-        return False
-    try:
-        return estimate_memory(spec, big, ParallelPlan()).total <= _REAL_TRACE_MAX_BYTES
-    except (ValueError, TypeError):
-        return False
-
-
-@contextlib.contextmanager
-def _random_states_kept() -> Iterator[None]:
-    """The global CPU, Python and NumPy random states put back after the block (a real calibration step draws
-    its batch and dropout masks from them; the user's next draws must be the ones they would have been)."""
-    state, py = torch.get_rng_state(), random.getstate()
-    numpy: Any = None
-    try:
-        import numpy
-
-        np_state: Any = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's wheels
-        np_state = None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state)
-        random.setstate(py)
-        if numpy is not None:
-            numpy.random.set_state(np_state)
-
-
-def _block_types(module: torch.nn.Module) -> set[type]:
-    """The classes of ``module``'s repeated transformer blocks (``live.find_layout``); empty without any."""
-    layout = find_layout(module)
-    return {type(b) for b in layout.block_list} if layout is not None else set()
 
 
 def _batch_tensors(batch: Any, depth: int = _BATCH_DEPTH) -> list[torch.Tensor]:
@@ -313,8 +265,8 @@ class MemorySession:
             if opts.calibrate:
                 # a module memplan_auto sharded is traced through its meta copy: fake tensors only
                 plain = getattr(run.strategy, "plain_module", None) is None
-                real = self.backend == "cpu" and plain and _real_trace_is_cheaper(spec, fit.train)
-                with RecomputeObserver(_block_types(run.module)) as observer, _random_states_kept():
+                real = self.backend == "cpu" and plain and real_trace_is_cheaper(spec, fit.train)
+                with RecomputeObserver(block_types(run.module)) as observer, random_states_kept():
                     fit.calibration = run_calibration(run, fit.train, spec, batch, self.note, fake=not real)
                 seen = observer.seen
                 source = "calibrated" if fit.calibration is not None else "analytic"
@@ -343,25 +295,13 @@ class MemorySession:
         self.report = replace(self.report, run=run_info)
 
     def _follow_recompute(self, run: RunContext, seen: RecomputeSeen) -> None:
-        """Activation checkpointing written inside ``forward`` (tracking/recompute.py): when the calibration
-        trace saw every block run again in the backward, the TrainSpec says ``recompute="full"`` (unless a
-        ``train_spec=`` was given or the run already has a recompute or offload); partial checkpointing is a
-        note; with no trace observed, a ``torch.utils.checkpoint`` call in the code is a note."""
-        fit = self.fit
-        train = fit.train
-        if train is None or self.options.train_spec is not None or train.recompute != "none":
+        """Hand-written activation checkpointing (monitoring/first_batch.py): ``recompute="full"`` when the
+        calibration trace saw every block run again in the backward, else a note when it saw a partial one or,
+        without a trace, a ``torch.utils.checkpoint`` call in the code."""
+        if self.fit.train is None:
             return
-        if seen.recompute == "full" and not train.offload_activations:
-            fit.train = train.replace(recompute="full")
-            return
-        text = seen.describe()
-        if text is None and not seen.blocks:
-            where = written_checkpointing(run.module)
-            if where:
-                text = (f"torch.utils.checkpoint is called in {', '.join(where[:4])}, and no calibration trace ran to "
-                        "see which blocks it recomputes: the estimate assumes none (an upper bound of the backward); "
-                        f"keep calibrate=True, or pass {self.owner}(train_spec=TrainSpec(..., recompute='full')) when "
-                        "every block is checkpointed")
+        self.fit.train, text = recompute_seen(self.fit.train, seen, run.module, explicit=self.options.train_spec
+                                              is not None, owner=self.owner)
         if text is not None:
             self.note(text)
 
