@@ -82,6 +82,19 @@ def _check_callable(name: str, value: Any, hint: str) -> Any:
     return value
 
 
+def _check_averaged(value: Any) -> tuple[Any, ...]:
+    """``averaged_models`` as a tuple of modules (one module alone is taken as a tuple of one)."""
+    from torch import nn
+
+    models = (value,) if isinstance(value, nn.Module) else value
+    if not isinstance(models, (list, tuple)) or not all(isinstance(m, nn.Module) for m in models):
+        raise TypeError(
+            f"averaged_models={value!r:.80} must be a module or a list of modules (the weight-averaging copies the "
+            "loop keeps), e.g. averaged_models=[torch.optim.swa_utils.AveragedModel(model)]"
+        )
+    return tuple(getattr(m, "module", m) if type(m).__name__ == "_FabricModule" else m for m in models)
+
+
 def _check_dirpath(value: Any) -> str | None:
     if value is None:
         return None
@@ -125,6 +138,9 @@ class MemoryMonitor:
         log_every_n_steps: log step metrics every this many optimizer steps (Lightning's default 50).
         dirpath: folder of the report files (default: the first logger's ``log_dir``, else the current
             folder), the same on every rank (rank 0's).
+        averaged_models: the weight-averaging copies the loop keeps beside the model (e.g.
+            ``ema = torch.optim.swa_utils.AveragedModel(model)``), counted as the ``averaged`` component of
+            the estimate and the measurement; an ``AveragedModel`` inside the model is found by itself.
         **options: the options :class:`~lightning_memplan.callbacks.MemoryPlanCallback` takes, with its
             defaults and checks (one :class:`~lightning_memplan.monitoring.options.MonitorOptions`):
             ``measure_every_n_steps``, ``tolerance``, ``min_headroom``, ``units``, ``calibrate``,
@@ -159,6 +175,7 @@ class MemoryMonitor:
         accumulate_grad_batches: int = 1,
         log_every_n_steps: int = _LOG_EVERY_N_STEPS,
         dirpath: str | os.PathLike[str] | None = None,
+        averaged_models: Any = (),
         **options: Any,
     ) -> None:
         _check_fabric(fabric)
@@ -166,7 +183,8 @@ class MemoryMonitor:
         _check_optimizer(fabric, optimizer)
         self.options = keyword_options(
             MonitorOptions, options, owner=_OWNER,
-            also=("loss_fn", "grads_alive_in_forward", "accumulate_grad_batches", "log_every_n_steps", "dirpath"),
+            also=("loss_fn", "grads_alive_in_forward", "accumulate_grad_batches", "log_every_n_steps", "dirpath",
+                  "averaged_models"),
         )
         hint = "e.g. loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())"
         self.loss_fn = _check_callable("loss_fn", loss_fn, hint)
@@ -190,6 +208,7 @@ class MemoryMonitor:
             loss_fn=self.loss_fn,
             grads_alive_in_forward=self.grads_alive_in_forward,
             owner=_OWNER,
+            holders=_check_averaged(averaged_models),
         )
         # Every rank constructs the monitor: agree on rank 0's folder now (a collective), never later.
         self.log_dir: str = broadcast_json(fabric, _check_dirpath(dirpath) or self._default_dir())

@@ -84,7 +84,8 @@ def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: Bat
 
 
 def run_calibration(
-    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
+    *, fake: bool = True,
 ) -> Calibration | None:
     """Fit the batch-dependent terms from traced fake-tensor steps of ``run.module`` with the real
     optimizer class and the real batch's structure; ``None`` and a ``note`` saying why when tracing
@@ -94,12 +95,14 @@ def run_calibration(
     A module that ``memplan_auto`` sharded (FSDP2, tensor parallelism) is traced through the copy the
     strategy kept from just before (``plain_module``, on the meta device, with the plan's activation
     checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan.
+    ``fake=False`` traces real CPU steps of private copies instead (what the session asks for a model small
+    enough that a real step costs less than a fake one).
 
     The run is left exactly as it was (:func:`~lightning_memplan.tracking.isolation.preserved_run_state`):
     every trace works on a copy of the module and the global random states are put back, so the user's
     next dropout mask and shuffle are the ones they would have been without the callback."""
     with preserved_run_state(run.module, run.optimizers) as guard:
-        calibration = _calibrate_run(run, train, spec, batch, note)
+        calibration = _calibrate_run(run, train, spec, batch, note, fake=fake)
     if guard.moved or guard.restored:
         note(
             "calibration changed the module it traces ("
@@ -110,7 +113,8 @@ def run_calibration(
 
 
 def _calibrate_run(
-    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
+    *, fake: bool,
 ) -> Calibration | None:
     module = run.module
     sharded = pipeline_split(run) or parallelised_by(module)
@@ -129,6 +133,8 @@ def _calibrate_run(
     if run.optimizers:
         optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
     extra: dict[str, Any] = {"optimizer": optimizer, "precision": train.precision}
+    if not fake:  # real CPU steps of private copies: a small model (monitoring/first_batch.py)
+        extra["fake"] = False
     if run.loss_fn is not None:
         extra["loss_fn"] = run.loss_fn
     if not train.grads_alive_in_forward:
