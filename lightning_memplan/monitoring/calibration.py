@@ -112,6 +112,23 @@ def run_calibration(
     return calibration
 
 
+def _trace_optimizers(run: RunContext, module: torch.nn.Module, train: TrainSpec) -> list[Any]:
+    """``params -> Optimizer`` factories for the trace, one per optimizer of the run: each rebuilds its
+    optimizer's class, options and parameter groups on the traced copy (``live.optimizer_factory`` with
+    ``module_params``) when ``module`` is the trained module itself; on another copy (memplan_auto's plain
+    module) or for a parameter outside the module, the class over every parameter. No optimizer yet: the
+    TrainSpec's name."""
+    if not run.optimizers:
+        return [train.optimizer]
+    own = list(module.parameters()) if module is run.module else None
+    factories = []
+    for wrapped in run.optimizers:
+        opt = unwrap_optimizer(wrapped)
+        grouped = optimizer_factory(opt, module_params=own) if own is not None else None
+        factories.append(grouped if grouped is not None else optimizer_factory(opt))
+    return factories
+
+
 def _calibrate_run(
     run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
     *, fake: bool,
@@ -129,10 +146,8 @@ def _calibrate_run(
         )
         return None
     b, s = train.micro_batch, train.seq_len
-    optimizer: Any = train.optimizer
-    if run.optimizers:
-        optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
-    extra: dict[str, Any] = {"optimizer": optimizer, "precision": train.precision}
+    optimizers = _trace_optimizers(run, module, train)
+    extra: dict[str, Any] = {"optimizer": optimizers[0], "precision": train.precision}
     if not fake:  # real CPU steps of private copies: a small model (monitoring/first_batch.py)
         extra["fake"] = False
     if run.loss_fn is not None:
@@ -140,14 +155,9 @@ def _calibrate_run(
     if not train.grads_alive_in_forward:
         extra["grads_alive_in_forward"] = False
     if not run.automatic_optimization:
-        if len(run.optimizers) != 1:
-            note(
-                f"calibration skipped: manual optimization with {len(run.optimizers)} optimizers cannot be "
-                "traced with one; the analytic memory model is used"
-            )
-            return None
-        # training_step runs backward and the optimizer step itself, through Trainer-backed methods
-        extra["optimizer"], extra["loss_fn"] = manual_optimization_trace(optimizer)
+        # training_step runs backward and the optimizer steps itself, through Trainer-backed methods: one
+        # trace optimizer per real one (a GAN's generator and discriminator optimizers)
+        extra["optimizer"], extra["loss_fn"] = manual_optimization_trace(optimizers)
     try:
         factory = batch_factory(batch, b, s)
         shapes = _shapes_for(factory, b, s, spec.dim_head if spec is not None else None, note)
