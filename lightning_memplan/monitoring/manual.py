@@ -70,15 +70,14 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 def manual_optimization_trace(
     optimizers: Sequence[str | Callable[[Any], torch.optim.Optimizer]],
-) -> tuple[Callable[[Any], torch.optim.Optimizer], Callable[[nn.Module, Any], torch.Tensor]]:
+) -> tuple[Callable[[Any], list[torch.optim.Optimizer]], Callable[[nn.Module, Any], torch.Tensor]]:
     """``(optimizer, loss_fn)`` for :func:`~lightning_memplan.tracking.trace.calibrate` of a manually
     optimising LightningModule with the optimizers ``optimizers`` builds (one ``params -> Optimizer``
     factory or TrainSpec name per optimizer of the run, in ``configure_optimizers``' order).
 
     ``optimizer(params)`` builds one trace optimizer per entry from the copy's parameters (each factory
-    picks its own, ``live.optimizer_factory(module_params=...)``) and returns the first, which the trace
-    hands to its tensor tracker; the others' states are classified after their steps (the tracker's
-    optimizer-step hook). ``loss_fn(module, batch)`` runs the copy's ``training_step`` with the stand-ins
+    picks its own, ``live.optimizer_factory(module_params=...)``) and returns them all: the trace tracks
+    every one's states (``trace_memory``'s several-optimizer factory). ``loss_fn(module, batch)`` runs the copy's ``training_step`` with the stand-ins
     described in the module docstring, ``self.optimizers()`` answering as Lightning does (the one
     optimizer, or the list of them), and returns a zero scalar (the step already ran backward and the
     optimizer steps)."""
@@ -89,14 +88,14 @@ def manual_optimization_trace(
                          "configure_optimizers must return at least one")
     created: list[torch.optim.Optimizer] = []
 
-    def optimizer(params: Any) -> torch.optim.Optimizer:
+    def optimizer(params: Any) -> list[torch.optim.Optimizer]:
         copy = list(params)
         created[:] = [make_optimizer(f, copy) for f in optimizers]
         for opt in created:
             # the trace's own zero_grad and step after training_step do nothing: Lightning leaves a manual
             # step's gradients alone until the user's next zero_grad (they are alive in the next forward)
             opt.__dict__.update(zero_grad=_nothing, step=_nothing)
-        return created[0]
+        return list(created)
 
     def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
         traced = [_TracedOptimizer(o) for o in created]

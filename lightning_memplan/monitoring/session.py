@@ -638,14 +638,17 @@ class MemorySession:
             if text:
                 self.warn_once("mismatch", text)
         plan = fit.plan or ParallelPlan()
-        train = (
-            fit.train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
-            if (fit.train is not None and record.micro_batch and record.seq_len)
-            else fit.train
-        )
-        text = headroom_message(record, opts.min_headroom, plan, train, units=opts.units)
-        if text:
-            self.warn_once("headroom", text)
+        low = record.headroom is not None and record.device_memory and (
+            record.headroom < opts.min_headroom * record.device_memory)
+        if low and "headroom" not in self.warned:  # the step's TrainSpec only for the remedy's text
+            train = (
+                fit.train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
+                if (fit.train is not None and record.micro_batch and record.seq_len)
+                else fit.train
+            )
+            text = headroom_message(record, opts.min_headroom, plan, train, units=opts.units)
+            if text:
+                self.warn_once("headroom", text)
         if record.micro_batch is None or record.seq_len is None or not record.device_memory:
             return
         b = max(self.max_shape_seen[0], record.micro_batch)

@@ -62,8 +62,8 @@ def test_each_trace_optimizer_holds_what_its_real_one_holds() -> None:
         assert [[index[id(p)] for p in g["params"]] for g in r.param_groups] == \
             [[copy_index[id(p)] for p in g["params"]] for g in b.param_groups]
         assert [g.get("momentum") for g in r.param_groups] == [g.get("momentum") for g in b.param_groups]
-    make_first, _ = manual_optimization_trace(_factories(module))
-    assert isinstance(make_first(copy.parameters()), torch.optim.Adam)  # the tracker's: the first one
+    make_all, _ = manual_optimization_trace(_factories(module))
+    assert [type(o) for o in make_all(copy.parameters())] == [torch.optim.Adam, torch.optim.SGD]  # all tracked
     outside = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)  # a parameter the module does not have
     assert optimizer_factory(outside, module_params=list(module.parameters())) is None
 
