@@ -14,6 +14,8 @@ Trainer's names.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -759,6 +761,14 @@ class MemorySession:
             return None
         return self.writer.finish(self.report, directories)
 
+    def finish_later(self, owner: Any, directories: list[str]) -> weakref.finalize:
+        """What finishes the files when ``owner`` (a Fabric ``MemoryMonitor``, which has no end-of-fit hook)
+        is closed, collected or left alive at interpreter exit, whichever comes first: a ``weakref.finalize``
+        (it holds the session, never ``owner``; its ``atexit`` runs it at exit) that waits for the writer and
+        draws the final report's pictures unless they are on disk (:meth:`finish_writes`), on rank 0; calling
+        it runs it once and returns the first folder's files. It never raises (a warning instead)."""
+        return weakref.finalize(owner, _finish_quietly, self, list(directories))
+
     def print_epoch(self, epoch: int) -> None:
         if self.options.print_report:
             import rich
@@ -834,3 +844,17 @@ class MemorySession:
         self.max_shape_seen = got.max_shape_seen or (0, 0)
         self.acc = got.accumulator
         return got.counters
+
+
+def _finish_quietly(session: MemorySession, directories: list[str]) -> Any:
+    """:meth:`MemorySession.finish_writes` on rank 0 (the writer only waited for elsewhere), a warning for any
+    failure: it runs from a finalizer or at interpreter exit, where an exception would only be printed."""
+    try:
+        if session.rank != 0 or not session.report.epochs:  # nothing of this rank's to draw: no epoch ended
+            session.writer.wait()
+            return None
+        return session.finish_writes(directories)
+    except Exception as exc:  # noqa: BLE001 - finishing the report files never raises
+        warnings.warn(f"{session.owner}: the report's pictures could not be finished ({type(exc).__name__}: {exc}); "
+                      "the JSON and Markdown reports are written", UserWarning, stacklevel=1)
+        return None
