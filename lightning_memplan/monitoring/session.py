@@ -724,12 +724,14 @@ class MemorySession:
             return False
         return True
 
-    def _write_folder(self, report: MemoryReport, directory: str, pictures: bool) -> Any:
-        """One folder's files of ``report`` (the HTML and PNG with ``pictures``): what the writer calls."""
+    def _write_folder(self, report: MemoryReport, directory: str, pictures: bool, texts: bool = True) -> Any:
+        """One folder's files of ``report`` (the JSON and Markdown with ``texts``, the HTML and PNG with
+        ``pictures``): what the writer calls."""
         from lightning_memplan.report.io import write_report
 
         png = bool(pictures and self._png)
-        return write_report(report, directory, units=self.options.units, png=png, html=pictures, errors="warn")[1]
+        return write_report(report, directory, units=self.options.units, png=png, html=pictures, text=texts,
+                            errors="warn")[1]
 
     def _writing(self, directories: list[str]) -> bool:
         if not self.options.write_files or not directories:

@@ -39,6 +39,12 @@ PICTURE_DUTY = 0.05
 _FIRST_DRAWING_S = 0.5
 
 
+def _texts_on_disk(written: Any) -> bool:
+    """Whether a write put the JSON on disk: a ``WrittenFiles`` names its path (``None``: it failed or was
+    skipped); any other answer of the ``write`` callable counts as written."""
+    return written is not None and getattr(written, "json", True) is not None
+
+
 def _frozen(report: MemoryReport) -> MemoryReport:
     """``report`` safe to hand to another thread: its records are frozen, its ``run`` dict is copied."""
     return replace(report, run=dict(report.run))
@@ -49,14 +55,17 @@ class ReportWriter:
     docstring).
 
     Args:
-        write: ``(report, directory, pictures) -> WrittenFiles | None``: one folder's files, the JSON and the
-            Markdown always, the HTML and the PNG with ``pictures`` (a wrapper of
-            :func:`~lightning_memplan.report.io.write_report` that warns instead of raising).
+        write: ``(report, directory, pictures, texts) -> WrittenFiles | None``: one folder's files, the JSON and
+            the Markdown with ``texts``, the HTML and the PNG with ``pictures`` (a wrapper of
+            :func:`~lightning_memplan.report.io.write_report` that warns instead of raising). The pictures of a
+            report whose JSON and Markdown were just written are drawn without writing those again.
         clock: seconds, monotonic (a parameter for tests).
     """
 
-    def __init__(self, write: Callable[[MemoryReport, str, bool], Any], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, write: Callable[[MemoryReport, str, bool, bool], Any],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._write = write
+        self._texts: MemoryReport | None = None  # the last report (as given) whose JSON and Markdown are on disk
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: tuple[MemoryReport, MemoryReport, tuple[str, ...]] | None = None  # (given, copy, folders)
@@ -76,36 +85,42 @@ class ReportWriter:
         self.__dict__.update(state, _lock=threading.Lock(), _thread=None, _pending=None)
 
     # ------------------------------------------------------------------------------------ the caller
-    def write_now(self, report: MemoryReport, directories: list[str], *, pictures: bool) -> Any:
-        """Write ``report`` to every folder on this thread (the JSON and Markdown; the pictures with
-        ``pictures``), after the thread's drawing in progress; the first folder's files."""
+    def write_now(self, report: MemoryReport, directories: list[str], *, pictures: bool, texts: bool = True) -> Any:
+        """Write ``report`` to every folder on this thread (the JSON and Markdown with ``texts``; the pictures
+        with ``pictures``), after the thread's drawing in progress; the first folder's files."""
         self.wait()
-        first = None
+        first, on_disk = None, True
         for directory in directories:
-            written = self._write(report, directory, pictures)
+            written = self._write(report, directory, pictures, texts)
             first = first or written
+            on_disk = on_disk and _texts_on_disk(written)
         if pictures:
             self._drawn = report
+        if texts:
+            self._texts = report if on_disk else None
         return first
 
     def epoch_end(self, report: MemoryReport, directories: list[str]) -> Any:
         """At an epoch end (or after a checkpoint save): the JSON and Markdown now; the pictures on the thread
         when the duty rule allows (module docstring). The first folder's files of the JSON/Markdown write."""
-        first = None
+        first, on_disk = None, True
         for directory in directories:
-            written = self._write(report, directory, False)
+            written = self._write(report, directory, False, True)
             first = first or written
+            on_disk = on_disk and _texts_on_disk(written)
+        self._texts = report if on_disk else None  # a failed JSON write is tried again by finish()
         if self._last_cost <= PICTURE_DUTY * max(self._clock() - self._started_at, 0.0):
             self._draw_later(report, tuple(directories))
         return first
 
     def finish(self, report: MemoryReport, directories: list[str]) -> Any:
         """Wait for the thread, then draw ``report``'s pictures unless they are on disk already (the end of
-        the fit); the first folder's files, or ``None`` when nothing new was written."""
+        the fit), and write its JSON and Markdown unless an epoch end did (again after a failed write); the
+        first folder's files, or ``None`` when nothing new was written."""
         self.wait()
-        if self._drawn is report or not directories:
+        if not directories or (self._drawn is report and self._texts is report):
             return None
-        return self.write_now(report, directories, pictures=True)
+        return self.write_now(report, directories, pictures=self._drawn is not report, texts=self._texts is not report)
 
     def wait(self) -> None:
         """Block until the thread has drawn what was given to it (nothing to wait for: returns at once)."""
@@ -133,7 +148,7 @@ class ReportWriter:
             started = self._clock()
             try:
                 for directory in directories:
-                    self._write(copy, directory, True)
+                    self._write(copy, directory, True, False)  # its JSON and Markdown went at the epoch end
                 self._drawn = report
             except Exception as exc:  # noqa: BLE001 - the writer never ends the run
                 self.failures += 1

@@ -31,13 +31,18 @@ class _Recorder:
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, report: MemoryReport, directory: str, pictures: bool) -> str:
+    def __call__(self, report: MemoryReport, directory: str, pictures: bool, texts: bool) -> str:
         if pictures:
             self.gate.wait(5)
         if pictures and self.fail:
             raise OSError("no space left")
         self.calls.append((id(report), directory, pictures, threading.current_thread().name))
+        self.texts.append(texts)
         return directory
+
+    @property
+    def texts(self) -> list[bool]:
+        return self.__dict__.setdefault("_texts", [])
 
 
 def test_a_short_run_writes_text_at_epoch_ends_and_the_pictures_once_at_the_end():
@@ -50,7 +55,11 @@ def test_a_short_run_writes_text_at_epoch_ends_and_the_pictures_once_at_the_end(
     assert [c[2] for c in write.calls] == [False] * 6 and {c[3] for c in write.calls} == {threading.current_thread().name}
     assert writer.finish(report, ["a", "b"]) == "a"
     assert [c[1:3] for c in write.calls[6:]] == [("a", True), ("b", True)]
+    # the final pictures of the report whose JSON/Markdown the last epoch end wrote: those are not written again
+    assert write.texts == [True] * 6 + [False, False]
     assert writer.finish(report, ["a", "b"]) is None  # the pictures of this report are on disk already
+    later = synthetic_report(epochs=2)  # a report whose texts are not on disk: finish writes every file
+    assert writer.finish(later, ["a"]) == "a" and write.texts[-1] is True
 
 
 def test_a_long_run_draws_on_the_thread_and_finish_waits_for_it():
@@ -80,7 +89,7 @@ def test_a_failed_drawing_is_a_warning_and_the_run_goes_on():
     assert writer.failures == 1 and any("drawing the pictures failed" in str(w.message) for w in caught)
 
 
-def _folder(report: MemoryReport, directory: str, pictures: bool) -> str:
+def _folder(report: MemoryReport, directory: str, pictures: bool, texts: bool) -> str:
     return directory
 
 
