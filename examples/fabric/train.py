@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r.measured_peak / 2**20:.3f} MiB (measured / estimated {r.measured_to_estimated:.3f})")
     fabric.print(f"final train loss {loss_value:.3f} (perplexity {math.exp(loss_value):.1f}); uniform guess "
                  f"would be {math.log(tokenizer.vocab_size):.3f}")
+    monitor.close()  # the final report's pictures (memory_report.html, .png), drawn once at the end
     fabric.print(f"estimate source: {monitor.report.run['estimate_source']}; plan: {monitor.report.run['plan_description']}")
     fabric.print(f"memory report files: {os.path.join(monitor.log_dir, 'memory_report.*')}")
     fabric.print(f"total wall time {time.perf_counter() - t0:.0f} s")

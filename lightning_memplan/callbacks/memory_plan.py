@@ -9,6 +9,7 @@ folders of the Trainer's loggers and the spawn hand-off stay here.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,10 +45,12 @@ class MemoryPlanCallback(Callback):
     live tensor bytes per component (a tensor tracker) on the first step and every
     ``measure_every_n_steps`` (and on the first step after the first optimizer step, the first one
     the steady-state estimate describes); on MPS sampled allocator counters. After each epoch it gathers every rank's
-    figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically),
-    ``memory_report.md`` and ``memory_report.png`` (with matplotlib) to ``trainer.log_dir`` (or
-    ``default_root_dir``, named in one log line; another fit's report already there is kept, this fit's
-    epochs are added as a new run), prints a rich table on rank 0 and logs to every logger.
+    figures and writes ``memory_report.json`` (all ranks, every epoch, merged and replaced atomically) and
+    ``memory_report.md`` to ``trainer.log_dir`` (or ``default_root_dir``, named in one log line; another fit's
+    report already there is kept, this fit's epochs are added as a new run), prints a rich table on rank 0 and
+    logs to every logger; ``memory_report.html`` and ``memory_report.png`` (with matplotlib) are drawn on a
+    background thread when that is cheap and always at the end of the fit, before ``trainer.fit`` returns
+    (:mod:`~lightning_memplan.monitoring.writer`).
 
     **Logged metrics** (to ``trainer.loggers``, rank 0's values, every ``log_every_n_steps`` optimizer steps
     and on every tracked step, at the step ``self.log`` uses, one value per optimizer step; bytes are exact
@@ -66,7 +69,10 @@ class MemoryPlanCallback(Callback):
     - ``memplan/{forward,backward,optimizer}/estimated_peak`` — the estimate's peak within each phase
     - ``memplan/{forward,backward,optimizer}/measured_peak`` — the measured peak within each phase
     - ``memplan/<component>/estimated`` and ``memplan/<component>/measured`` — on tracked steps, for each
-      component ``params, grads, optimizer, master, activations, attention, logits, comm, workspace, other``
+      component ``params, grads, optimizer, master, activations, attention, logits, comm, workspace, other, averaged``
+      (``averaged``: a weight-averaging copy's parameters and buffers, only when the run keeps one: Lightning's
+      ``StochasticWeightAveraging`` or ``WeightAveraging``/``EMAWeightAveraging``, or a
+      ``torch.optim.swa_utils.AveragedModel`` on the module)
     - after each epoch: ``memplan/epoch/{estimated_peak,measured_peak,reserved}_{max,min,imbalance}``
       (imbalance = max / mean - 1 across ranks), ``memplan/epoch/headroom_min``, ``memplan/epoch/ranks``
     - after each validation, test or predict run: ``memplan/<phase>/estimated_peak`` and
@@ -104,7 +110,8 @@ class MemoryPlanCallback(Callback):
         memory_budget: capacity in bytes for headroom and forecasts instead of the device's memory
             (on CPU the default is the machine's RAM).
         track_tensors: ``None`` tracks tensors on CPU and MPS only; ``True`` also on CUDA; ``False`` never.
-        write_files: write the report files after each epoch and on an exception.
+        write_files: write the report files (JSON and Markdown after each epoch, every file by the end of the
+            fit) and on an exception.
         print_report: print the rich table on rank 0 after each epoch.
         generate_tokens: the ``max_new_tokens`` of a greedy Hugging Face ``generate`` your validation, test
             or predict step runs on its batch (the batch is the prompt); its ``DynamicCache`` of
@@ -227,6 +234,7 @@ class MemoryPlanCallback(Callback):
             rank=int(trainer.global_rank),
             automatic_optimization=bool(pl_module.automatic_optimization),
             owner="MemoryPlanCallback",
+            holders=tuple(getattr(trainer, "callbacks", ())),  # Lightning's SWA / EMA callbacks keep their copy
         )
 
     # ------------------------------------------------------------------------------------ set-up
@@ -247,7 +255,7 @@ class MemoryPlanCallback(Callback):
         # "save_checkpoint") takes it away.
         measured_save(trainer, "save_checkpoint", self._saves,
                       lambda: (self._run(trainer, trainer.lightning_module), trainer.current_epoch, trainer.global_step),
-                      after=lambda: self._write_files(trainer))
+                      after=lambda: self._write_files(trainer, epoch_end=True))
 
     def _check_single(self, trainer: Trainer) -> None:
         """Refuse a second ``MemoryPlanCallback`` in the Trainer (docs/callback.md, "One callback per Trainer").
@@ -391,7 +399,7 @@ class MemoryPlanCallback(Callback):
             return
         if self._spawned:
             save_handoff(self._handoff_token, session.report)
-        files = self._write_files(trainer)
+        files = self._write_files(trainer, epoch_end=True)  # JSON, Markdown; the pictures when cheap (writer.py)
         session.print_epoch(epoch.epoch)
         step = emit.lightning_step(trainer, epoch_end=True)
         emit.log_metrics(trainer, emit.epoch_metrics(epoch, self.units), step=step)
@@ -399,15 +407,40 @@ class MemoryPlanCallback(Callback):
         if files is not None:
             log_report_files(trainer, files, epoch, self.units, step=step)
 
-    def _write_files(self, trainer: Trainer) -> Any:
-        """Write the report to every logger's own run folder (``report_dirs``, rank 0); the first
-        folder's :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written."""
+    def _write_files(self, trainer: Trainer, *, epoch_end: bool = False, final: bool = False) -> Any:
+        """Write the report to every logger's own run folder (``report_dirs``, rank 0): every file now, or at
+        an ``epoch_end`` (and after a checkpoint save) the JSON and Markdown now and the pictures on the
+        writer's thread when cheap, or at the ``final`` end of the fit the pictures not on disk yet
+        (monitoring/writer.py). The first folder's :class:`~lightning_memplan.report.io.WrittenFiles`, or
+        ``None`` when nothing was written."""
         if not self.write_files or not self._log_dir:
             return None
         if self._report_dirs is None:
             self._report_dirs = report_dirs(trainer, self._log_dir)
             self._say_where(trainer, self._report_dirs)
+        if final:
+            return self._session.finish_writes(self._report_dirs)
+        if epoch_end:
+            return self._session.write_epoch(self._report_dirs)
         return self._session.write(self._report_dirs)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The pictures of the final report (the epoch ends wrote its JSON and Markdown), so that every file is
+        on disk when ``trainer.fit`` returns; handed to the loggers as the epoch ends hand theirs."""
+        session = self._session
+        if session.fit.probe is None or session.rank != 0:
+            return
+        files = self._write_files(trainer, final=True)
+        latest = session.report.latest
+        if files is not None and latest is not None:
+            pictures = replace(files, json=None, markdown=None)  # the JSON/Markdown went at the epoch end
+            log_report_files(trainer, pictures, latest, self.units, step=emit.lightning_step(trainer, epoch_end=True))
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Wait for the report writer's thread (a fit that raised wrote its report in ``on_exception``)."""
+        self._session.writer.wait()
 
     @staticmethod
     def _say_where(trainer: Trainer, dirs: list[str]) -> None:

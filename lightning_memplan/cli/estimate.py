@@ -175,14 +175,14 @@ def _table(estimates: list[Any], plan: Any, units: str) -> Any:
     from rich.table import Table
 
     from lightning_memplan.model.offload import HOST_PARTS
-    from lightning_memplan.model.result import COMPONENTS, PHASES
+    from lightning_memplan.model.result import PHASES, shown_components
     from lightning_memplan.report.render import format_bytes
 
     table = Table()
     table.add_column("component")
     for e in estimates:
         table.add_column(f"stage {e.stage} (rank {e.rank})" if plan.pp > 1 else f"rank {e.rank}", justify="right")
-    for comp in COMPONENTS:
+    for comp in shown_components(*(e.components() for e in estimates)):
         table.add_row(comp, *(format_bytes(getattr(e, comp), units) for e in estimates))
     table.add_section()
     table.add_row("[bold]peak[/bold]", *(f"[bold]{format_bytes(e.total, units)}[/bold]" for e in estimates))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from lightning_memplan.fabric.collectives import broadcast_json, gather_json
@@ -82,6 +83,19 @@ def _check_callable(name: str, value: Any, hint: str) -> Any:
     return value
 
 
+def _check_averaged(value: Any) -> tuple[Any, ...]:
+    """``averaged_models`` as a tuple of modules (one module alone is taken as a tuple of one)."""
+    from torch import nn
+
+    models = (value,) if isinstance(value, nn.Module) else value
+    if not isinstance(models, (list, tuple)) or not all(isinstance(m, nn.Module) for m in models):
+        raise TypeError(
+            f"averaged_models={value!r:.80} must be a module or a list of modules (the weight-averaging copies the "
+            "loop keeps), e.g. averaged_models=[torch.optim.swa_utils.AveragedModel(model)]"
+        )
+    return tuple(getattr(m, "module", m) if type(m).__name__ == "_FabricModule" else m for m in models)
+
+
 def _check_dirpath(value: Any) -> str | None:
     if value is None:
         return None
@@ -104,7 +118,10 @@ class MemoryMonitor:
     optimizer's step (a torch ``register_step_pre_hook``) the optimizer phase. An exception inside the
     block (an out-of-memory error) writes the incident report, then propagates.
     :meth:`end_epoch` gathers every rank's figures (Fabric's ``all_gather``), writes
-    ``memory_report.{json,md,html,png}`` on rank 0, prints the table and logs.
+    ``memory_report.json`` and ``.md`` on rank 0, prints the table and logs; the pictures
+    (``memory_report.html``, ``.png``) are drawn on a background thread when that costs at most 5 % of the
+    loop's time, and for the final report at :meth:`close` (or, if the loop never calls it, when the monitor
+    is collected or the interpreter exits), as the callback draws them at the end of the fit.
 
     **Logged metrics**: the callback's (``memplan/estimated_peak``, ``memplan/measured_peak``, ...,
     ``memplan/epoch/...``; see its docstring), through ``fabric.log_dict`` on rank 0, one value per
@@ -125,6 +142,9 @@ class MemoryMonitor:
         log_every_n_steps: log step metrics every this many optimizer steps (Lightning's default 50).
         dirpath: folder of the report files (default: the first logger's ``log_dir``, else the current
             folder), the same on every rank (rank 0's).
+        averaged_models: the weight-averaging copies the loop keeps beside the model (e.g.
+            ``ema = torch.optim.swa_utils.AveragedModel(model)``), counted as the ``averaged`` component of
+            the estimate and the measurement; an ``AveragedModel`` inside the model is found by itself.
         **options: the options :class:`~lightning_memplan.callbacks.MemoryPlanCallback` takes, with its
             defaults and checks (one :class:`~lightning_memplan.monitoring.options.MonitorOptions`):
             ``measure_every_n_steps``, ``tolerance``, ``min_headroom``, ``units``, ``calibrate``,
@@ -146,6 +166,7 @@ class MemoryMonitor:
             with monitor.step(batch):
                 loss = loss_fn(model, batch); fabric.backward(loss); optimizer.step(); optimizer.zero_grad()
         report = monitor.end_epoch()
+        monitor.close()  # the final report's pictures
     """
 
     def __init__(
@@ -159,6 +180,7 @@ class MemoryMonitor:
         accumulate_grad_batches: int = 1,
         log_every_n_steps: int = _LOG_EVERY_N_STEPS,
         dirpath: str | os.PathLike[str] | None = None,
+        averaged_models: Any = (),
         **options: Any,
     ) -> None:
         _check_fabric(fabric)
@@ -166,7 +188,8 @@ class MemoryMonitor:
         _check_optimizer(fabric, optimizer)
         self.options = keyword_options(
             MonitorOptions, options, owner=_OWNER,
-            also=("loss_fn", "grads_alive_in_forward", "accumulate_grad_batches", "log_every_n_steps", "dirpath"),
+            also=("loss_fn", "grads_alive_in_forward", "accumulate_grad_batches", "log_every_n_steps", "dirpath",
+                  "averaged_models"),
         )
         hint = "e.g. loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())"
         self.loss_fn = _check_callable("loss_fn", loss_fn, hint)
@@ -190,6 +213,7 @@ class MemoryMonitor:
             loss_fn=self.loss_fn,
             grads_alive_in_forward=self.grads_alive_in_forward,
             owner=_OWNER,
+            holders=_check_averaged(averaged_models),
         )
         # Every rank constructs the monitor: agree on rank 0's folder now (a collective), never later.
         self.log_dir: str = broadcast_json(fabric, _check_dirpath(dirpath) or self._default_dir())
@@ -201,11 +225,23 @@ class MemoryMonitor:
         # (monitoring/checkpoint.py); close() gives the Fabric its own method back.
         self._saves = CheckpointSaves(self._session, lambda obj: gather_json(self._fabric, obj))
         measured_save(fabric, "save", self._saves, lambda: (self._run, self._epoch, self._optimizer_steps),
-                      after=lambda: self._session.write([self.log_dir]))
+                      after=lambda: self._session.write_epoch([self.log_dir]))
+        # The pictures of the final report: at close(), or when the monitor is collected or the interpreter
+        # exits without it (the callback's end of the fit; monitoring/session.py finish_later)
+        self._finish = self._session.finish_later(self, [self.log_dir])
 
     def close(self) -> None:
-        """Stop measuring ``fabric.save`` (the Fabric instance gets its own method back)."""
+        """Finish the report files and stop measuring ``fabric.save``: wait for the report writer's thread and
+        draw the final report's pictures (``memory_report.html`` / ``.png``) unless an epoch end drew them, then
+        give the Fabric instance its own ``save`` back. Call it after the last :meth:`end_epoch`; without it the
+        pictures are drawn when the monitor is collected or at interpreter exit. A second call does nothing."""
         restore_save(self._fabric, "save")
+        files = self._finish()  # None when it ran already, or nothing new was drawn
+        latest = self._session.report.latest
+        if files is not None and latest is not None and self.rank == 0:
+            pictures = replace(files, json=None, markdown=None)  # the epoch ends logged the JSON/Markdown
+            log_report_files(self._fabric, pictures, latest, self.options.units, step=max(0, self._optimizer_steps - 1))
+            self.files = replace(self.files, html=files.html, png=files.png) if self.files is not None else files
 
     def _default_dir(self) -> str:
         loggers = self._fabric.loggers
@@ -343,7 +379,10 @@ class MemoryMonitor:
         if self.rank != 0:
             return epoch
         units = self.options.units
-        self.files = session.write([self.log_dir])
+        # JSON and Markdown now; the pictures on the writer's thread when cheap, and at close() (writer.py)
+        self.files = session.write_epoch([self.log_dir])
+        if not self._finish.alive:  # an epoch after close(): its pictures at the next close() or at exit
+            self._finish = session.finish_later(self, [self.log_dir])
         session.print_epoch(epoch.epoch)
         step = max(0, self._optimizer_steps - 1)
         self._fabric.log_dict(emit.epoch_metrics(epoch, units), step=step)

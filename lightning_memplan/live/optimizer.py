@@ -65,15 +65,42 @@ def _low_bit_kind(name: str, defaults: dict[str, Any]) -> str | None:
     return None
 
 
-def optimizer_factory(opt: torch.optim.Optimizer) -> Any:
+def optimizer_factory(opt: torch.optim.Optimizer, *, module_params: list[Any] | None = None) -> Any:
     """``params -> Optimizer`` rebuilding ``opt``'s class with its defaults (only the keywords its
-    constructor accepts: ``defaults`` also holds derived entries such as ``decoupled_weight_decay``)."""
+    constructor accepts: ``defaults`` also holds derived entries such as ``decoupled_weight_decay``).
+
+    With ``module_params`` (the trained module's ``list(module.parameters())``), the factory rebuilds
+    ``opt``'s own parameter groups on a copy of that module: given the copy's parameters (the same order,
+    as ``copy.deepcopy`` and a fake copy keep it), each group takes the copy's parameters at the positions
+    ``opt``'s hold in ``module_params``, with the group's options; so an optimizer of the discriminator only
+    (one of a GAN's two) steps only the copy's discriminator. ``None`` is returned instead of a factory when
+    ``opt`` holds a parameter that is not in ``module_params``."""
     import inspect
 
     cls = type(opt)
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
-    return lambda params: cls(params, **kwargs)
+    if module_params is None:
+        return lambda params: cls(params, **kwargs)
+    index = {id(p): i for i, p in enumerate(module_params)}
+    groups: list[tuple[list[int], dict[str, Any]]] = []
+    for group in opt.param_groups:
+        positions = [index.get(id(p)) for p in group["params"]]
+        if any(i is None for i in positions):
+            return None
+        groups.append(([int(i) for i in positions if i is not None],
+                       {k: v for k, v in group.items() if k != "params"}))
+    n_params = len(module_params)
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        copy = list(params)
+        if len(copy) != n_params:
+            raise ValueError(f"the traced copy has {len(copy)} parameters, the trained module {n_params}: the "
+                             "optimizer's parameter groups cannot be rebuilt on it")
+        return cls([{**options, "params": [copy[i] for i in positions]} for positions, options in groups], **kwargs)
+
+    return build
+
 
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` inside a ``LightningOptimizer``."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_memplan.model import checkpointing, param_counts, pipeline_timeline, terms
+from lightning_memplan.model import frozen as frozen_parts
 from lightning_memplan.model.resolve import ResolvedStage
 from lightning_memplan.model.result import DYNAMIC_COMPONENTS, Calibration
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan
@@ -196,11 +197,14 @@ def micro_batch_bytes(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) ->
     """The :class:`MicroBatchBytes` of resolved stage ``r``."""
     k, b, s, t, sp, layout = r.kernels, r.b, r.s, r.t, r.sp, r.layout
     saved_layer, rebuild = _saved_and_rebuild(model, r)
+    # blocks no gradient reaches (a frozen backbone's prefix) save nothing and rebuild nothing (model/frozen.py)
+    saving = frozen_parts.saving_layers(model, layout.n_layers, first_stage=layout.has_embedding)
+    rebuild = rebuild if saving else 0
     head_acts, logits = _head(model, r)
     copies = _autocast_copies(model, r, plan)
     # grad of the probabilities and of the scores for one layer [PT softmax_backward] (0 unless eager
     # attention without recompute)
-    eager_bwd_ws = terms.eager_softmax_backward_bytes(model, k, b, s, t=t)
+    eager_bwd_ws = terms.eager_softmax_backward_bytes(model, k, b, s, t=t) if saving else 0
     # The last block's softmax backward is its own point, except under activation offloading, where
     # backward_layer holds the unpacked block and the temporaries beside it.
     softmax_point = bool(eager_bwd_ws) and layout.n_layers > 0 and not r.offload_activations
@@ -213,7 +217,7 @@ def micro_batch_bytes(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) ->
     attn_layer = terms.eager_attention_bytes(model, k, b, s, t=t)
     # activation offloading (save_on_cpu around every block): the blocks' saves live on the host (their
     # bytes: model/assemble.py); one block's working set is a point of its own (_offloaded_block_points)
-    blocks = 0 if r.offload_activations else layout.n_layers
+    blocks = 0 if r.offload_activations else saving
     return MicroBatchBytes(
         block_acts=blocks * saved_layer,
         head_acts=head_acts,
@@ -238,7 +242,7 @@ def micro_batch_bytes(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) ->
         inflight_head=terms.pipeline_head_inflight_microbatches(plan.pp, plan.microbatches, plan.schedule)
         if layout.has_head else 0,
         batch_in=terms.batch_input_bytes(r.batch_tokens),
-        positions=terms.position_ids_bytes(model, s) if layout.has_embedding else 0,
+        positions=terms.position_ids_bytes(model, s) if layout.has_embedding and not model.frozen_embedding else 0,
     )
 
 

@@ -276,8 +276,17 @@ def _whole(cfg: Mapping[str, Any], names: tuple[str, ...], value: Any, maximum: 
 
 
 # ---------------------------------------------------------------------------------------- modules
+def _trained_parameters(module: Any) -> list[Any]:
+    """``module.parameters()`` without those of an ``AveragedModel`` inside it (a weight-averaging copy is
+    not trained: the ``averaged`` component, ``MemoryEstimate.averaged``)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    copies = {id(p) for m in module.modules() if isinstance(m, AveragedModel) and m is not module for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in copies] if copies else list(module.parameters())
+
+
 def _count_params(module: Any) -> int:
-    return sum(_logical_numel(p) for p in module.parameters())
+    return sum(_logical_numel(p) for p in _trained_parameters(module))
 
 
 def _logical_numel(param: Any) -> int:
@@ -286,6 +295,20 @@ def _logical_numel(param: Any) -> int:
     ``functional.py`` ``quantize_4bit``); every other parameter is its ``numel()``."""
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     return math.prod(shape) if shape is not None else int(param.numel())
+
+
+def _frozen_layout(module: Any) -> dict[str, Any]:
+    """``frozen_layers``/``frozen_embedding``/``frozen_head`` of a module with frozen parts
+    (:func:`~lightning_memplan.model.frozen.frozen_fields`), from its blocks, embeddings and head as the
+    transformer reader finds them."""
+    import torch.nn as nn
+
+    from lightning_memplan.model.frozen import frozen_fields
+
+    blocks = _blocks(module)
+    in_blocks = {id(m) for m in blocks.modules()} if blocks is not None else set()
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and id(m) not in in_blocks]
+    return frozen_fields(module, blocks, embeddings, _find(module, ("lm_head", "embed_out", "output", "head")))
 
 
 def _out_features(layer: Any) -> int | None:
@@ -500,26 +523,40 @@ def module_fields(module: Any) -> ModuleReading:
         raise TypeError(f"module={type(module).__name__!r} must be a torch.nn.Module (or a LightningModule)")
     n_params = _count_params(module)
     cfg = _hf_config(module)
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in _trained_parameters(module) if p.requires_grad)
     frozen: dict[str, Any] = {"n_trainable_params": trainable} if trainable < n_params else {}
+    if frozen:  # which parts are frozen: the saved activations and gradients follow (model/frozen.py)
+        frozen.update(_frozen_layout(module))
     if cfg is not None:
         # The config describes what runs only for the bare transformers model (no adapters, nothing
         # frozen, no checkpointing, the class the config names): then the traced path may build it from
         # the config (it checks the parameter count again). Otherwise the live module is what runs.
         bare = not frozen and recompute_of(module) == "none" and _is_config_class(module, cfg)
-        return ModuleReading(config=cfg, fields={"n_params": max(n_params, 1), **frozen}, config_describes_run=bare)
+        layers = first_value(_as_dict(cfg), _LAYERS)
+        overrides = _with_frozen({"n_params": max(n_params, 1), "n_layers": layers if isinstance(layers, int) else 0},
+                                 frozen)
+        del overrides["n_layers"]  # the config's own count, read again by from_hf_config
+        return ModuleReading(config=cfg, fields=overrides, config_describes_run=bare)
     litgpt = litgpt_fields(module)  # litgpt keeps its architecture in a dataclass Config
     if litgpt is not None:
-        return ModuleReading(config=None, fields={**litgpt, "n_params": max(n_params, 1), **frozen})
+        return ModuleReading(config=None, fields=_with_frozen({**litgpt, "n_params": max(n_params, 1)}, frozen))
     fields = _transformer_fields(module)
     if fields is not None:
-        return ModuleReading(config=None, fields={**fields, **frozen})
+        return ModuleReading(config=None, fields=_with_frozen(fields, frozen))
     if n_params == 0:
         raise ValueError(
             f"module={type(module).__name__!r} has no parameters, so there is no memory to plan; pass the module "
             "that is trained (built, e.g. after configure_model), or ModelSpec(..., n_params=N) directly"
         )
-    return ModuleReading(config=None, fields={**_generic_fields(module), **frozen})
+    return ModuleReading(config=None, fields=_with_frozen(_generic_fields(module), frozen))
+
+
+def _with_frozen(fields: dict[str, Any], frozen: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` plus the frozen parts; the frozen layout only when its blocks are the spec's (a block list
+    found elsewhere than the one ``n_layers`` counts is not described by it)."""
+    if frozen.get("frozen_layers", 0) > fields.get("n_layers", 0):
+        frozen = {k: v for k, v in frozen.items() if k not in ("frozen_layers", "frozen_embedding", "frozen_head")}
+    return {**fields, **frozen}
 
 
 def _is_config_class(module: Any, cfg: Any) -> bool:
@@ -545,7 +582,10 @@ def recompute_of(module: Any) -> str:
     the model, ``gradient_checkpointing=True`` on its layer stack), ``checkpoint_wrapper`` from
     ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (a ``CheckpointWrapper`` module) and
     the composable ``torch.distributed._composable.checkpoint(block)``. A ``torch.utils.checkpoint`` call
-    written inside a ``forward`` is not visible from the module tree; a traced calibration measures it.
+    written inside a ``forward`` is not visible from the module tree: the calibration trace sees it (blocks
+    run again in the backward, ``lightning_memplan.tracking.recompute``) and the session then sets
+    ``recompute="full"`` when every block is checkpointed, or notes a partial recompute; without a trace
+    the code is scanned for the call (a note, the estimate assumes no recompute).
     """
     import torch.nn as nn
 

@@ -9,10 +9,20 @@ measurement compare field by field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["COMPONENTS", "DYNAMIC_COMPONENTS", "PHASES", "Calibration", "MemoryEstimate", "readable_bytes"]
+__all__ = [
+    "COMPONENTS",
+    "DYNAMIC_COMPONENTS",
+    "OPTIONAL_COMPONENTS",
+    "PHASES",
+    "Calibration",
+    "MemoryEstimate",
+    "readable_bytes",
+    "shown_components",
+    "trim_optional",
+]
 
 #: Every component, in report order.
 COMPONENTS: tuple[str, ...] = (
@@ -26,7 +36,12 @@ COMPONENTS: tuple[str, ...] = (
     "comm",  # all-gathered parameter units, reduce-scatter / all-reduce buckets, pipeline p2p buffers
     "workspace",  # transient op temporaries: optimizer foreach temporaries, matmul outputs in flight
     "other",  # autocast's low-precision weight copies, buffers, anything not above
+    "averaged",  # weight-averaging copies (SWA, EMA: torch.optim.swa_utils.AveragedModel) of params and buffers
 )
+#: Components that appear in a breakdown only when they hold bytes (``to_dict``, :meth:`MemoryEstimate.
+#: components`, the report's tables and metrics): few runs keep a weight-averaging copy, and estimates,
+#: records and reports without one keep the keys they always had.
+OPTIONAL_COMPONENTS: frozenset[str] = frozenset({"averaged"})
 #: Components that scale with the batch shape (fitted by :class:`Calibration`).
 DYNAMIC_COMPONENTS: tuple[str, ...] = ("activations", "attention", "logits", "workspace", "other")
 #: Phases of one training step, in order.
@@ -37,13 +52,18 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 class MemoryEstimate:
     """Predicted allocated-tensor bytes on one rank at the peak of a training step.
 
-    The ten component fields are the bytes of each component *live at the peak moment*; they add
-    up to :attr:`total`. Components not live at that moment are 0 there (logits are freed before the
+    The component fields are the bytes of each component *live at the peak moment*; they add up to
+    :attr:`total`. Components not live at that moment are 0 there (logits are freed before the
     optimizer step; the optimizer step's temporaries do not exist in forward). :attr:`by_phase` holds
     the same breakdown at the peak of each phase, so a measurement per phase compares too.
 
     Attributes:
         params ... other: integer bytes per component at the peak (see :data:`COMPONENTS`).
+        averaged: bytes of the weight-averaging copies the run keeps on this device for the whole step
+            (Lightning's ``StochasticWeightAveraging``, ``WeightAveraging``/``EMAWeightAveraging``, a
+            ``torch.optim.swa_utils.AveragedModel``): its parameters and buffers, from the moment the copy
+            is on the device (:meth:`with_averaged`). 0 without one, and then left out of
+            :meth:`components`, :meth:`to_dict` and ``by_phase`` (:data:`OPTIONAL_COMPONENTS`).
         peak_phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
         rank: the global rank this estimate is for.
         stage: its pipeline stage (0 without pipeline parallelism).
@@ -77,6 +97,7 @@ class MemoryEstimate:
     comm: int = 0
     workspace: int = 0
     other: int = 0
+    averaged: int = 0
     peak_phase: str = field(default="forward", kw_only=True)
     rank: int = field(default=0, kw_only=True)
     stage: int = field(default=0, kw_only=True)
@@ -94,6 +115,9 @@ class MemoryEstimate:
                 raise ValueError(f"MemoryEstimate.{name}={value!r} must be >= 0 bytes")
         if self.peak_phase not in PHASES:
             raise ValueError(f"peak_phase={self.peak_phase!r} must be one of {PHASES}")
+        if any(not c.get(name) and name in c for c in self.by_phase.values() for name in OPTIONAL_COMPONENTS):
+            # a phase breakdown built over COMPONENTS holds "averaged": 0; dropped, as components() drops it
+            object.__setattr__(self, "by_phase", {p: trim_optional(c) for p, c in self.by_phase.items()})
 
     @property
     def total(self) -> int:
@@ -106,8 +130,21 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.master
 
     def components(self) -> dict[str, int]:
-        """``{component: bytes}`` at the peak, in report order."""
-        return {name: getattr(self, name) for name in COMPONENTS}
+        """``{component: bytes}`` at the peak, in report order (an :data:`OPTIONAL_COMPONENTS` entry only
+        when it holds bytes)."""
+        return trim_optional({name: getattr(self, name) for name in COMPONENTS})
+
+    def with_averaged(self, nbytes: int) -> MemoryEstimate:
+        """This estimate with ``nbytes`` of weight-averaging copies (:attr:`averaged`) alive in every phase:
+        a copy of the weights is made before the step and kept for the whole fit, so it adds the same
+        bytes to each phase's peak and to the step's (the peak phase does not move)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes={nbytes!r} must be a non-negative int of bytes")
+        if nbytes == self.averaged:
+            return self
+        delta = nbytes - self.averaged
+        by_phase = {p: {**c, "averaged": int(c.get("averaged", 0)) + delta} for p, c in self.by_phase.items()}
+        return replace(self, averaged=nbytes, by_phase=by_phase)
 
     def phase_total(self, phase: str) -> int:
         """Peak bytes of one phase (``"forward"``, ``"backward"``, ``"optimizer"``)."""
@@ -121,15 +158,15 @@ class MemoryEstimate:
         return max(comps, key=lambda name: comps[name])
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON; ``"host"`` only when there are host bytes (so estimates without offload keep the
-        keys they always had)."""
+        """Plain JSON; ``"host"`` only when there are host bytes and ``"averaged"`` only when a weight-
+        averaging copy exists (so estimates without offload or averaging keep the keys they always had)."""
         out = {
             **self.components(),
             "total": self.total,
             "peak_phase": self.peak_phase,
             "rank": self.rank,
             "stage": self.stage,
-            "by_phase": {p: dict(c) for p, c in self.by_phase.items()},
+            "by_phase": {p: trim_optional(c) for p, c in self.by_phase.items()},
             "details": dict(self.details),
             "source": self.source,
         }
@@ -186,7 +223,8 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "coefficients": {p: {c: list(v) for c, v in comps.items()} for p, comps in self.coefficients.items()},
+            "coefficients": {p: {c: list(v) for c, v in comps.items() if any(v) or c not in OPTIONAL_COMPONENTS}
+                             for p, comps in self.coefficients.items()},
             "traced_shapes": [list(s) for s in self.traced_shapes],
             "precision": self.precision,
             "n_params": self.n_params,
@@ -205,6 +243,18 @@ class Calibration:
             n_params=int(data.get("n_params", 0)),
             quantized=data.get("quantized", False) is True,
         )
+
+
+def trim_optional(components: Mapping[str, int]) -> dict[str, int]:
+    """``components`` without the :data:`OPTIONAL_COMPONENTS` entries that hold no bytes."""
+    return {k: v for k, v in components.items() if v or k not in OPTIONAL_COMPONENTS}
+
+
+def shown_components(*breakdowns: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The :data:`COMPONENTS` a table or a picture of ``breakdowns`` shows, in report order: every
+    component except an :data:`OPTIONAL_COMPONENTS` one that no breakdown holds bytes of."""
+    held = {k for b in breakdowns if b for k, v in b.items() if v}
+    return tuple(c for c in COMPONENTS if c not in OPTIONAL_COMPONENTS or c in held)
 
 
 def readable_bytes(n: int | float) -> str:

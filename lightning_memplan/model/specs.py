@@ -142,6 +142,12 @@ class ModelSpec:
             ``None`` means all of them train. :meth:`from_module` counts them; for a config-only
             LoRA estimate pass the adapter's count (peft's ``print_trainable_parameters()``) or use
             :meth:`with_lora`.
+        frozen_layers, frozen_embedding, frozen_head: a frozen backbone without an adapter
+            (``requires_grad=False`` set by hand): the leading blocks whose parameters are all frozen, and
+            whether the embedding tables and the head (final norm and lm_head) are. Blocks no gradient
+            reaches (the frozen ones when the embedding is frozen too) save no activations, and a frozen
+            head or embedding has no gradient (``lightning_memplan.model.frozen``). :meth:`from_module`
+            reads them; 0/False/False (the default): nothing frozen by layout.
         lora_rank, lora_targets, lora_dropout: the LoRA adapter :meth:`with_lora` describes (peft's ``r``,
             ``target_modules`` as a tuple, ``lora_dropout``); ``None``/``()``/``0.0`` without one. A spec
             with an ``hf_config`` is traced with peft's LoRA layers on those modules, so what the adapted
@@ -205,6 +211,9 @@ class ModelSpec:
     name: str | None = field(default=None, kw_only=True)
     hf_config: str | None = field(default=None, kw_only=True, repr=False)
     n_trainable_params: int | None = field(default=None, kw_only=True)
+    frozen_layers: int = field(default=0, kw_only=True)
+    frozen_embedding: bool = field(default=False, kw_only=True)
+    frozen_head: bool = field(default=False, kw_only=True)
     lora_rank: int | None = field(default=None, kw_only=True)
     lora_targets: tuple[str, ...] = field(default=(), kw_only=True)
     lora_dropout: float = field(default=0.0, kw_only=True)
@@ -283,6 +292,7 @@ class ModelSpec:
                     f"n_trainable_params={self.n_trainable_params!r} exceeds the {self.num_params} parameters of "
                     "the model; pass at most n_params (or None when everything trains)"
                 )
+        self._check_frozen()
         for name, value in check_lora_fields(self).items():  # the adapter with_lora describes; none: nothing
             _keep(self, name, value)
         if self.hf_config is not None and (not isinstance(self.hf_config, str) or not self.hf_config.startswith("{")):
@@ -291,6 +301,20 @@ class ModelSpec:
                 "ModelSpec.from_hf_config sets) or None"
             )
         self._check_calibration_source()
+
+    def _check_frozen(self) -> None:
+        """The frozen layout (``frozen_layers``, ``frozen_embedding``, ``frozen_head``): plain values, at
+        most ``n_layers`` blocks, and something left to train."""
+        _keep(self, "frozen_layers", _check_int(
+            "frozen_layers", self.frozen_layers, minimum=0, maximum=self.n_layers,
+            hint=f"the leading blocks whose parameters are all frozen, 0..n_layers={self.n_layers}"))
+        for name in ("frozen_embedding", "frozen_head"):
+            _keep(self, name, _check_bool(name, getattr(self, name)))
+        if self.frozen_layers == self.n_layers and self.frozen_embedding and self.frozen_head:
+            raise ValueError(
+                f"frozen_layers={self.frozen_layers!r} with frozen_embedding=True and frozen_head=True freezes the "
+                "whole model, which then does not train; leave the trained part out of the frozen fields"
+            )
 
     def _check_calibration_source(self) -> None:
         source = self.calibration_source
@@ -444,6 +468,9 @@ class ModelSpec:
         from dataclasses import fields
 
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibration_source"}
+        for name in ("frozen_layers", "frozen_embedding", "frozen_head"):  # only a frozen layout has them
+            if not out[name]:
+                del out[name]
         out["dense_layers"] = list(self.dense_layers)  # JSON has lists; from_dict takes it back as a tuple
         out["lora_targets"] = list(self.lora_targets)
         return out

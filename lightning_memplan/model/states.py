@@ -12,7 +12,9 @@
   Llama 3's per-micro-batch reduce-scatter (``frameworks.FrameworkFacts.grads_per_microbatch``);
 - DeepSpeed's ZeRO engine (``framework="deepspeed"``): :func:`lightning_memplan.model.deepspeed.
   zero_layout` (its states per point of the step, on the device or the host);
-- frozen parameters (a LoRA base): no gradients, optimizer states or master copies for them.
+- frozen parameters (a LoRA base, a frozen backbone): no gradients, optimizer states or master copies
+  for them; the gradients at the backward's points follow the frozen layout (``model/frozen.py``:
+  a frozen head or embedding has none, the last block's are its trainable share).
 
 FSDP2's ``CPUOffloadPolicy`` and DeepSpeed's offloads move these states to the host in the last stage
 (``model/assemble.py``), where the device points are known. Quantized frozen base weights (QLoRA) are
@@ -26,6 +28,7 @@ import math
 from typing import NamedTuple
 
 from lightning_memplan.model import deepspeed, param_counts, terms
+from lightning_memplan.model import frozen as frozen_parts
 from lightning_memplan.model.resolve import ResolvedStage
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan
 from lightning_memplan.model.stage_layout import fsdp_units, rescaled
@@ -74,11 +77,6 @@ class StageStates(NamedTuple):
     zero: deepspeed.ZeroLayout | None = None
     zero_persistent: int = 0
     paged_optimizer: int = 0
-
-
-def _trainable(model: ModelSpec, count: int) -> int:
-    """The trainable part of ``count`` parameters (all of them unless the spec freezes some)."""
-    return round(count * model.trainable_fraction) if model.n_trainable_params is not None else count
 
 
 def stage_states(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan) -> StageStates:
@@ -177,7 +175,8 @@ def _point_grads(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, pipelin
     sharded = plan.zero >= 2 and not pipelined_fsdp  # a unit's gradients are reduce-scattered per block
     head = 0
     if r.layout.has_head:  # with tied embeddings the shared matrix's gradient is allocated here too
-        head = _trainable(model, terms.norm_param_count(model) + math.ceil(model.vocab_size * model.hidden / t)) * g
+        head_params = terms.norm_param_count(model) + math.ceil(model.vocab_size * model.hidden / t)
+        head = frozen_parts.grad_params(model, head_params, "head") * g
         if sharded:
             head = math.ceil(head / shard)
     # At the last block's eager softmax backward the gradients of that block's parameters after the scores
@@ -189,13 +188,13 @@ def _point_grads(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, pipelin
         after_matmul, after_other = param_counts.layer_params_after_scores(model)
         norm = terms.norm_param_count(model)
         after = math.ceil(after_matmul / t) + math.ceil(max(after_other - norm, 0) / t) + norm
-        after_scores = _trainable(model, rescaled(model, after)) * g
+        after_scores = frozen_parts.grad_params(model, rescaled(model, after), "last_block") * g
     # At the first block's rebuilt backward (full recompute, pp = 1) the embedding's gradient does not
     # exist yet (its backward comes last); a tied embedding's is the head's, already there.
     first_missing = 0
     if r.kernels.recompute == "full" and r.layout.has_embedding and not model.tied_embeddings:
         emb = rescaled(model, math.ceil(terms.embedding_param_count(model) / t))
-        first_missing = _trainable(model, emb) * g
+        first_missing = frozen_parts.grad_params(model, emb, "embedding") * g
         if sharded:
             first_missing = math.ceil(first_missing / shard)
     return head, after_scores, first_missing

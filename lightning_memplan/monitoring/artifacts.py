@@ -172,8 +172,9 @@ def _log_files(logger: Any, files: Any, epoch: EpochReport, units: str, step: in
         run = logger.experiment
         for path in paths:
             run.save(str(path), base_path=str(Path(path).parent), policy="now")
-        columns, data = table_rows(epoch, units)
-        logger.log_table(key=f"{PREFIX}/ranks", columns=columns, data=data, step=step)
+        if files.json is not None:  # the epoch's files (the end of a fit adds its pictures alone)
+            columns, data = table_rows(epoch, units)
+            logger.log_table(key=f"{PREFIX}/ranks", columns=columns, data=data, step=step)
         if files.png is not None:
             logger.log_image(key=f"{PREFIX}/report", images=[str(files.png)], step=step)
     elif isinstance(logger, tensorboard) and files.png is not None:

@@ -84,7 +84,8 @@ def _traced(module: torch.nn.Module, shapes: list[tuple[int, int]], factory: Bat
 
 
 def run_calibration(
-    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
+    *, fake: bool = True,
 ) -> Calibration | None:
     """Fit the batch-dependent terms from traced fake-tensor steps of ``run.module`` with the real
     optimizer class and the real batch's structure; ``None`` and a ``note`` saying why when tracing
@@ -94,12 +95,14 @@ def run_calibration(
     A module that ``memplan_auto`` sharded (FSDP2, tensor parallelism) is traced through the copy the
     strategy kept from just before (``plain_module``, on the meta device, with the plan's activation
     checkpointing): one rank of the plain model, which ``estimate_memory`` scales to the plan.
+    ``fake=False`` traces real CPU steps of private copies instead (what the session asks for a model small
+    enough that a real step costs less than a fake one).
 
     The run is left exactly as it was (:func:`~lightning_memplan.tracking.isolation.preserved_run_state`):
     every trace works on a copy of the module and the global random states are put back, so the user's
     next dropout mask and shuffle are the ones they would have been without the callback."""
     with preserved_run_state(run.module, run.optimizers) as guard:
-        calibration = _calibrate_run(run, train, spec, batch, note)
+        calibration = _calibrate_run(run, train, spec, batch, note, fake=fake)
     if guard.moved or guard.restored:
         note(
             "calibration changed the module it traces ("
@@ -109,8 +112,26 @@ def run_calibration(
     return calibration
 
 
+def _trace_optimizers(run: RunContext, module: torch.nn.Module, train: TrainSpec) -> list[Any]:
+    """``params -> Optimizer`` factories for the trace, one per optimizer of the run: each rebuilds its
+    optimizer's class, options and parameter groups on the traced copy (``live.optimizer_factory`` with
+    ``module_params``) when ``module`` is the trained module itself; on another copy (memplan_auto's plain
+    module) or for a parameter outside the module, the class over every parameter. No optimizer yet: the
+    TrainSpec's name."""
+    if not run.optimizers:
+        return [train.optimizer]
+    own = list(module.parameters()) if module is run.module else None
+    factories = []
+    for wrapped in run.optimizers:
+        opt = unwrap_optimizer(wrapped)
+        grouped = optimizer_factory(opt, module_params=own) if own is not None else None
+        factories.append(grouped if grouped is not None else optimizer_factory(opt))
+    return factories
+
+
 def _calibrate_run(
-    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None]
+    run: RunContext, train: TrainSpec, spec: ModelSpec | None, batch: Any, note: Callable[[str], None],
+    *, fake: bool,
 ) -> Calibration | None:
     module = run.module
     sharded = pipeline_split(run) or parallelised_by(module)
@@ -125,23 +146,18 @@ def _calibrate_run(
         )
         return None
     b, s = train.micro_batch, train.seq_len
-    optimizer: Any = train.optimizer
-    if run.optimizers:
-        optimizer = optimizer_factory(unwrap_optimizer(run.optimizers[0]))
-    extra: dict[str, Any] = {"optimizer": optimizer, "precision": train.precision}
+    optimizers = _trace_optimizers(run, module, train)
+    extra: dict[str, Any] = {"optimizer": optimizers[0], "precision": train.precision}
+    if not fake:  # real CPU steps of private copies: a small model (monitoring/first_batch.py)
+        extra["fake"] = False
     if run.loss_fn is not None:
         extra["loss_fn"] = run.loss_fn
     if not train.grads_alive_in_forward:
         extra["grads_alive_in_forward"] = False
     if not run.automatic_optimization:
-        if len(run.optimizers) != 1:
-            note(
-                f"calibration skipped: manual optimization with {len(run.optimizers)} optimizers cannot be "
-                "traced with one; the analytic memory model is used"
-            )
-            return None
-        # training_step runs backward and the optimizer step itself, through Trainer-backed methods
-        extra["optimizer"], extra["loss_fn"] = manual_optimization_trace(optimizer)
+        # training_step runs backward and the optimizer steps itself, through Trainer-backed methods: one
+        # trace optimizer per real one (a GAN's generator and discriminator optimizers)
+        extra["optimizer"], extra["loss_fn"] = manual_optimization_trace(optimizers)
     try:
         factory = batch_factory(batch, b, s)
         shapes = _shapes_for(factory, b, s, spec.dim_head if spec is not None else None, note)

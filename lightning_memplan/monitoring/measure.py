@@ -16,6 +16,7 @@ including ``on_after_backward`` and gradient clipping) and ``optimizer`` (.. ``o
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,17 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _STATM = "/proc/self/statm"
 
 
-_statm_fd: tuple[int, int] | None = None  # (pid, fd): "/proc/self" is resolved when the file is opened
+_statm_fd: int | None = None  # "/proc/self" is resolved when the file is opened
+
+
+def _forget_statm() -> None:
+    """A forked child's inherited descriptor still describes the parent: the child opens its own."""
+    global _statm_fd
+    _statm_fd = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_statm)
 
 
 def read_rss() -> int | None:
@@ -38,21 +49,22 @@ def read_rss() -> int | None:
     ``None`` where ``/proc`` does not exist (macOS, Windows).
 
     The file stays open and is re-read with ``pread`` at offset 0 (~2 us instead of ~40 us for
-    open/read/close; it is read at every phase boundary of every step). It is reopened in a forked
-    child, whose inherited descriptor would still describe the parent.
+    open/read/close; it is read at every phase boundary of every step). A forked child reopens it
+    (``os.register_at_fork``), so no ``getpid`` call is needed per read (a system call: 10 us in a sandbox).
     """
     global _statm_fd
-    pid = os.getpid()
     try:
-        if _statm_fd is None or _statm_fd[0] != pid:
-            _statm_fd = (pid, os.open(_STATM, os.O_RDONLY))
-        return int(os.pread(_statm_fd[1], 256, 0).split()[1]) * _PAGE_SIZE
+        if _statm_fd is None:
+            _statm_fd = os.open(_STATM, os.O_RDONLY)
+        return int(os.pread(_statm_fd, 256, 0).split()[1]) * _PAGE_SIZE
     except (OSError, IndexError, ValueError):
         return None
 
 
+@functools.lru_cache(maxsize=1)
 def machine_ram() -> int | None:
-    """Physical RAM of the machine in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), ``None`` if unknown."""
+    """Physical RAM of the machine in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), ``None`` if unknown; read
+    once per process (it is asked at every step's end)."""
     try:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(_PAGE_SIZE)
     except (AttributeError, ValueError, OSError):

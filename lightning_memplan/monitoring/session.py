@@ -14,6 +14,8 @@ Trainer's names.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -42,11 +44,18 @@ from lightning_memplan.monitoring.advice import (
     headroom_message,
     mismatch_message,
 )
+from lightning_memplan.monitoring.averaged import averaged_copies, copy_bytes
 from lightning_memplan.monitoring.calibration import describe_run, run_calibration
 from lightning_memplan.monitoring.eval_steps import EvalState
+from lightning_memplan.monitoring.first_batch import (
+    block_types,
+    real_trace_is_cheaper,
+    recompute_seen,
+)
 from lightning_memplan.monitoring.measure import PhaseProbe, make_probe, read_rss
 from lightning_memplan.monitoring.options import MonitorOptions
 from lightning_memplan.monitoring.step_record import build_incident, build_step_record
+from lightning_memplan.monitoring.writer import ReportWriter
 from lightning_memplan.report.gather import gather_objects
 from lightning_memplan.report.records import (
     EpochReport,
@@ -62,6 +71,7 @@ from lightning_memplan.tracking.compiled import (
     compiled_parts,
     dynamo_frames,
 )
+from lightning_memplan.tracking.recompute import RecomputeObserver, RecomputeSeen
 
 __all__ = ["MemorySession", "RunContext"]
 
@@ -110,6 +120,9 @@ class RunContext:
     grads_alive_in_forward: bool = True
     #: Name used in warnings and in the argument hints of notes.
     owner: str = "MemoryPlanCallback"
+    #: What may hold weight-averaging copies beside the module (the Trainer's callbacks; the models given to
+    #: ``MemoryMonitor(averaged_models=...)``): the ``averaged`` component (monitoring/averaged.py).
+    holders: tuple[Any, ...] = ()
 
     @property
     def lightning_module(self) -> torch.nn.Module:
@@ -141,6 +154,10 @@ class _FitState:
     epoch_warnings: list[str] = field(default_factory=list)
     epoch_warning_steps: list[int] = field(default_factory=list)  # the step each warning was raised at
     evals: EvalState = field(default_factory=EvalState)  # validation / test / predict steps (eval_steps.py)
+    copies: list[Any] = field(default_factory=list)  # weight-averaging copies found (monitoring/averaged.py)
+    averaged: int = 0  # their bytes on the training device when last looked
+    copies_epoch: int | None = None  # the epoch they were last looked for in
+    with_copies: tuple[Any, int, Any] | None = None  # (estimate, averaged, estimate with them): the last one
 
 
 class MemorySession:
@@ -162,6 +179,9 @@ class MemorySession:
         self.fit = _FitState()
         # Every rank's records of the checkpoint saves of the epoch under way (monitoring/checkpoint.py).
         self.pending_checkpoints: list[Any] = []
+        # The report files: JSON and Markdown at once, the pictures on a thread (monitoring/writer.py).
+        self.writer = ReportWriter(self._write_folder)
+        self._png: bool | None = None  # whether matplotlib imports (asked once, on this thread)
 
     # ------------------------------------------------------------------------------------ set-up
     def begin_fit(self, device: torch.device, rank: int) -> None:
@@ -171,6 +191,8 @@ class MemorySession:
         self.fit = _FitState()
         self.report = self.report.new_run()
         self.rank = int(rank)
+        self.writer.wait()
+        self.writer = ReportWriter(self._write_folder)  # the run's clock starts now
         self.fit.probe = make_probe(device)
         kind = self.fit.probe.kind
         track = self.options.track_tensors
@@ -244,9 +266,16 @@ class MemorySession:
         source = "none"
         if spec is not None and fit.train is not None:
             source = "analytic"
+            seen = RecomputeSeen()
             if opts.calibrate:
-                fit.calibration = run_calibration(run, fit.train, spec, batch, self.note)
+                # a module memplan_auto sharded is traced through its meta copy: fake tensors only
+                plain = getattr(run.strategy, "plain_module", None) is None
+                real = self.backend == "cpu" and plain and real_trace_is_cheaper(spec, fit.train)
+                with RecomputeObserver(block_types(run.module)) as observer:
+                    fit.calibration = run_calibration(run, fit.train, spec, batch, self.note, fake=not real)
+                seen = observer.seen
                 source = "calibrated" if fit.calibration is not None else "analytic"
+            self._follow_recompute(run, seen)
             if fit.calibration is None and spec.calibration_source is not None:
                 # traced coefficients that came with the spec (a Hugging Face config's real class): the
                 # estimate says whether they covered this run ("hf_trace") or it fell back to the terms
@@ -270,8 +299,47 @@ class MemorySession:
             run_info["expandable_segments"] = expandable_segments_enabled()
         self.report = replace(self.report, run=run_info)
 
+    def _follow_recompute(self, run: RunContext, seen: RecomputeSeen) -> None:
+        """Hand-written activation checkpointing (monitoring/first_batch.py): ``recompute="full"`` when the
+        calibration trace saw every block run again in the backward, else a note when it saw a partial one or,
+        without a trace, a ``torch.utils.checkpoint`` call in the code."""
+        if self.fit.train is None:
+            return
+        self.fit.train, text = recompute_seen(self.fit.train, seen, run.module, explicit=self.options.train_spec
+                                              is not None, owner=self.owner)
+        if text is not None:
+            self.note(text)
+
     # ------------------------------------------------------------------------------------ estimates
     def estimate(self, b: int, s: int) -> MemoryEstimate | None:
+        """The estimate of a ``(b, s)`` step, with the weight-averaging copies alive now (:meth:`find_copies`)."""
+        return self._with_copies(self._estimate(b, s))
+
+    def _with_copies(self, est: MemoryEstimate | None) -> MemoryEstimate | None:
+        fit = self.fit
+        if est is None or not fit.averaged:
+            return est
+        last = fit.with_copies
+        if last is not None and last[0] is est and last[1] == fit.averaged:
+            return last[2]  # type: ignore[no-any-return]
+        out = est.with_averaged(fit.averaged)
+        fit.with_copies = (est, fit.averaged, out)
+        return out
+
+    def find_copies(self, run: RunContext) -> None:
+        """Look for the run's weight-averaging copies and their bytes on the training device (the ``averaged``
+        component; monitoring/averaged.py). Called at the first step of each epoch and on tracked steps: SWA
+        moves its copy to the device at an epoch start; a copy appears at set-up otherwise."""
+        fit = self.fit
+        try:
+            fit.copies = averaged_copies(run.module, run.holders)
+            fit.averaged = copy_bytes(fit.copies, run.module, self.backend) if fit.copies else 0
+        except Exception as exc:  # noqa: BLE001 - monitoring never ends the run
+            fit.copies, fit.averaged = [], 0
+            self.warn_once("averaged", f"could not read the weight-averaging copies ({type(exc).__name__}: {exc}); "
+                                       "they are left out of the estimate and the measurement")
+
+    def _estimate(self, b: int, s: int) -> MemoryEstimate | None:
         fit = self.fit
         key = (b, s)
         if key in fit.estimates:
@@ -324,6 +392,9 @@ class MemorySession:
         )
         if tracked and fit.stepped:
             fit.steady_tracked = True
+        if tracked or fit.copies_epoch != epoch:
+            fit.copies_epoch = epoch
+            self.find_copies(run)
         fit.current = {
             "step": step,
             "epoch": epoch,
@@ -367,8 +438,9 @@ class MemorySession:
         if shape is not None and fit.spec is not None and fit.train is not None and fit.plan is not None:
             try:
                 b = stage_micro_batch(fit.plan, shape[0])
-                est = fit.evals.estimate(fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module,
-                                         run.optimizers, self.options.generate_tokens)
+                est = self._with_copies(fit.evals.estimate(
+                    fit.spec, fit.train, fit.plan, fit.est_rank, phase, b, shape[1], run.module, run.optimizers,
+                    self.options.generate_tokens))
             except (ValueError, TypeError) as exc:
                 self.note(f"the memory model cannot estimate the {phase} batch {shape[0]} x {shape[1]}: {exc}")
         tracked = fit.evals.should_track(phase, fit.tracking_enabled, self.options.measure_every_n_steps)
@@ -452,6 +524,8 @@ class MemorySession:
         # the step's batch is live while it runs, as the estimate (model/terms.batch_input_bytes), the traced
         # calibration (tracking/trace.py) and the compiled step's AllocationMeter count it
         tracker.track(_batch_tensors(batch), "other")
+        for copy in self.fit.copies:  # weight-averaging copies beside the module (its AveragedModel parts: itself)
+            tracker.track_copy(copy)
         tracker.hold(ddp_bucket_bytes(run.strategy), "comm")  # DDP's buckets: no Python tensor holds them
         tracker.start()
         tracker.set_phase("forward")
@@ -566,14 +640,17 @@ class MemorySession:
             if text:
                 self.warn_once("mismatch", text)
         plan = fit.plan or ParallelPlan()
-        train = (
-            fit.train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
-            if (fit.train is not None and record.micro_batch and record.seq_len)
-            else fit.train
-        )
-        text = headroom_message(record, opts.min_headroom, plan, train, units=opts.units)
-        if text:
-            self.warn_once("headroom", text)
+        low = record.headroom is not None and record.device_memory and (
+            record.headroom < opts.min_headroom * record.device_memory)
+        if low and "headroom" not in self.warned:  # the step's TrainSpec only for the remedy's text
+            train = (
+                fit.train.replace(micro_batch=record.micro_batch, seq_len=record.seq_len)
+                if (fit.train is not None and record.micro_batch and record.seq_len)
+                else fit.train
+            )
+            text = headroom_message(record, opts.min_headroom, plan, train, units=opts.units)
+            if text:
+                self.warn_once("headroom", text)
         if record.micro_batch is None or record.seq_len is None or not record.device_memory:
             return
         b = max(self.max_shape_seen[0], record.micro_batch)
@@ -647,20 +724,52 @@ class MemorySession:
             return False
         return True
 
-    def write(self, directories: list[str]) -> Any:
-        """Write the report to each folder (rank 0); the first folder's
-        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written. A file
-        that cannot be written is a warning naming it and its error; the run goes on."""
+    def _write_folder(self, report: MemoryReport, directory: str, pictures: bool, texts: bool = True) -> Any:
+        """One folder's files of ``report`` (the JSON and Markdown with ``texts``, the HTML and PNG with
+        ``pictures``): what the writer calls."""
         from lightning_memplan.report.io import write_report
 
+        png = bool(pictures and self._png)
+        return write_report(report, directory, units=self.options.units, png=png, html=pictures, text=texts,
+                            errors="warn")[1]
+
+    def _writing(self, directories: list[str]) -> bool:
         if not self.options.write_files or not directories:
+            return False
+        if self._png is None:
+            self._png = self.png_possible()
+        return True
+
+    def write(self, directories: list[str]) -> Any:
+        """Write the report to each folder (rank 0), every file now; the first folder's
+        :class:`~lightning_memplan.report.io.WrittenFiles`, or ``None`` when nothing was written. A file
+        that cannot be written is a warning naming it and its error; the run goes on."""
+        if not self._writing(directories):
             return None
-        png = self.png_possible()
-        first = None
-        for directory in directories:
-            _, written = write_report(self.report, directory, units=self.options.units, png=png, errors="warn")
-            first = first or written
-        return first
+        return self.writer.write_now(self.report, directories, pictures=True)
+
+    def write_epoch(self, directories: list[str]) -> Any:
+        """At an epoch end or after a checkpoint save (rank 0): the JSON and Markdown now, the HTML and PNG on
+        the writer's thread when that is cheap (monitoring/writer.py); the first folder's JSON/Markdown files."""
+        if not self._writing(directories):
+            return None
+        return self.writer.epoch_end(self.report, directories)
+
+    def finish_writes(self, directories: list[str]) -> Any:
+        """At the end of the fit (rank 0): wait for the writer and draw the final pictures if they are not
+        on disk yet; the first folder's files, or ``None`` when nothing new was written."""
+        if not self._writing(directories):
+            self.writer.wait()
+            return None
+        return self.writer.finish(self.report, directories)
+
+    def finish_later(self, owner: Any, directories: list[str]) -> weakref.finalize:
+        """What finishes the files when ``owner`` (a Fabric ``MemoryMonitor``, which has no end-of-fit hook)
+        is closed, collected or left alive at interpreter exit, whichever comes first: a ``weakref.finalize``
+        (it holds the session, never ``owner``; its ``atexit`` runs it at exit) that waits for the writer and
+        draws the final report's pictures unless they are on disk (:meth:`finish_writes`), on rank 0; calling
+        it runs it once and returns the first folder's files. It never raises (a warning instead)."""
+        return weakref.finalize(owner, _finish_quietly, self, list(directories))
 
     def print_epoch(self, epoch: int) -> None:
         if self.options.print_report:
@@ -696,6 +805,7 @@ class MemorySession:
         """The report with the incident, into ``directory`` (``memory_report.rank<N>.*`` off rank 0)."""
         from lightning_memplan.report.io import write_report
 
+        self.writer.wait()  # the thread's drawing first: the incident's files are the last written
         if self.options.write_files and directory:
             write_report(
                 self.report, directory, units=self.options.units,
@@ -736,3 +846,17 @@ class MemorySession:
         self.max_shape_seen = got.max_shape_seen or (0, 0)
         self.acc = got.accumulator
         return got.counters
+
+
+def _finish_quietly(session: MemorySession, directories: list[str]) -> Any:
+    """:meth:`MemorySession.finish_writes` on rank 0 (the writer only waited for elsewhere), a warning for any
+    failure: it runs from a finalizer or at interpreter exit, where an exception would only be printed."""
+    try:
+        if session.rank != 0 or not session.report.epochs:  # nothing of this rank's to draw: no epoch ended
+            session.writer.wait()
+            return None
+        return session.finish_writes(directories)
+    except Exception as exc:  # noqa: BLE001 - finishing the report files never raises
+        warnings.warn(f"{session.owner}: the report's pictures could not be finished ({type(exc).__name__}: {exc}); "
+                      "the JSON and Markdown reports are written", UserWarning, stacklevel=1)
+        return None

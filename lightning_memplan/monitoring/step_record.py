@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
+from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate, trim_optional
 from lightning_memplan.report.records import Incident, RankAccumulator, StepRecord
 
 __all__ = ["build_incident", "build_step_record", "is_out_of_memory"]
@@ -48,7 +48,7 @@ def build_step_record(
     phase_peaks = dict(reading.phase_peaks) if reading is not None and reading.phase_peaks else None
     components = None
     if tracker_report is not None:
-        components = {c: int(tracker_report.peak.get(c, 0)) for c in COMPONENTS}
+        components = trim_optional({c: int(tracker_report.peak.get(c, 0)) for c in COMPONENTS})
         if measured_peak is None:
             measured_peak = tracker_report.total
             phase_peaks = {p: tracker_report.phase_total(p) for p in PHASES if p in tracker_report.by_phase}

@@ -113,7 +113,7 @@ def _why_not_runner_up(d: Any) -> str | None:
 
 def _breakdown_rows(d: Any) -> list[tuple[str, str]]:
     comps = d.estimate.components()
-    return [(c, _gib(comps[c])) for c in COMPONENTS if comps[c] > 0]
+    return [(c, _gib(comps[c])) for c in COMPONENTS if comps.get(c, 0) > 0]
 
 
 def _candidate_rows(d: Any, top: int) -> list[list[str]]:

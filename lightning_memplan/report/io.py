@@ -204,6 +204,7 @@ def write_report(
     units: str = "GiB",
     png: bool = True,
     html: bool = True,
+    text: bool = True,
     rank_suffix: int | None = None,
     errors: str = "raise",
 ) -> tuple[MemoryReport, WrittenFiles]:
@@ -213,6 +214,8 @@ def write_report(
     lock (module docstring).
 
     Args:
+        text: write the JSON and the Markdown (``False``: only the pictures asked for, drawn from the report
+            merged with the one on disk, when the JSON of this report is already there).
         errors: ``"raise"``: the first file that cannot be written raises its error (``OSError``,
             ``ValueError``, ...). ``"warn"``: every file is tried, and the ones that failed make one
             ``UserWarning`` naming each path and its error; nothing is raised.
@@ -250,8 +253,10 @@ def write_report(
             if errors == "raise":
                 raise
             failures.append(f"{str(json_path)!r}: {type(exc).__name__}: {str(exc)[:300]}")
-        written_json = attempt(json_path, lambda: write_atomic(json_path, report_text(merged)))
-        written_md = attempt(md_path, lambda: write_atomic(md_path, render_markdown(merged, units=units)))
+        written_json = written_md = None
+        if text:
+            written_json = attempt(json_path, lambda: write_atomic(json_path, report_text(merged)))
+            written_md = attempt(md_path, lambda: write_atomic(md_path, render_markdown(merged, units=units)))
         written_html: Path | None = None
         if html:
             from lightning_memplan.report.html import render_html

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 from lightning_memplan.model.eval_estimate import EVAL_PHASES
-from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.model.result import COMPONENTS, PHASES, shown_components
 from lightning_memplan.report.checkpoints import CheckpointRecord, peak_ratio
 from lightning_memplan.tracking.timeline import DEFAULT_SERIES_POINTS, SeriesBuilder, StepSeries, StepTimeline
 
@@ -988,10 +988,17 @@ class MemoryReport:
     def latest(self) -> EpochReport | None:
         return self.epochs[-1] if self.epochs else None
 
+    def _breakdowns(self) -> list[Mapping[str, int] | None]:
+        """Every rank's and tracked step's component breakdowns (what says whether an optional component,
+        a weight-averaging copy, is in the report)."""
+        ranks = [r for e in self.epochs for r in (*e.ranks, *(x for rs in e.phases.values() for x in rs))]
+        steps: list[Any] = [*ranks, *(t for r in ranks for t in r.tracked)]
+        return [m for r in steps for m in (r.estimated_components, r.measured_components)]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": REPORT_FORMAT_VERSION,
-            "components": list(COMPONENTS),
+            "components": list(shown_components(*self._breakdowns())),
             "phases": list(PHASES),
             "run": dict(self.run),
             "current_run": self.current_run,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.model.result import PHASES, shown_components
 from lightning_memplan.report.checkpoints import CHECKPOINT_HEADERS, checkpoint_rows
 from lightning_memplan.report.escape import (
     markdown_code,
@@ -181,7 +181,8 @@ def phase_rows(epoch: EpochReport, units: str) -> list[list[str]]:
 def _component_rows(epoch: EpochReport, units: str) -> list[list[str]]:
     shown = component_ranks(epoch)
     rows = []
-    for name in COMPONENTS:
+    names = shown_components(*(c for r in epoch.ranks for c in (r.estimated_components, r.measured_components)))
+    for name in names:
         row = [name]
         for r in shown:
             row.append(format_bytes((r.estimated_components or {}).get(name), units, suffix=False))

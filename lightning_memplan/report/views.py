@@ -45,11 +45,13 @@ __all__ = [
     "timeline_view",
 ]
 
-#: One colour per component (matplotlib's "tab10" palette, in :data:`COMPONENTS` order).
+#: One colour per component (matplotlib's "tab10" palette, in :data:`COMPONENTS` order; the weight-averaging
+#: copy, an eleventh, takes the first of "tab20b").
 COMPONENT_COLORS: dict[str, str] = dict(
     zip(
         COMPONENTS,
-        ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"),
+        ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+         "#393b79"),
         strict=True,
     )
 )

@@ -9,7 +9,7 @@ workspace spike in the optimizer step), and go through the same :class:`RankAccu
 
 from __future__ import annotations
 
-from lightning_memplan.model.result import COMPONENTS
+from lightning_memplan.model.result import COMPONENTS, trim_optional
 from lightning_memplan.report.records import EpochReport, Incident, MemoryReport, RankAccumulator, StepRecord
 from lightning_memplan.tracking.timeline import TimelineBuilder
 
@@ -70,7 +70,7 @@ def synthetic_step(
         step=step, epoch=epoch, rank=rank, micro_batch=4, seq_len=seq_len,
         estimated_peak=est_totals[est_phase], estimated_components=est_by_phase[est_phase],
         estimated_phase_peaks=est_totals, estimated_peak_phase=est_phase, estimated_by_phase=est_by_phase,
-        measured_peak=measured, measured_components=peak[1] if tracked else None,
+        measured_peak=measured, measured_components=trim_optional(peak[1]) if tracked else None,
         measured_phase_peaks=by_phase_meas, reserved=int(measured * 1.3), device_memory=device_memory,
         headroom=device_memory - int(measured * 1.3), tracked=tracked, warmup=warmup, backend="cpu",
         timeline=builder.timeline(op) if tracked else None,

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate
+from lightning_memplan.model.result import COMPONENTS, PHASES, MemoryEstimate, shown_components, trim_optional
 from lightning_memplan.tracking.timeline import StepTimeline
 
 __all__ = ["TrackerReport"]
 
 
 def _zero() -> dict[str, int]:
-    return dict.fromkeys(COMPONENTS, 0)
+    return trim_optional(dict.fromkeys(COMPONENTS, 0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,14 +86,14 @@ class TrackerReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "peak": dict(self.peak),
+        return {  # an optional component (a weight-averaging copy) only when it held bytes
+            "peak": trim_optional(self.peak),
             "total": self.total,
             "peak_phase": self.peak_phase,
-            "by_phase": {p: dict(c) for p, c in self.by_phase.items()},
-            "current": dict(self.current),
+            "by_phase": {p: trim_optional(c) for p, c in self.by_phase.items()},
+            "current": trim_optional(self.current),
             "peak_ops": dict(self.peak_ops),
-            "pinned": {p: dict(c) for p, c in self.pinned.items()},
+            "pinned": {p: trim_optional(c) for p, c in self.pinned.items()},
             "n_ops": self.n_ops,
             "device": self.device,
             "timeline": self.timeline.to_dict() if self.timeline is not None else None,
@@ -120,7 +120,7 @@ class TrackerReport:
         phases = [p for p in PHASES if p in self.by_phase]
         header = f"{'component':<12}{'peak':>14}" + "".join(f"{p:>14}" for p in phases)
         lines = [header]
-        for name in (*COMPONENTS, "total"):
+        for name in (*shown_components(self.peak, *self.by_phase.values()), "total"):
             if name == "total":
                 row = [self.total] + [self.phase_total(p) for p in phases]
             else:

@@ -217,18 +217,27 @@ def _run(
     # ``module`` is already the caller's private copy (fake or real)
     model = precision.convert_module(move_module(module, device))
     model.train()
-    opt = make_optimizer(optimizer, model.parameters(), optimizer_impl=optimizer_impl)
+    made: Any = make_optimizer(optimizer, model.parameters(), optimizer_impl=optimizer_impl)
+    # a factory may make several (a manually optimised module steps each in its training_step): the first is
+    # the one the trace's own zero_grad/step use, every one's states are tracked
+    optimizers = list(made) if isinstance(made, (list, tuple)) else [made]
+    opt = optimizers[0]
     batch = precision.convert_input(map_tensors(make_batch(), lambda t: t.to(device)))
     scaler = precision.make_scaler(fake=fake)
-    tracker = TensorTracker(model, opt, seq_len=seq_len, vocab_size=vocab_size, device=device, pin=pin)
+    # The steps before the measured one run without the tracker (its dispatch mode costs every operator a
+    # Python call: 40 % of a small model's real calibration): what they leave (optimizer states, gradients,
+    # buffers) is registered when it starts, as the callback's tracker finds a running fit's.
+    for _ in range(steps - 1):
+        run_training_step(model, batch, loss_fn, opt, precision=precision, scaler=scaler,
+                          grads_alive_in_forward=grads_alive_in_forward)
+    tracker = TensorTracker(model, optimizers, seq_len=seq_len, vocab_size=vocab_size, device=device, pin=pin)
     with tracker:
         tracker.track(batch, "other")
-        for _ in range(steps):
-            tracker.reset_peaks()
-            run_training_step(
-                model, batch, loss_fn, opt, precision=precision, scaler=scaler, on_phase=tracker.set_phase,
-                grads_alive_in_forward=grads_alive_in_forward,
-            )
+        tracker.reset_peaks()
+        run_training_step(
+            model, batch, loss_fn, opt, precision=precision, scaler=scaler, on_phase=tracker.set_phase,
+            grads_alive_in_forward=grads_alive_in_forward,
+        )
     return tracker.report()
 
 
@@ -364,11 +373,14 @@ def trace_memory(
             answers for the real batch resized).
         loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
             :func:`default_loss`.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``
+            (or ``params -> [Optimizer, ...]`` for a module whose ``training_step`` steps several: the first
+            is the one the trace zeroes and steps after it, every one's states are tracked).
         optimizer_impl: ``None`` (PyTorch's default for the device), ``"foreach"``, ``"for_loop"``, ``"fused"``.
         precision: Lightning precision string, emulated as Lightning's precision plugins do
             (:class:`~lightning_memplan.tracking.step.PrecisionEmulation`).
-        steps: training steps to run; the last is measured (2: optimizer states exist, steady state).
+        steps: training steps to run; the last is measured (2: optimizer states exist, steady state), the
+            ones before it run without the tracker (what they leave is registered when it starts).
         fake: trace under ``FakeTensorMode`` (no allocation); if the fake run fails (an operator
             without a fake kernel, a data-dependent shape), a real CPU step runs instead and
             :attr:`TraceResult.fallback_reason` says why. ``False`` always runs a real CPU step.

@@ -38,6 +38,10 @@ Classification of a storage when it is first created (inside the tracker):
   ``head_dim == s``, ``[b, a, s, d]`` tensors produced by matmuls (e.g. gradients of q in backward) are
   indistinguishable by shape and are counted as attention.
 - ``logits``: at least 2 dims and last dim ``V`` (logits, fp32 copies, log-softmax, gradient of logits).
+- ``averaged``: the parameters and buffers of a weight-averaging copy: a
+  ``torch.optim.swa_utils.AveragedModel`` inside the module, or a copy registered with
+  :meth:`~TensorTracker.track_copy` (Lightning's SWA and EMA callbacks keep theirs beside the module).
+  They are not the trained module's parameters, whatever ``module.parameters()`` yields.
 - ``other``: casts of parameters (autocast's low-precision weight copies), buffers, storages first seen
   through a view or in-place op (created before the tracker started, e.g. the batch), tensors passed to
   :meth:`track` without a component.
@@ -61,9 +65,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from lightning_memplan.model.result import COMPONENTS, PHASES
+from lightning_memplan.model.result import COMPONENTS, PHASES, trim_optional
 from lightning_memplan.tracking.report import TrackerReport
 from lightning_memplan.tracking.timeline import DEFAULT_TIMELINE_POINTS, TimelineBuilder
 
@@ -339,6 +344,14 @@ class TensorTracker(TorchDispatchMode):
             for value in obj:
                 self.track(value, component)
 
+    def track_copy(self, module: nn.Module, component: str = "averaged") -> None:
+        """Register a copy of the weights the run keeps beside the trained module (a weight-averaging copy):
+        every parameter and buffer of ``module`` counts as ``component``, from now until it is freed."""
+        if component not in COMPONENTS:
+            raise ValueError(f"component={component!r} must be one of {COMPONENTS}")
+        for t in (*module.parameters(), *module.buffers()):
+            self._classify_existing(t, component)
+
     def hold(self, nbytes: int, component: str = "comm") -> None:
         """Count ``nbytes`` as live in ``component`` from now until the tracker stops: storages no tensor
         reachable from Python holds (DDP's gradient buckets, which its C++ ``Reducer`` owns), registered by
@@ -365,13 +378,13 @@ class TensorTracker(TorchDispatchMode):
                 self._classify_existing(p.grad, "grads")
         self._drain()
         total, phase, comps, fresh = self._peak
-        return TrackerReport(
-            peak=self._resolve(comps, fresh),
+        return TrackerReport(  # a weight-averaging copy ("averaged") only where it held bytes
+            peak=trim_optional(self._resolve(comps, fresh)),
             peak_phase=phase,
-            by_phase={p: self._resolve(c, f) for p, (_, c, f, _) in self._phase_peaks.items()},
+            by_phase={p: trim_optional(self._resolve(c, f)) for p, (_, c, f, _) in self._phase_peaks.items()},
             peak_ops={p: _moment_name(k) for p, (_, _, _, k) in self._phase_peaks.items()},
-            pinned={p: self._resolve(c, f) for p, (c, f) in self._pinned.items()},
-            current=dict(self._cur),
+            pinned={p: trim_optional(self._resolve(c, f)) for p, (c, f) in self._pinned.items()},
+            current=trim_optional(self._cur),
             released_late=self._released_late(),
             n_ops=self.n_ops,
             device=self.device_type or "any",
@@ -473,6 +486,9 @@ class TensorTracker(TorchDispatchMode):
                     self._classify_existing(constant, "params")
         for b in module.buffers():
             self._classify_existing(b, "other")
+        for sub in module.modules():  # an AveragedModel kept as a submodule: its weights are a copy
+            if isinstance(sub, AveragedModel) and sub is not module:
+                self.track_copy(sub)
         self._register_fsdp2_buffers(module)
 
     def _register_fsdp2_buffers(self, module: nn.Module) -> None:

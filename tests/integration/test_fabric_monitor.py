@@ -69,8 +69,13 @@ def test_estimate_within_1_percent_of_the_measured_peak_and_files_valid(tmp_path
     assert Path(monitor.log_dir) == Path(fabric.logger.log_dir) == files.json.parent
     loaded = load_report(files.json)
     assert loaded.epochs[-1].to_dict() == epoch.to_dict()
-    assert files.markdown.read_text().count("| 0 |") >= 1 and files.html.stat().st_size > 0
-    assert files.png is not None and files.png.stat().st_size > 10_000
+    assert files.markdown.read_text().count("| 0 |") >= 1
+    # a short loop: the pictures are not drawn at the epoch end (monitoring/writer.py), but at close()
+    assert files.png is None and not files.json.with_suffix(".png").exists()
+    monitor.close()
+    files = monitor.files
+    assert files.html.stat().st_size > 0 and files.png is not None and files.png.stat().st_size > 10_000
+    assert monitor.close() is None and monitor.files.png == files.png  # a second close does nothing
     # An independent measurement: PyTorch's MemTracker on the same step of the same model.
     tracker = MemTracker()
     tracker.track_external(model.module, optimizer.optimizer)
@@ -181,3 +186,33 @@ def test_fabric_save_is_measured_and_joins_the_latest_epoch(tmp_path):
     b = torch.load(tmp_path / "plain.ckpt", weights_only=True)
     for key in ("model",):
         assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key])
+
+
+_NEVER_CLOSED = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from integration.test_fabric_monitor import _setup, _batch, _train_step
+from pathlib import Path
+fabric, model, optimizer, monitor = _setup(Path({root!r}), calibrate=False)
+for step in range(2):
+    with monitor.step(_batch(step)):
+        _train_step(fabric, model, optimizer, _batch(step))
+monitor.end_epoch()
+print("PNG_AT_END_EPOCH", Path(monitor.log_dir, "memory_report.png").exists(), monitor.log_dir)
+"""
+
+
+def test_a_loop_that_never_closes_gets_its_pictures_at_interpreter_exit(tmp_path):
+    """The pictures wait for close(); a script that never calls it finds them on disk after it exits (the
+    weakref'd finalizer's atexit), drawn from the final report."""
+    import subprocess
+    import sys
+
+    code = _NEVER_CLOSED.format(tests=str(Path(__file__).resolve().parents[1]), root=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("PNG_AT_END_EPOCH"))
+    _, before, log_dir = line.split(" ", 2)
+    assert before == "False"
+    png, html = Path(log_dir, "memory_report.png"), Path(log_dir, "memory_report.html")
+    assert png.stat().st_size > 10_000 and html.stat().st_size > 0
+    assert load_report(Path(log_dir, "memory_report.json")).latest is not None
