@@ -163,7 +163,7 @@ def _title(model: Any, train: Any, plan: Any, worst: Any) -> str:
     return (
         f"{rich_text(model.name or 'model', newlines=False)} ({worst.details.get('traced_params', model.num_params) / 1e9:.2f}B "
         f"params) | b={train.micro_batch} s={train.seq_len} {train.precision} {train.optimizer}"
-        + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision (issue 35)
+        + (f" base_weights={train.base_weights}" if train.base_weights else "")  # low precision
         + (" quantized_head" if train.quantized_head else "")
         + (f" float8={train.float8}" if train.float8 else "")
         + f" | {plan.describe()}"

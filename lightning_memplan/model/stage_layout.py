@@ -136,7 +136,7 @@ def fsdp_units(model: ModelSpec, t: int, pipelined: bool, layout: StageLayout, l
     lm_head) on one rank before sharding. One block is all-gathered at a time (plus the prefetched
     next one); for an MoE stack the largest block is an MoE block, every expert gathered (no expert
     parallelism yet). With an explicit ``n_params`` the block is rescaled as ``local`` is, so the root is
-    what the stage holds besides its blocks, never the rest of a rescaled count (issue 25: a dense
+    what the stage holds besides its blocks, never the rest of a rescaled count (a dense
     reading of Mixtral rescaled to 46.7B put 222 GiB in the root)."""
     unit = math.ceil(terms.layer_param_count(model) / t)
     if not experts.is_moe(model) and model.n_params is None:

@@ -353,7 +353,7 @@ class MemorySession:
                 train = fit.train.replace(micro_batch=stage_micro_batch(fit.plan, b), seq_len=s)
                 est = estimate_memory(fit.spec, train, fit.plan, rank=fit.est_rank, calibration=fit.calibration)
                 bound = est.details.get("int8_outlier_bound", 0)
-                if bound and "int8_outliers" not in self.warned:  # bytes the estimate cannot know (issue 35)
+                if bound and "int8_outliers" not in self.warned:  # bytes the estimate cannot know
                     self.warned.add("int8_outliers")
                     self.note(f"int8 base weights on CUDA: LLM.int8()'s outlier columns are not in the estimate (they "
                               f"depend on the data); at most {format_bytes(bound, 'MiB')} at batch {b} x {s}")

@@ -170,7 +170,7 @@ TOP_K = 64
 #: Fraction of an explicit ``memory_budget`` held back from the search, so that a plan said to fit is
 #: under the budget when measured: the per-rank estimate is within +-5 % of the tensor tracker's
 #: measured peak on the layouts memplan_auto applies (tests/distributed/test_strategy_3d.py,
-#: test_strategy_budget.py; benchmarks/bench_strategy_memory.py), and a budget case of issue 17
+#: test_strategy_budget.py; benchmarks/bench_strategy_memory.py), and one budget case
 #: measured 0.2 % over an estimate that just fitted.
 ESTIMATE_MARGIN = 0.05
 

@@ -205,7 +205,7 @@ def _choose(search: _Search, found: dict[str, Any], candidates: list[Candidate],
 def _nothing_evaluated(rejected: Any, allow: Any) -> str:
     """Why no layout reached a memory check: the most common rejection (a rule of the memory model that
     holds for every layout, e.g. a spec it cannot estimate, is named as such), and ``allow=`` only when
-    one was given (issue 25: DeepSeek-V3 answered "relax allow=" with nothing given)."""
+    one was given (DeepSeek-V3 once answered "relax allow=" with nothing given)."""
     from collections import Counter
 
     reasons = Counter(r.reason for r in rejected)

@@ -198,7 +198,7 @@ def measure_step(model: Any, batch: dict[str, torch.Tensor], *, precision: str) 
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
-# --- Families of issue 25: mixed layer stacks, MLA, attention sinks, SSMs (tiny widths, fp32) ---------------------
+# --- Mixed layer stacks, MLA, attention sinks, SSMs (tiny widths, fp32) ---------------------
 
 #: Width, blocks and vocabulary of :data:`SHAPE_ARCHITECTURES` (small enough for s=8192 real CPU steps).
 TINY_HIDDEN = 64
@@ -266,7 +266,7 @@ def _mamba2(p: float) -> Any:
                               architectures=["Mamba2ForCausalLM"])
 
 
-#: The families of issue 25 at tiny width (4 blocks, width 64, V=2048), for the shape/layer-mix benchmark
+#: The mixed-layer families at tiny width (4 blocks, width 64, V=2048), for the shape/layer-mix benchmark
 #: (``benchmarks/bench_hf_architectures.py --shapes``) and ``tests/unit/test_hf_shapes.py``.
 SHAPE_ARCHITECTURES: dict[str, Architecture] = {
     a.name: a

@@ -369,8 +369,7 @@ def trace_memory(
             module's largest ``nn.Embedding`` (or ``input_fn(b, s)`` when given). Made directly as fake
             tensors, so a batch that would not fit anywhere can be traced.
         input_fn: ``(b, s) -> batch`` used with ``batch_shape`` (its ``padding_at(b, s)``, when it has one,
-            says which of its attention masks hold padding, as :func:`~lightning_memplan.live.batch_factory`
-            answers for the real batch resized).
+            says which attention masks hold padding, as ``live.batch_factory`` answers for a real batch resized).
         loss_fn: ``(module, batch) -> scalar loss`` (or a dict with ``"loss"``); default
             :func:`default_loss`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or a factory ``params -> Optimizer``
@@ -379,29 +378,28 @@ def trace_memory(
         optimizer_impl: ``None`` (PyTorch's default for the device), ``"foreach"``, ``"for_loop"``, ``"fused"``.
         precision: Lightning precision string, emulated as Lightning's precision plugins do
             (:class:`~lightning_memplan.tracking.step.PrecisionEmulation`).
-        steps: training steps to run; the last is measured (2: optimizer states exist, steady state), the
-            ones before it run without the tracker (what they leave is registered when it starts).
-        fake: trace under ``FakeTensorMode`` (no allocation); if the fake run fails (an operator
-            without a fake kernel, a data-dependent shape), a real CPU step runs instead and
+        steps: training steps to run; the last is measured (2: optimizer states exist, steady state), those
+            before it without the tracker (what they leave is registered when it starts).
+        fake: trace under ``FakeTensorMode`` (no allocation); if the fake run fails (an operator without a
+            fake kernel, a data-dependent shape), a real CPU step runs instead and
             :attr:`TraceResult.fallback_reason` says why. ``False`` always runs a real CPU step.
-        seq_len, vocab_size: hints for the ``attention`` / ``logits`` classification (default: from
-            ``batch_shape`` / a 2-d integer input, and the largest ``nn.Embedding``).
+        seq_len, vocab_size: hints for the ``attention`` / ``logits`` classification (default: from the
+            batch shape or a 2-d integer input, and the largest ``nn.Embedding``).
         pin_moments: ``{phase: "<operator>#<k>"}``: also report the components at that moment of each
             phase (``result.report.pinned``); :func:`calibrate` uses it to compare shapes at one moment.
         device: the device the fake step pretends to run on (``"cpu"``, or ``"cuda"`` with a GPU: CUDA's
             autocast lists, attention kernels and foreach optimizer, nothing allocated); a real step is CPU.
-        grads_alive_in_forward: ``True`` (Lightning's order: ``zero_grad`` after ``training_step``, so
-            the previous step's gradients are alive in the forward) or ``False`` (a plain loop that
-            calls ``zero_grad(set_to_none=True)`` before the forward), as ``TrainSpec`` has it.
+        grads_alive_in_forward: ``True`` (Lightning's order: the previous step's gradients are alive in
+            the forward) or ``False`` (``zero_grad(set_to_none=True)`` before the forward), as ``TrainSpec``.
 
     Raises:
-        ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or
-            ``steps``; an unknown precision or optimizer.
+        ValueError: neither or both of ``example_input`` and ``batch_shape``; non-positive sizes or ``steps``;
+            an unknown precision or optimizer.
     """
     batch_shape = _check_inputs(module, example_input, batch_shape, input_fn, loss_fn, optimizer, optimizer_impl,
                                 pin_moments)
-    steps, grads_alive_in_forward, fake, seq_len, vocab_size = _check_options(
-        steps, grads_alive_in_forward, fake, seq_len, vocab_size)
+    steps, grads_alive_in_forward, fake, seq_len, vocab_size = _check_options(steps, grads_alive_in_forward, fake,
+                                                                              seq_len, vocab_size)
     device = _check_device(device)
     emulation = PrecisionEmulation(precision=precision, device_type=device.type)
     batches = batch_source(module, example_input, batch_shape, input_fn)
@@ -409,8 +407,7 @@ def trace_memory(
     run_kwargs: dict[str, Any] = dict(
         loss_fn=loss_fn or default_loss, optimizer=optimizer, optimizer_impl=optimizer_impl, precision=emulation,
         steps=steps, seq_len=seq_len, vocab_size=vocab_size if vocab_size is not None else vocab_of(module),
-        pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward,
-    )
+        pin=pin_moments, grads_alive_in_forward=grads_alive_in_forward)
     with preserved_run_state(module):
         report, reason = _fake_report(module, batches, device, run_kwargs) if fake else (None, None)
         mode = "fake" if report is not None else "real"
