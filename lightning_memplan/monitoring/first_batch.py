@@ -16,6 +16,7 @@ __all__ = [
     "REAL_TRACE_MAX_BYTES",
     "REAL_TRACE_MAX_FLOPS",
     "block_types",
+    "not_a_decoder",
     "real_trace_is_cheaper",
     "recompute_seen",
 ]
@@ -70,3 +71,28 @@ def recompute_seen(
                     f"calibrate=True, or pass {owner}(train_spec=TrainSpec(..., recompute='full')) when every block is "
                     "checkpointed")
     return train, text
+
+
+def not_a_decoder(module: torch.nn.Module) -> str | None:
+    """``"<Class> is an encoder-decoder model"`` (or an encoder, vision or audio model) when the outermost
+    Hugging Face model inside ``module`` is not a decoder-only language model, else ``None``.
+
+    Read from the model itself, duck-typed (this package does not import transformers here): a config with
+    ``is_encoder_decoder`` (T5, BART, Whisper), or a model that cannot generate text
+    (``PreTrainedModel.can_generate()``, true for the classes with ``GenerationMixin``: every ``*ForCausalLM``;
+    false for BERT, RoBERTa, DistilBERT, ViT, wav2vec2, CLIP). Modules without such a model: ``None`` (their
+    layout, or the guessed-spec note, says the rest)."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        can_generate = getattr(sub, "can_generate", None)
+        if config is None or not callable(can_generate) or not hasattr(config, "model_type"):
+            continue
+        name = type(sub).__name__
+        if getattr(config, "is_encoder_decoder", False):
+            return f"{name} is an encoder-decoder model"
+        try:
+            generates = bool(can_generate())
+        except Exception:  # noqa: BLE001 - a model's own answer; unknown means "say nothing"
+            return None
+        return None if generates else f"{name} is not a decoder-only language model (an encoder, vision or audio model)"
+    return None

@@ -49,6 +49,7 @@ from lightning_memplan.monitoring.calibration import describe_run, run_calibrati
 from lightning_memplan.monitoring.eval_steps import EvalState
 from lightning_memplan.monitoring.first_batch import (
     block_types,
+    not_a_decoder,
     real_trace_is_cheaper,
     recompute_seen,
 )
@@ -282,15 +283,8 @@ class MemorySession:
                 first = self.estimate(fit.train.micro_batch, fit.train.seq_len)
                 if first is not None and first.source != "analytic":
                     source = "traced"
-        if opts.model_spec is None and spec is not None and "guessed" in (spec.name or "") and source == "analytic":
-            fix = (
-                "or pass calibrate=True" if not opts.calibrate
-                else "(calibration was asked for but did not run: see the note above)"
-            )
-            self.note(
-                f"the ModelSpec was guessed ({spec.name}) and no traced step calibrated it, so the {source} "
-                f"estimate of activations is unreliable; pass {self.owner}(model_spec=...) {fix}"
-            )
+        if opts.model_spec is None and spec is not None and source == "analytic":
+            self._analytic_notes(run, spec)
         run_info = describe_run(run, spec, fit.train, plan, how, source, self.backend, fit.compiled)
         run_info["units"] = opts.units  # what `lightning-memplan report` re-renders in by default
         if self.backend == "cuda":  # the allocator setting its measured reserved margin holds for (report/margin.py)
@@ -298,6 +292,27 @@ class MemorySession:
 
             run_info["expandable_segments"] = expandable_segments_enabled()
         self.report = replace(self.report, run=run_info)
+
+    def _analytic_notes(self, run: RunContext, spec: ModelSpec) -> None:
+        """Why an uncalibrated estimate of an inferred spec is not to be trusted: the spec was guessed (not a
+        transformer), or the module is not a decoder-only language model, which the analytic terms describe."""
+        fix = (
+            "or pass calibrate=True" if not self.options.calibrate
+            else "(calibration was asked for but did not run: see the note above)"
+        )
+        if "guessed" in (spec.name or ""):
+            self.note(
+                f"the ModelSpec was guessed ({spec.name}) and no traced step calibrated it, so the analytic "
+                f"estimate of activations is unreliable; pass {self.owner}(model_spec=...) {fix}"
+            )
+            return
+        kind = not_a_decoder(run.module)
+        if kind is not None:
+            self.note(
+                f"{kind}: the analytic memory terms describe decoder-only language models and no traced step "
+                f"calibrated them, so this estimate is not to be trusted (17-79 % under the measured peak on the "
+                f"encoders, encoder-decoders, vision and audio models of the project's tests); pass {self.owner}(model_spec=...) {fix}"
+            )
 
     def _follow_recompute(self, run: RunContext, seen: RecomputeSeen) -> None:
         """Hand-written activation checkpointing (monitoring/first_batch.py): ``recompute="full"`` when the

@@ -340,6 +340,18 @@ def test_vit_with_its_token_count_as_seq_len_says_no_tensor_was_resized() -> Non
     assert result.error is not None and abs(result.error) <= 0.01, (result.estimated_peak, result.measured_peak)
 
 
+@pytest.mark.parametrize("kind", ["bert", "t5", "vit", "lstm"])
+def test_without_calibration_every_kind_says_its_estimate_is_not_to_be_trusted(kind: str) -> None:
+    """``calibrate=False``: the analytic terms describe decoder-only language models, and read 17-79 %
+    under these kinds' measured peaks; the report says so at the start, before any measurement does (an
+    encoder or encoder-decoder by its Hugging Face model, an RNN by its guessed spec)."""
+    result = fit_twice(*KINDS[kind], steps=2, callback_kwargs={**QUIET, "calibrate": False}, guard=False)
+    assert result.estimate_source == "analytic" and result.unchanged
+    assert result.error is not None and result.error < -0.05, result.error  # the reason for the note
+    said = [n for n in result.notes if "not a decoder-only" in n or "encoder-decoder model" in n or "guessed" in n]
+    assert len(said) == 1 and "pass calibrate=True" in said[0], result.notes
+
+
 class _Unsalvageable(Lit):
     """A module a calibration cannot copy (it holds a lock): the trace fails before any step."""
 
