@@ -452,15 +452,16 @@ def calibrated_points(
             else:
                 base = single[key][comp]
                 out[key][comp] = round(fitted * comps[comp] / base) if base else comps[comp]
-    if single is None and plan.world_size == 1:  # the traced step itself: one device, nothing sharded
+    if single is None and plan.world_size == plan.dp and plan.zero == 0:  # every rank runs the traced step
         _bound_by_traced_backward(out, calibration, b, s)
     return out
 
 
 def _bound_by_traced_backward(out: dict[str, dict[str, int]], calibration: Calibration, b: int, s: int) -> None:
-    """On the traced plan itself (one device: data parallelism's buckets, FSDP's unsharded root gradients
-    and their reduce-scatter copies are backward bytes a one-device trace never holds), no analytic point
-    inside the backward holds more dynamic bytes than the traced backward's peak at (b, s): that peak is the largest moment of the real backward, so an analytic
+    """On the traced plan itself, or plain replication (each rank runs the traced step; its gradient buckets
+    are comm, not bounded here: a sharded plan's unsharded root gradients and their reduce-scatter copies are
+    backward bytes a one-device trace never holds), no analytic point inside the backward holds more dynamic
+    bytes than the traced backward's peak at (b, s): that peak is the largest moment of the real backward, so an analytic
     point above it describes a model the terms do not fit (a convolutional or recurrent model read as a
     guessed transformer, whose [s, s] terms at s = an audio clip's samples are 24x the real step). Such a
     point is scaled down to that peak, its components in proportion."""

@@ -27,13 +27,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memplan.model.specs import ParallelPlan, TrainSpec
+from lightning_memplan.parallel.planner_bridge import ESTIMATE_MARGIN
 from lightning_memplan.testing import run_distributed
 from lightning_memplan.testing.zoo import GPT, GPTConfig, causal_lm_loss
 
 VOCAB, N_LAYERS, HIDDEN, HEADS, SEQ, GLOBAL_BATCH, STEPS = 64, 2, 32, 4, 8, 8, 3
 LOSS_ATOL = 2e-5
-#: bytes: plain replication of this model with AdamW is estimated at ~730 kB per rank (over the budget less
-#: the planner's 5 % margin), ZeRO-2 at ~570 kB (asserted below)
+#: bytes: plain replication of this model with AdamW is estimated at ~680 kB per rank (over the budget less
+#: the planner's 5 % margin; measured ~641 kB), ZeRO-2 at ~567 kB (asserted below)
 SMALL_BUDGET = 680_000
 #: Every multi-process run is bounded: a hang fails the test instead of stalling the suite.
 TIMEOUT_S = 240.0
@@ -250,8 +251,10 @@ def test_small_budget_gets_a_sharded_plan_under_it(world2):
         assert small["plan"].zero >= 2 or small["plan"].tp > 1, small["plan"]
         assert small["measured"] <= SMALL_BUDGET, (rank, small)
         assert generous["plan"] == ParallelPlan(dp=2, grad_buckets=False), generous["plan"]
-        # the small budget really excluded plain replication: its estimate does not fit it
-        assert generous["estimate"] > SMALL_BUDGET > small["estimate"]
+        # the small budget really excluded plain replication: its estimate does not fit the budget the planner
+        # searches (the budget less its margin, planner_bridge.ESTIMATE_MARGIN)
+        searched = SMALL_BUDGET * (1 - ESTIMATE_MARGIN)
+        assert generous["estimate"] > searched > small["estimate"], (generous["estimate"], searched)
         if rank == 0:  # memplan_plan.json holds the applied plan
             assert small["written"] == small["plan"].to_dict() and generous["written"] == generous["plan"].to_dict()
 
