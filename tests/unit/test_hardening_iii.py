@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import resource
+import signal
 import socket
 import stat
 import subprocess
@@ -62,14 +63,18 @@ def open_tmp() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _as_user(uid: int, fn: Callable[..., Any], *args: Any, gid: int = GROUP, umask: int = 0o002) -> Any:
-    """``fn(*args)`` in a forked child running as ``uid``/``gid`` (supplementary group ``GROUP``); returns
-    its JSON-able result, or raises RuntimeError with the child's exception."""
+def _start_as_user(uid: int, fn: Callable[..., Any], *args: Any, gid: int = GROUP,
+                   umask: int = 0o002) -> tuple[int, int]:
+    """Fork a child running ``fn(*args)`` as ``uid``/``gid`` (supplementary group ``GROUP``); ``(pid, the read
+    end of its result pipe)`` for :func:`_result_of`. Fork from the main thread only (a fork from a thread
+    while another holds the import or a logging lock would leave that lock held in the child), and the child
+    ends by SIGALRM after 120 s whatever it waits for, so a stuck child fails the test instead of hanging it."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 0
         try:
+            signal.alarm(120)
             os.close(read)
             os.setgroups([GROUP])
             os.setgid(gid)
@@ -82,13 +87,26 @@ def _as_user(uid: int, fn: Callable[..., Any], *args: Any, gid: int = GROUP, uma
             json.dump(out, fh, default=str)
         os._exit(code)
     os.close(write)
+    return pid, read
+
+
+def _result_of(pid: int, read: int) -> Any:
+    """The JSON-able result of a child of :func:`_start_as_user`, or RuntimeError with its exception."""
     with os.fdopen(read) as fh:
         data = fh.read()
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the child ended without a result (wait status {status})")
     out = json.loads(data)
     if "error" in out:
         raise RuntimeError(out["error"])
     return out["ok"]
+
+
+def _as_user(uid: int, fn: Callable[..., Any], *args: Any, gid: int = GROUP, umask: int = 0o002) -> Any:
+    """``fn(*args)`` in a forked child running as ``uid``/``gid``; returns its JSON-able result, or raises
+    RuntimeError with the child's exception."""
+    return _result_of(*_start_as_user(uid, fn, *args, gid=gid, umask=umask))
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -442,14 +460,9 @@ def test_two_users_writing_one_shared_folder_keep_every_epoch(open_tmp):
     lock.touch()
     os.chown(lock, OTHER, GROUP)
     lock.chmod(0o644)
-    results: list[Any] = []
-    threads = [threading.Thread(target=lambda u=uid, k=k: results.append(
-        _as_user(u, _write_epochs, str(shared), list(range(k, 80, 2))))) for k, uid in enumerate((OTHER, THIRD))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert results == [40, 40]
+    children = [_start_as_user(uid, _write_epochs, str(shared), list(range(k, 80, 2)))
+                for k, uid in enumerate((OTHER, THIRD))]  # both write at once
+    assert [_result_of(*child) for child in children] == [40, 40]
     assert [e.epoch for e in load_report(shared).epochs] == list(range(80))  # both took turns on one lock
 
 
