@@ -150,10 +150,8 @@ class CalibratedEstimator:
             raise CalibrationUnavailable(found)
         return found
 
-    def _fit(self, train: TrainSpec) -> Calibration | str:
-        from lightning_memplan.live import calibration_shapes
-        from lightning_memplan.tracking.trace import calibrate
-
+    def _traceable(self, train: TrainSpec) -> tuple[Callable[[int, int], Any], nn.Module] | str:
+        """``(the batch function, the plain module with train's recompute applied)``, or why there is none."""
         try:
             input_fn, _, _ = self._batch_fn()
             plain, applied = self._plain(train.recompute)
@@ -161,6 +159,16 @@ class CalibratedEstimator:
             return str(exc)
         if applied != train.recompute:
             return f"recompute={train.recompute!r} cannot be applied to the module (no list of repeated blocks)"
+        return input_fn, plain
+
+    def _fit(self, train: TrainSpec) -> Calibration | str:
+        from lightning_memplan.live import calibration_shapes
+        from lightning_memplan.tracking.trace import calibrate
+
+        ready = self._traceable(train)
+        if isinstance(ready, str):
+            return ready
+        input_fn, plain = ready
         # The first two of the callback's shapes: every pp = 1 candidate runs the dataloader's (b, s), where
         # a two-term fit is exact; ``calibrate`` traces a third itself when the attention scores are
         # materialised (the b*s^2 term). One trace fewer than the callback's least-squares fit.
@@ -199,13 +207,10 @@ class CalibratedEstimator:
     def _trace_rank(self, plan: ParallelPlan, train: TrainSpec, pp_rank: int) -> MemoryEstimate | str:
         from lightning_memplan.parallel.pipeline_replay import trace_pipeline_rank
 
-        try:
-            input_fn, _, _ = self._batch_fn()
-            plain, applied = self._plain(train.recompute)
-        except CalibrationUnavailable as exc:
-            return str(exc)
-        if applied != train.recompute:
-            return f"recompute={train.recompute!r} cannot be applied to the module (no list of repeated blocks)"
+        ready = self._traceable(train)
+        if isinstance(ready, str):
+            return ready
+        input_fn, plain = ready
         self.traces += 1
         kwargs = self._trace_kwargs(train)
         kwargs.pop("loss_fn")  # the rank's replay is the traced step's loss_fn; the module's pipeline_loss inside
