@@ -5,6 +5,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -15,12 +17,25 @@ pytestmark = pytest.mark.hf
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _aborted_at_exit(proc: subprocess.CompletedProcess) -> bool:
+    """The script finished (its last line printed, the process group destroyed) and the interpreter's exit
+    aborted: a C++ thread of gloo's still joinable at shutdown (PyTorch's own, pytorch/pytorch#190489; the
+    atexit fix pytorch/pytorch#179291 was abandoned). Seen once in ~10 two-process runs of these examples."""
+    return (proc.returncode == -signal.SIGABRT and "terminate called without an active exception" in proc.stderr
+            and "total wall time" in proc.stdout + proc.stderr)
+
+
 def _run(script: str, out_dir: pathlib.Path, *flags: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / script), "--out-dir", str(out_dir), *flags],
-        cwd=out_dir, env=env, capture_output=True, text=True, timeout=600,
-    )
+    for _ in range(2):  # the second only after an abort at interpreter exit (_aborted_at_exit)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / script), "--out-dir", str(out_dir), *flags],
+            cwd=out_dir, env=env, capture_output=True, text=True, timeout=600,
+        )
+        if not _aborted_at_exit(proc):
+            break
+        for entry in out_dir.iterdir():  # a clean folder for the second run: one report to read
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr  # rich and logging may write to either
 
