@@ -32,6 +32,7 @@ from lightning_memplan.model.activations import (
     micro_batch_bytes,
 )
 from lightning_memplan.model.comm_buffers import CommBuffers
+from lightning_memplan.model.param_counts import attention_matmul_param_count
 from lightning_memplan.model.resolve import ResolvedStage
 from lightning_memplan.model.result import COMPONENTS, PHASES, Calibration, MemoryEstimate
 from lightning_memplan.model.specs import ModelSpec, ParallelPlan
@@ -248,7 +249,6 @@ def _block_backward(model: ModelSpec, r: ResolvedStage, plan: ParallelPlan, befo
     return grads, mlp
 
 
-
 def _first_block_made(model: ModelSpec) -> float:
     """The share of the first block's own gradients made at its backward's largest moment: none for a gated
     (SwiGLU) MLP, whose backward peaks at the MLP's three ``[tokens, f]`` tensors with one matmul's gradient
@@ -259,7 +259,9 @@ def _first_block_made(model: ModelSpec) -> float:
     if model.ffn_kind == "swiglu" or model.n_experts:
         return 0.0
     block = terms.layer_param_count(model)
-    return min(1.0, 2 * model.hidden * model.ffn / block) if block else 0.0
+    mlp = terms.layer_matmul_param_count(model, moe=False) - attention_matmul_param_count(model)
+    return min(1.0, mlp / block) if block else 0.0
+
 
 def _apply_offloads(points: Points, model: ModelSpec, r: ResolvedStage, plan: ParallelPlan,
                     states: StageStates) -> offload.HostLayout:
