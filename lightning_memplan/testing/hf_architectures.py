@@ -23,7 +23,16 @@ import torch
 from lightning_memplan.tracking.step import PrecisionEmulation, run_training_step
 from lightning_memplan.tracking.tracker import quantization_constants
 
-__all__ = ["ARCHITECTURES", "SHAPE_ARCHITECTURES", "Architecture", "build_model", "example_batch", "loss_of", "measure_step"]
+__all__ = [
+    "ARCHITECTURES",
+    "SHAPE_ARCHITECTURES",
+    "Architecture",
+    "build_model",
+    "example_batch",
+    "loss_of",
+    "measure_step",
+    "pipeline_llama",
+]
 
 HIDDEN = 256
 LAYERS = 4
@@ -281,3 +290,37 @@ SHAPE_ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mamba2", _mamba2, attentions=("eager",)),
     )
 }
+
+
+def pipeline_llama(layers: int, *, hidden: int = 64, ffn: int = 172, heads: int = 4, vocab: int = 256,
+                   seq: int = 32) -> Any:
+    """A LightningModule around a tiny Hugging Face ``LlamaForCausalLM`` (2 KV heads, SDPA, seeded) that
+    memplan_auto can split into pipeline stages: its batch is ``(token ids,)`` and it names the pipeline's
+    inputs/targets (``pipeline_batch``) and loss (``pipeline_loss``: the model's own ``loss_function``)."""
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class PipelineLlama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=seq,
+                attn_implementation="sdpa"))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            (ids,) = batch
+            return ids, ids
+
+        def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return PipelineLlama()

@@ -56,32 +56,9 @@ PIPELINES = {
 
 
 def llama_lm(n_layers: int):
-    import lightning as L
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lightning_memplan.testing.hf_architectures import pipeline_llama
 
-    class LlamaLM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=n_layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa"))
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def pipeline_batch(self, batch):
-            (ids,) = batch
-            return ids, ids
-
-        def pipeline_loss(self, logits, labels):
-            return self.model.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return LlamaLM()
+    return pipeline_llama(n_layers, vocab=VOCAB, seq=SEQ)
 
 
 def _loader(world: int) -> DataLoader:

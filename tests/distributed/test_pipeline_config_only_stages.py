@@ -31,15 +31,14 @@ HELD_OUT = {
 
 
 def stage_worker(rank: int, world: int, name: str) -> dict:
-    from test_pipeline_stage_estimates import llama_lm
-
     from lightning_memplan.model.estimate import estimate_memory
     from lightning_memplan.model.specs import ModelSpec, ParallelPlan, TrainSpec
     from lightning_memplan.strategies import MemplanAutoStrategy
+    from lightning_memplan.testing.hf_architectures import pipeline_llama
 
     layers, plan_kwargs, batch, seq = HELD_OUT[name]
     plan = ParallelPlan(**plan_kwargs)
-    module = llama_lm(layers, seq=seq)
+    module = pipeline_llama(layers, seq=seq)
     vocab = module.model.config.vocab_size
     tokens = torch.randint(0, vocab, (batch * STEPS, seq), generator=torch.Generator().manual_seed(1))
     train = TrainSpec(micro_batch=batch // plan.microbatches, seq_len=seq, precision="32-true", optimizer="adamw",
@@ -54,10 +53,6 @@ def stage_worker(rank: int, world: int, name: str) -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(HELD_OUT))
 def test_config_only_stage_estimate_matches_each_rank(name: str) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # llama_lm of the unit test
     for rank, r in enumerate(run_distributed(stage_worker, 2, name, timeout_s=500)):
         err = r["estimate"] / r["measured"] - 1
         print(f"{name}, stage {rank}: config-only {r['estimate']:,} B, measured {r['measured']:,} B ({err:+.1%})")

@@ -28,6 +28,8 @@ import torch
 
 pytest.importorskip("transformers.masking_utils", reason="the HF pipeline forward needs transformers >= 4.53")
 
+from lightning_memplan.testing.hf_architectures import pipeline_llama  # noqa: E402 - after the skip
+
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 RTOL = 0.05
@@ -51,34 +53,6 @@ HELD_OUT: dict[str, tuple[dict[str, int], dict[str, Any], int, int]] = {
 NAMED_MISSES = {("4 stages interleaved, 8 layers, m=8, s=16", 0): 0.06}
 
 
-def llama_lm(layers: int, hidden: int = 64, ffn: int = 172, heads: int = 4, vocab: int = 256, seq: int = 32) -> Any:
-    import lightning as L
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    class LlamaLM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=seq,
-                attn_implementation="sdpa"))
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def pipeline_batch(self, batch):
-            (ids,) = batch
-            return ids, ids
-
-        def pipeline_loss(self, logits, labels):
-            return self.model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return LlamaLM()
 
 
 def _compare(name: str, case: tuple[dict[str, int], dict[str, Any], int, int]) -> None:
@@ -90,7 +64,7 @@ def _compare(name: str, case: tuple[dict[str, int], dict[str, Any], int, int]) -
 
     sizes, plan_kwargs, batch, seq = case
     plan = ParallelPlan(**plan_kwargs)
-    module = llama_lm(**sizes)
+    module = pipeline_llama(**sizes)
     ids = [torch.randint(0, module.model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))]
     replay = CalibratedEstimator(module, model_spec_for(module, find_layout(module)), lambda: ids)
     train = TrainSpec(micro_batch=batch // plan.microbatches, seq_len=seq, precision="32-true", optimizer="adamw",
